@@ -1,0 +1,112 @@
+"""SGLang plugin entry point (entry-point group ``sglang.srt.plugins``, name ``morph``).
+
+SGLang calls ``load()`` in every process it starts (launcher, scheduler, detokenizer, DP
+controller). We register hooks, apply them at once and verify that each one took: SGLang's
+``HookRegistry`` only logs a hook it could not apply, which would leave a half-patched server
+that silently ignores ``--enable-morph``. A hook that did not apply ends the process with a
+message naming the SGLang release the plugin was written for.
+
+Without ``--enable-morph`` the hooks only add our CLI flags and carry a disabled ``MorphConfig``;
+SGLang's behaviour is unchanged.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib.metadata
+import logging
+import sys
+from typing import Any, Callable
+
+from sglang_morph import SGLANG_VERSION
+from sglang_morph import config as morph_config
+
+logger = logging.getLogger("sglang_morph")
+
+
+class MorphPluginError(SystemExit):
+    """Fatal plugin setup error. A SystemExit, because SGLang's plugin loader catches and only
+
+    logs ``Exception``: startup must stop here instead of serving without the plugin.
+    """
+
+
+@dataclasses.dataclass(frozen=True)
+class Hook:
+    target: str
+    fn: Callable[..., Any]
+    kind: str  # a HookType member name: BEFORE, AFTER, AROUND or REPLACE
+    # Only hook the target in processes that already imported its module: importing the
+    # scheduler into the launcher or the detokenizer would cost seconds and memory for nothing.
+    # None means "always" (the CLI hooks run in the launcher before anything else is imported).
+    only_if_imported: str | None = None
+
+
+def _after_add_cli_args(_result: None, parser: Any) -> None:
+    morph_config.add_cli_args(parser)
+
+
+def _after_from_cli_args(server_args: Any, _cls: Any, args: Any) -> None:
+    morph_config.attach(server_args, morph_config.MorphConfig.from_cli_namespace(args))
+
+
+def _after_scheduler_init(_result: None, scheduler: Any, *args: Any, **kwargs: Any) -> None:
+    cfg = morph_config.get(scheduler.server_args)
+    if not cfg.enabled:
+        return
+    model_config = scheduler.model_config
+    logger.info(
+        "sglang-morph enabled in scheduler: %s, %d decoder layers, kv_capacity_tokens=%d",
+        model_config.hf_config.architectures[0],
+        model_config.num_hidden_layers,
+        scheduler.max_total_num_tokens,
+    )
+
+
+HOOKS: tuple[Hook, ...] = (
+    Hook("sglang.srt.server_args.ServerArgs.add_cli_args", _after_add_cli_args, "AFTER"),
+    Hook("sglang.srt.server_args.ServerArgs.from_cli_args", _after_from_cli_args, "AFTER"),
+    Hook(
+        "sglang.srt.managers.scheduler.Scheduler.__init__",
+        _after_scheduler_init,
+        "AFTER",
+        only_if_imported="sglang.srt.managers.scheduler",
+    ),
+)
+
+
+def _installed_sglang_version() -> str:
+    try:
+        return importlib.metadata.version("sglang")
+    except importlib.metadata.PackageNotFoundError:
+        return "not installed"
+
+
+def register_and_verify(hooks: tuple[Hook, ...]) -> list[str]:
+    """Register ``hooks`` with SGLang's HookRegistry, apply them and check each one took.
+
+    Returns the targets that were applied in this process; raises MorphPluginError otherwise.
+    """
+    from sglang.srt.plugins.hook_registry import HookRegistry, HookType
+
+    wanted = [h for h in hooks if h.only_if_imported is None or h.only_if_imported in sys.modules]
+    for hook in wanted:
+        HookRegistry.register(hook.target, hook.fn, HookType[hook.kind])
+    # apply_hooks() is idempotent: targets already patched are skipped, so SGLang's own call
+    # right after the plugins ran changes nothing.
+    HookRegistry.apply_hooks()
+    missing = [h.target for h in wanted if h.target not in HookRegistry._patched]
+    if missing:
+        raise MorphPluginError(
+            f"sglang-morph: could not hook {', '.join(missing)}. sglang-morph is written for "
+            f"sglang=={SGLANG_VERSION} and found sglang {_installed_sglang_version()}. "
+            f"Install sglang=={SGLANG_VERSION}, or exclude this plugin with "
+            f"SGLANG_PLUGINS=<other plugins>."
+        )
+    return [h.target for h in wanted]
+
+
+def load() -> None:
+    """Entry point called by ``sglang.srt.plugins.load_plugins()``."""
+    applied = register_and_verify(HOOKS)
+    logger.debug("sglang-morph hooks applied: %s", applied)

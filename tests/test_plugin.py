@@ -1,0 +1,78 @@
+"""The plugin skeleton inside SGLang's own CLI parsing and plugin loader (no server needed)."""
+
+from __future__ import annotations
+
+import pickle
+
+import pytest
+
+from sglang_morph import SGLANG_VERSION
+from sglang_morph import config as morph_config
+from sglang_morph.plugin import HOOKS, Hook, MorphPluginError, register_and_verify
+
+
+@pytest.fixture(scope="module")
+def loaded_sglang():
+    """SGLang's real plugin loader, which finds us through the installed entry point."""
+    from sglang.srt.plugins import load_plugins
+    from sglang.srt.plugins.hook_registry import HookRegistry
+    from sglang.srt.server_args import prepare_server_args
+
+    load_plugins()
+    return prepare_server_args, HookRegistry
+
+
+def test_installed_sglang_is_the_pinned_release():
+    import importlib.metadata
+
+    assert importlib.metadata.version("sglang") == SGLANG_VERSION
+
+
+def test_entry_point_is_registered():
+    from importlib.metadata import entry_points
+
+    eps = {ep.name: ep.value for ep in entry_points(group="sglang.srt.plugins")}
+    assert eps.get("morph") == "sglang_morph.plugin:load"
+
+
+def test_cli_hooks_applied_by_sglang_loader(loaded_sglang):
+    _, registry = loaded_sglang
+    for hook in HOOKS:
+        if hook.only_if_imported is None:
+            assert hook.target in registry._patched
+
+
+def test_enable_morph_flag_parsed_and_carried_through_pickle(loaded_sglang, tmp_path):
+    prepare_server_args, _ = loaded_sglang
+    args = prepare_server_args(["--model-path", str(tmp_path), "--enable-morph"])
+    assert morph_config.get(args) == morph_config.MorphConfig(enabled=True)
+    # The scheduler process receives server_args by pickling (multiprocessing spawn).
+    assert morph_config.get(pickle.loads(pickle.dumps(args))).enabled
+
+
+def test_without_flag_morph_is_disabled(loaded_sglang, tmp_path):
+    prepare_server_args, _ = loaded_sglang
+    args = prepare_server_args(["--model-path", str(tmp_path)])
+    assert morph_config.get(args) == morph_config.MorphConfig(enabled=False)
+
+
+def test_unknown_morph_flag_is_a_cli_error(loaded_sglang, tmp_path, capsys):
+    prepare_server_args, _ = loaded_sglang
+    with pytest.raises(SystemExit) as exc:
+        prepare_server_args(["--model-path", str(tmp_path), "--enable-morph-typo"])
+    assert exc.value.code == 2
+    assert "--enable-morph-typo" in capsys.readouterr().err
+
+
+def test_hook_that_cannot_apply_stops_startup_naming_the_sglang_version(loaded_sglang):
+    _, registry = loaded_sglang
+    target = "sglang.srt.server_args.ServerArgs.no_such_method_in_this_release"
+    try:
+        with pytest.raises(MorphPluginError) as exc:
+            register_and_verify((Hook(target, lambda *a, **k: None, "AFTER"),))
+        message = str(exc.value)
+        assert target in message and f"sglang=={SGLANG_VERSION}" in message
+        # A SystemExit, so SGLang's loader (which catches Exception) cannot swallow it.
+        assert not isinstance(exc.value, Exception)
+    finally:
+        registry._hooks.pop(target, None)
