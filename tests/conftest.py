@@ -1,11 +1,14 @@
 """Shared fixtures: real SGLang servers started through scripts/serve.sh, on 127.0.0.1.
 
-Servers are session-scoped and keyed by their extra arguments, so every test that needs
-"the default server" talks to one process; each is stopped (whole process group) at the end.
+A server holds about 5 GiB of host memory (three processes plus its KV pool) on a 24 GiB
+machine, so only the default server lives for the whole session; other configurations live for
+one module (``server_factory``) or one ``with running_server(...)`` block, and every server is
+stopped as a whole process group.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import socket
@@ -76,18 +79,39 @@ class ServerProcess:
         self._log.close()
 
 
-@pytest.fixture(scope="session")
+def start_server(extra_args, log_dir: Path, env: dict[str, str] | None = None) -> ServerProcess:
+    log_dir.mkdir(parents=True, exist_ok=True)
+    server = ServerProcess(list(extra_args), log_dir / "server.log", env)
+    try:
+        server.wait_ready()
+    except BaseException:
+        server.stop()
+        raise
+    return server
+
+
+@contextlib.contextmanager
+def running_server(extra_args, log_dir: Path, env: dict[str, str] | None = None):
+    """A server for one block of a test, stopped at the end of the block."""
+    server = start_server(extra_args, log_dir, env)
+    try:
+        yield server
+    finally:
+        server.stop()
+
+
+@pytest.fixture(scope="module")
 def server_factory(tmp_path_factory):
-    """``server_factory(*extra_args, env=None)`` -> a ready ServerProcess, shared per arguments."""
+    """``server_factory(*extra_args, env=None)`` -> a ready ServerProcess, shared per arguments
+
+    within one test module and stopped when the module is done.
+    """
     servers: dict[tuple, ServerProcess] = {}
 
     def get(*extra_args: str, env: dict[str, str] | None = None) -> ServerProcess:
         key = (extra_args, tuple(sorted((env or {}).items())))
         if key not in servers:
-            log_path = tmp_path_factory.mktemp("server") / "server.log"
-            server = ServerProcess(list(extra_args), log_path, env)
-            servers[key] = server
-            server.wait_ready()
+            servers[key] = start_server(extra_args, tmp_path_factory.mktemp("server"), env)
         return servers[key]
 
     yield get
@@ -96,9 +120,11 @@ def server_factory(tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
-def default_server(server_factory) -> ServerProcess:
+def default_server(tmp_path_factory) -> ServerProcess:
     """The server exactly as the README's first command starts it (plugin loaded, morph off)."""
-    return server_factory()
+    server = start_server([], tmp_path_factory.mktemp("default_server"))
+    yield server
+    server.stop()
 
 
 @pytest.fixture(scope="session")

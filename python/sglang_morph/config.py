@@ -10,23 +10,105 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import re
 from typing import Any
 
 SERVER_ARGS_ATTR = "_morph_config"
+FULL_PRECISION_BITS = 16
+# Bit-widths a layer can be served at; which ones exist for a model is the engines manifest's say.
+KNOWN_BITS = (16, 8, 4)
+
+
+class MorphConfigError(ValueError):
+    """A morph flag is malformed or inconsistent; the message names the flag."""
+
+
+@dataclasses.dataclass(frozen=True)
+class PrecisionMap:
+    """Per-layer precision from ``--morph-precision-map``, e.g. ``0-7:4,8-29:16``.
+
+    Items are ``A-B:bits``, ``A:bits`` or ``*:bits`` (every layer), separated by commas; later
+    items override earlier ones and layers not named stay at 16 bits. Layer indices are checked
+    against the model when it is known (``resolve``).
+    """
+
+    spec: str
+    items: tuple[tuple[int | None, int | None, int], ...]  # (first, last, bits); None = all
+
+    @classmethod
+    def parse(cls, spec: str) -> "PrecisionMap":
+        items = []
+        for raw in (part.strip() for part in spec.split(",")):
+            m = re.fullmatch(r"(?:(\*)|(\d+)(?:-(\d+))?):(\d+)", raw)
+            if not m:
+                raise MorphConfigError(
+                    f"--morph-precision-map: cannot parse {raw!r}; expected items like "
+                    f"'0-7:4', '12:8' or '*:8' separated by commas"
+                )
+            star, first, last, bits = m.groups()
+            bits = int(bits)
+            if bits not in KNOWN_BITS:
+                raise MorphConfigError(
+                    f"--morph-precision-map: unknown bit-width {bits} in {raw!r}; "
+                    f"choose from {KNOWN_BITS}"
+                )
+            if star:
+                items.append((None, None, bits))
+                continue
+            first_i = int(first)
+            last_i = int(last) if last is not None else first_i
+            if last_i < first_i:
+                raise MorphConfigError(f"--morph-precision-map: empty range {raw!r}")
+            items.append((first_i, last_i, bits))
+        return cls(spec, tuple(items))
+
+    def resolve(self, num_layers: int) -> tuple[int, ...]:
+        """Bits per layer for a model with ``num_layers`` decoder layers."""
+        bits = [FULL_PRECISION_BITS] * num_layers
+        for first, last, b in self.items:
+            if first is None:
+                bits = [b] * num_layers
+                continue
+            if last >= num_layers:
+                raise MorphConfigError(
+                    f"--morph-precision-map: layer {last} does not exist; the model has "
+                    f"{num_layers} layers (0-{num_layers - 1})"
+                )
+            bits[first : last + 1] = [b] * (last - first + 1)
+        return tuple(bits)
 
 
 @dataclasses.dataclass(frozen=True)
 class MorphConfig:
     """Everything ``--enable-morph`` and its companion flags decide.
 
-    Invariant: when ``enabled`` is False the plugin changes nothing in SGLang's behaviour.
+    Invariant: when ``enabled`` is False the plugin changes nothing in SGLang's behaviour, and
+    no other morph flag is set (``from_cli_namespace`` refuses that combination).
     """
 
     enabled: bool = False
+    engines_dir: str | None = None
+    precision_map: PrecisionMap | None = None
 
     @classmethod
     def from_cli_namespace(cls, args: argparse.Namespace) -> "MorphConfig":
-        return cls(enabled=bool(getattr(args, "enable_morph", False)))
+        enabled = bool(getattr(args, "enable_morph", False))
+        engines_dir = getattr(args, "morph_engines", None)
+        spec = getattr(args, "morph_precision_map", None)
+        if not enabled:
+            given = [f for f, v in (("--morph-engines", engines_dir),
+                                    ("--morph-precision-map", spec)) if v is not None]
+            if given:
+                raise MorphConfigError(f"{', '.join(given)} requires --enable-morph")
+        precision_map = PrecisionMap.parse(spec) if spec is not None else None
+        if precision_map is not None and engines_dir is None and any(
+            b != FULL_PRECISION_BITS for _, _, b in precision_map.items
+        ):
+            raise MorphConfigError(
+                "--morph-precision-map with quantized layers requires --morph-engines PATH "
+                "(built with python -m sglang_morph.build_engines)"
+            )
+        return cls(enabled=enabled, engines_dir=engines_dir, precision_map=precision_map)
 
 
 def add_cli_args(parser: argparse.ArgumentParser) -> None:
@@ -38,6 +120,20 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
         "--enable-morph",
         action="store_true",
         help="Enable sglang-morph runtime morphing. Without it the plugin is a no-op.",
+    )
+    group.add_argument(
+        "--morph-engines",
+        metavar="PATH",
+        default=None,
+        help="Directory of per-layer precision variants built by "
+        "`python -m sglang_morph.build_engines`.",
+    )
+    group.add_argument(
+        "--morph-precision-map",
+        metavar="SPEC",
+        default=None,
+        help="Static per-layer precision at startup, e.g. '0-7:4,8-29:16' or '*:8' "
+        "(layers not named stay at 16 bits). Serves static W4/W8/mixed baselines.",
     )
 
 

@@ -36,10 +36,14 @@ class Hook:
     target: str
     fn: Callable[..., Any]
     kind: str  # a HookType member name: BEFORE, AFTER, AROUND or REPLACE
-    # Only hook the target in processes that already imported its module: importing the
-    # scheduler into the launcher or the detokenizer would cost seconds and memory for nothing.
+    # Only hook the target in processes that already imported this module (the scheduler
+    # process imports the scheduler before calling load_plugins): importing the model runner
+    # into the launcher or the detokenizer would cost seconds and memory for nothing.
     # None means "always" (the CLI hooks run in the launcher before anything else is imported).
     only_if_imported: str | None = None
+
+
+_IN_SCHEDULER = "sglang.srt.managers.scheduler"
 
 
 def _after_add_cli_args(_result: None, parser: Any) -> None:
@@ -47,7 +51,43 @@ def _after_add_cli_args(_result: None, parser: Any) -> None:
 
 
 def _after_from_cli_args(server_args: Any, _cls: Any, args: Any) -> None:
-    morph_config.attach(server_args, morph_config.MorphConfig.from_cli_namespace(args))
+    from sglang_morph.engines.startup import local_hf_config, plan_startup
+
+    try:
+        cfg = morph_config.MorphConfig.from_cli_namespace(args)
+        hf_config = local_hf_config(server_args.model_path)
+        if hf_config is not None:
+            plan_startup(cfg, hf_config)  # fail here, before any process is spawned
+    except morph_config.MorphConfigError as e:
+        raise MorphPluginError(f"sglang-morph: error: {e}") from e
+    morph_config.attach(server_args, cfg)
+
+
+def _after_load_model(_result: None, runner: Any) -> None:
+    cfg = morph_config.get(runner.server_args)
+    if not cfg.enabled or cfg.engines_dir is None or runner.is_draft_worker:
+        return
+    from sglang_morph.engines.startup import plan_startup
+    from sglang_morph.executor.variants import LayerVariantInstaller
+
+    try:
+        plan = plan_startup(cfg, runner.model_config.hf_config.to_dict())
+    except morph_config.MorphConfigError as e:
+        raise MorphPluginError(f"sglang-morph: error: {e}") from e
+    installer = LayerVariantInstaller(runner.model, plan.manifest, plan.engines_dir,
+                                      act_dtype=runner.model_config.dtype)
+    bytes_before = sum(installer.layer_device_bytes(i) for i in range(len(plan.layer_bits)))
+    for i, bits in enumerate(plan.layer_bits):
+        installer.set_layer_bits(i, bits)
+    installer.check_integrity()
+    warmed = installer.warmup(max_tokens=WARMUP_MAX_TOKENS)
+    bytes_after = sum(installer.layer_device_bytes(i) for i in range(len(plan.layer_bits)))
+    # The executors of later stages (swapping, KV resizing) find the installer here.
+    runner.morph_installer = installer
+    logger.info(
+        "sglang-morph: layer precision %s; decoder linears %d -> %d bytes; %d kernels warmed",
+        ",".join(str(b) for b in plan.layer_bits), bytes_before, bytes_after, warmed,
+    )
 
 
 def _after_scheduler_init(_result: None, scheduler: Any, *args: Any, **kwargs: Any) -> None:
@@ -63,6 +103,9 @@ def _after_scheduler_init(_result: None, scheduler: Any, *args: Any, **kwargs: A
     )
 
 
+# Kernels are run at up to this many tokens at startup: enough for decode and short prefills.
+WARMUP_MAX_TOKENS = 256
+
 HOOKS: tuple[Hook, ...] = (
     Hook("sglang.srt.server_args.ServerArgs.add_cli_args", _after_add_cli_args, "AFTER"),
     Hook("sglang.srt.server_args.ServerArgs.from_cli_args", _after_from_cli_args, "AFTER"),
@@ -70,7 +113,13 @@ HOOKS: tuple[Hook, ...] = (
         "sglang.srt.managers.scheduler.Scheduler.__init__",
         _after_scheduler_init,
         "AFTER",
-        only_if_imported="sglang.srt.managers.scheduler",
+        only_if_imported=_IN_SCHEDULER,
+    ),
+    Hook(
+        "sglang.srt.model_executor.model_runner.ModelRunner.load_model",
+        _after_load_model,
+        "AFTER",
+        only_if_imported=_IN_SCHEDULER,
     ),
 )
 

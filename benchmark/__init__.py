@@ -1,0 +1,1 @@
+"""Benchmarks: throughput, trace replay, quality evaluation and their reports."""

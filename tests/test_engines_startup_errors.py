@@ -1,0 +1,114 @@
+"""Bad --morph-engines / --morph-precision-map input fails at startup with a clear message,
+
+before any process is spawned, and never falls back silently.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+
+import pytest
+
+from conftest import REPO_ROOT
+from sglang_morph.engines.manifest import (
+    EngineManifest,
+    VariantInfo,
+    model_identity,
+    variant_file_name,
+)
+from sglang_morph.plugin import MorphPluginError
+
+
+def write_manifest(engines_dir, hf_config, bits=(8,)):
+    """A manifest-consistent directory whose variant files are placeholders: startup validation
+
+    reads only the manifest, so the tensors themselves are not needed here.
+    """
+    engines_dir.mkdir(parents=True, exist_ok=True)
+    layers = []
+    for i in range(hf_config["num_hidden_layers"]):
+        layer = {16: VariantInfo(16, "fp", 1)}
+        for b in bits:
+            name = variant_file_name(i, b)
+            (engines_dir / name).write_bytes(b"")
+            layer[b] = VariantInfo(b, f"w{b}", 1, file=name, sha256="0" * 64)
+        layers.append(layer)
+    EngineManifest({**model_identity(hf_config), "path": "test"}, {}, {}, tuple(layers)).save(
+        engines_dir
+    )
+    return engines_dir
+
+
+@pytest.fixture(scope="module")
+def parse(default_model_path):
+    from sglang.srt.plugins import load_plugins
+    from sglang.srt.server_args import prepare_server_args
+
+    load_plugins()
+
+    def run(*flags):
+        return prepare_server_args(["--model-path", str(default_model_path), "--enable-morph",
+                                    *flags])
+
+    return run
+
+
+@pytest.fixture(scope="module")
+def hf_config(default_model_path):
+    return json.loads((default_model_path / "config.json").read_text())
+
+
+def test_missing_engines_dir(parse, tmp_path):
+    with pytest.raises(MorphPluginError, match="engines directory .* does not exist"):
+        parse("--morph-engines", str(tmp_path / "nope"))
+
+
+def test_dir_without_manifest(parse, tmp_path):
+    with pytest.raises(MorphPluginError, match="has no manifest.json; build it with"):
+        parse("--morph-engines", str(tmp_path))
+
+
+def test_manifest_for_another_model(parse, tmp_path, hf_config):
+    other = {**hf_config, "num_hidden_layers": 2, "hidden_size": 64}
+    engines = write_manifest(tmp_path / "other", other)
+    with pytest.raises(MorphPluginError, match="built for a model with num_hidden_layers=2"):
+        parse("--morph-engines", str(engines), "--morph-precision-map", "*:8")
+
+
+def test_unknown_bit_width(parse, tmp_path, hf_config):
+    engines = write_manifest(tmp_path / "e", hf_config)
+    with pytest.raises(MorphPluginError, match="unknown bit-width 5"):
+        parse("--morph-engines", str(engines), "--morph-precision-map", "0-3:5")
+
+
+def test_bits_without_built_variant(parse, tmp_path, hf_config):
+    engines = write_manifest(tmp_path / "e8", hf_config, bits=(8,))
+    with pytest.raises(MorphPluginError, match=r"asks for \[4\]-bit layers"):
+        parse("--morph-engines", str(engines), "--morph-precision-map", "0-3:4")
+
+
+def test_layer_out_of_range(parse, tmp_path, hf_config):
+    engines = write_manifest(tmp_path / "e", hf_config)
+    with pytest.raises(MorphPluginError, match="layer 31 does not exist"):
+        parse("--morph-engines", str(engines), "--morph-precision-map", "31:8")
+
+
+def test_valid_flags_parse(parse, tmp_path, hf_config):
+    from sglang_morph import config as morph_config
+
+    engines = write_manifest(tmp_path / "ok", hf_config)
+    cfg = morph_config.get(parse("--morph-engines", str(engines), "--morph-precision-map", "*:8"))
+    assert cfg.engines_dir == str(engines) and cfg.precision_map.resolve(30) == (8,) * 30
+
+
+def test_launcher_exits_with_one_clear_line(tmp_path):
+    proc = subprocess.run(
+        ["bash", str(REPO_ROOT / "scripts" / "serve.sh"), "--enable-morph",
+         "--morph-engines", str(tmp_path / "missing"), "--port", "1"],
+        capture_output=True, text=True, timeout=300, env=dict(os.environ),
+    )
+    assert proc.returncode != 0
+    assert "sglang-morph: error: --morph-engines" in proc.stderr
+    assert "Traceback" not in proc.stderr

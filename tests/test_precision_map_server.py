@@ -1,0 +1,119 @@
+"""Layer engines served by SGLang: static precision maps, kernels inside SGLang's linears,
+
+and perplexity through the server (``/generate`` input-token logprobs).
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import requests
+import torch
+
+from benchmark.perplexity import server_perplexity
+from conftest import running_server
+from sglang_morph.engines import hf_variants
+from sglang_morph.engines.manifest import EngineManifest
+
+MIXED_MAP = "0-9:8,10-19:4"  # 20-29 stay at full precision
+W8_MAX_PERPLEXITY_INCREASE = 0.01
+GREEDY_PROMPTS = [
+    ("The capital of France is", 24),
+    ("def fibonacci(n):\n", 32),
+    ("Once upon a time, in a small village by the sea,", 32),
+    ("The three primary colors are", 20),
+]
+
+
+def build(*flags: str) -> Path:
+    """Engines for the default model in the builder's default cache directory: a CI run on a
+
+    machine that already built them reuses the build (the builder returns the existing
+    directory when recipe, model and calibration are unchanged).
+    """
+    proc = subprocess.run(
+        [sys.executable, "-m", "sglang_morph.build_engines", *flags],
+        capture_output=True, text=True, timeout=1800,
+        # One thread: the search's many small matmuls lose more to thread hand-offs than they
+        # gain on 2 cores, and the idle test servers still hold a little CPU.
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+    )
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    return Path(proc.stdout.strip().splitlines()[-1])
+
+
+@pytest.fixture(scope="module")
+def engines_awq() -> Path:
+    return build("--bits", "8,4")
+
+
+@pytest.fixture(scope="module")
+def engines_rtn() -> Path:
+    return build("--bits", "4", "--no-awq")
+
+
+@pytest.fixture(scope="module")
+def fp_perplexity(default_server) -> float:
+    return server_perplexity(default_server.url).perplexity
+
+
+def test_mixed_precision_greedy_equals_transformers_with_the_same_weights(
+    engines_awq, default_model_path, tmp_path
+):
+    """float32 on both sides, so equality is exact: SGLang with W8 layers 0-9 and W4 layers
+    10-19 installed through the plugin vs transformers with the same dequantized weights.
+    """
+    manifest = EngineManifest.load(engines_awq)
+    model = hf_variants.load_model(default_model_path)
+    w8 = hf_variants.LayerVariants(model, engines_awq, manifest, 8, progress=False)
+    w4 = hf_variants.LayerVariants(model, engines_awq, manifest, 4, progress=False)
+    w8.set_quantized(range(0, 10))
+    w4.set_quantized(range(10, 20))
+    tok = hf_variants.load_tokenizer(default_model_path)
+    expected = []
+    for prompt, n_new in GREEDY_PROMPTS:
+        ids = tok(prompt)["input_ids"]
+        with torch.inference_mode():
+            out = model.generate(torch.tensor([ids]), max_new_tokens=n_new, do_sample=False)
+        expected.append((ids, out[0, len(ids):].tolist()))
+    del model, w8, w4
+
+    args = ["--dtype", "float32", "--enable-morph", "--morph-engines", str(engines_awq),
+            "--morph-precision-map", MIXED_MAP]
+    with running_server(args, tmp_path) as server:
+        assert "sglang-morph: layer precision " + ",".join(
+            ["8"] * 10 + ["4"] * 10 + ["16"] * 10) in server.log_text()
+        for (ids, want), (prompt, n_new) in zip(expected, GREEDY_PROMPTS):
+            r = requests.post(
+                f"{server.url}/generate",
+                json={"input_ids": ids,
+                      "sampling_params": {"temperature": 0, "max_new_tokens": n_new}},
+                timeout=300,
+            )
+            assert r.status_code == 200, r.text
+            assert r.json()["output_ids"] == want, prompt
+
+
+def test_all_w8_perplexity_within_1_percent_of_full_precision(engines_awq, fp_perplexity,
+                                                               tmp_path):
+    args = ["--enable-morph", "--morph-engines", str(engines_awq), "--morph-precision-map", "*:8"]
+    with running_server(args, tmp_path) as server:
+        w8 = server_perplexity(server.url).perplexity
+    assert abs(w8 - fp_perplexity) / fp_perplexity <= W8_MAX_PERPLEXITY_INCREASE, (w8, fp_perplexity)
+
+
+def test_all_w4_awq_beats_round_to_nearest_with_the_same_groups(engines_awq, engines_rtn,
+                                                                fp_perplexity, tmp_path):
+    awq_manifest, rtn_manifest = EngineManifest.load(engines_awq), EngineManifest.load(engines_rtn)
+    for i in range(awq_manifest.num_layers):
+        assert awq_manifest.variant(i, 4).group_sizes == rtn_manifest.variant(i, 4).group_sizes
+    ppl = {}
+    for name, engines in (("awq", engines_awq), ("rtn", engines_rtn)):
+        args = ["--enable-morph", "--morph-engines", str(engines), "--morph-precision-map", "*:4"]
+        with running_server(args, tmp_path / name) as server:
+            ppl[name] = server_perplexity(server.url).perplexity
+    assert fp_perplexity < ppl["awq"] < ppl["rtn"], (fp_perplexity, ppl)
