@@ -2,7 +2,7 @@
 
     python -m benchmark.engines_quality [--engines DIR] [--rtn-engines DIR] [--order FILE]
         [--batch-sizes 1,8] [--prompt-tokens 128] [--decode-tokens 64] [--repetitions 3]
-        [--out benchmark/results/engines_quality.json]
+        [--configs fp,w8,...] [--out benchmark/results/engines_quality.json]
 
 For each configuration one server is started through ``scripts/serve.sh`` with
 ``--enable-morph --morph-engines DIR --morph-precision-map MAP`` (full precision: no morph flags),
@@ -125,6 +125,7 @@ def main(argv=None) -> int:
     parser.add_argument("--prompt-tokens", type=int, default=128)
     parser.add_argument("--decode-tokens", type=int, default=64)
     parser.add_argument("--repetitions", type=int, default=3)
+    parser.add_argument("--configs", help="comma-separated subset of config names to run")
     parser.add_argument("--out", type=Path, default=RESULTS / "engines_quality.json")
     args = parser.parse_args(argv)
     batch_sizes = tuple(int(b) for b in args.batch_sizes.split(","))
@@ -141,7 +142,15 @@ def main(argv=None) -> int:
     tokenizer = AutoTokenizer.from_pretrained(model_path, local_files_only=True)
     token_ids = tokenizer(DEFAULT_TEXT.read_text()[:400_000], add_special_tokens=False)["input_ids"]
     rows = []
-    for cfg in configs(engines, rtn_engines, order):
+    selected = configs(engines, rtn_engines, order)
+    if args.configs:
+        wanted = args.configs.split(",")
+        unknown = set(wanted) - {c.name for c in selected}
+        if unknown or "fp" not in wanted:
+            parser.error(f"--configs: unknown {sorted(unknown)} or missing 'fp' (the reference); "
+                         f"choose from {[c.name for c in selected]}")
+        selected = [c for c in selected if c.name in wanted]
+    for cfg in selected:
         log_path = RESULTS / "raw" / f"engines_quality_{cfg.name}.log"
         print(f"[engines_quality] {cfg.name}: {' '.join(cfg.server_args) or '(plain)'}",
               file=sys.stderr)
