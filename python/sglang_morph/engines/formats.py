@@ -27,6 +27,8 @@ from typing import Callable
 
 import torch
 
+from sglang_morph.config import FULL_PRECISION_BITS
+
 Tensors = dict[str, torch.Tensor]
 SCALE_DTYPE = torch.bfloat16
 # Group sizes the W4 kernels support, largest (cheapest in scale bytes) first.
@@ -186,7 +188,6 @@ FORMATS: dict[int, QuantFormat] = {
     8: QuantFormat("w8", 8, _quantize_w8, _dequantize_w8, _check_w8),
     4: QuantFormat("w4", 4, _quantize_w4, _dequantize_w4, _check_w4),
 }
-FULL_PRECISION_BITS = 16
 
 
 def get_format(bits: int) -> QuantFormat:

@@ -16,6 +16,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+import morph_kernels
 import torch
 
 from sglang_morph.config import FULL_PRECISION_BITS
@@ -41,8 +42,6 @@ class MorphQuantLinearMethod:
         self.prepared = prepared
 
     def apply(self, layer: torch.nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None):
-        import morph_kernels
-
         return morph_kernels.linear(x, self.prepared, bias)
 
 
@@ -141,8 +140,6 @@ class LayerVariantInstaller:
 
     def set_layer_bits(self, layer_index: int, bits: int) -> LayerTransition:
         """Move one layer to ``bits`` (16 restores full precision). Between batches only."""
-        import morph_kernels
-
         started = time.perf_counter()
         from_bits = self._bits[layer_index]
         before = self.layer_device_bytes(layer_index)
@@ -195,8 +192,6 @@ class LayerVariantInstaller:
 
     def warmup(self, max_tokens: int) -> int:
         """Run every installed kernel at serving shapes; returns how many were warmed."""
-        import morph_kernels
-
         warmed = 0
         for layer in self.layers:
             for path in FUSED_LINEARS:
