@@ -134,3 +134,31 @@ def default_model_path() -> Path:
         check=True, capture_output=True, text=True,
     ).stdout.strip()
     return Path(out)
+
+
+def build_engines(*flags: str) -> Path:
+    """Engines for the default model in the builder's default cache directory: a CI run on a
+
+    machine that already built them reuses the build (the builder returns the existing
+    directory when recipe, model and calibration are unchanged).
+    """
+    proc = subprocess.run(
+        [sys.executable, "-m", "sglang_morph.build_engines", *flags],
+        capture_output=True, text=True, timeout=1800,
+        # One thread: the search's many small matmuls lose more to thread hand-offs than they
+        # gain on 2 cores, and the idle test servers still hold a little CPU.
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+    )
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    return Path(proc.stdout.strip().splitlines()[-1])
+
+
+@pytest.fixture(scope="session")
+def engines_awq() -> Path:
+    """AWQ W8 + W4 variants of every layer of the default model."""
+    return build_engines("--bits", "8,4")
+
+
+@pytest.fixture(scope="session")
+def engines_rtn() -> Path:
+    return build_engines("--bits", "4", "--no-awq")

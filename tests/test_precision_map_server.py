@@ -5,11 +5,6 @@ and perplexity through the server (``/generate`` input-token logprobs).
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-from pathlib import Path
-
 import pytest
 import requests
 import torch
@@ -27,33 +22,6 @@ GREEDY_PROMPTS = [
     ("Once upon a time, in a small village by the sea,", 32),
     ("The three primary colors are", 20),
 ]
-
-
-def build(*flags: str) -> Path:
-    """Engines for the default model in the builder's default cache directory: a CI run on a
-
-    machine that already built them reuses the build (the builder returns the existing
-    directory when recipe, model and calibration are unchanged).
-    """
-    proc = subprocess.run(
-        [sys.executable, "-m", "sglang_morph.build_engines", *flags],
-        capture_output=True, text=True, timeout=1800,
-        # One thread: the search's many small matmuls lose more to thread hand-offs than they
-        # gain on 2 cores, and the idle test servers still hold a little CPU.
-        env={**os.environ, "OMP_NUM_THREADS": "1"},
-    )
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    return Path(proc.stdout.strip().splitlines()[-1])
-
-
-@pytest.fixture(scope="module")
-def engines_awq() -> Path:
-    return build("--bits", "8,4")
-
-
-@pytest.fixture(scope="module")
-def engines_rtn() -> Path:
-    return build("--bits", "4", "--no-awq")
 
 
 @pytest.fixture(scope="module")

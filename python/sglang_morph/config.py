@@ -17,6 +17,24 @@ SERVER_ARGS_ATTR = "_morph_config"
 FULL_PRECISION_BITS = 16
 # Bit-widths a layer can be served at; which ones exist for a model is the engines manifest's say.
 KNOWN_BITS = (16, 8, 4)
+# Controller modes (policies in sglang_morph.control.policy.MODES, which must name the same ones).
+MORPH_MODES = ("accuracy", "default", "performance")
+_BYTE_UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "m": 10**6, "mb": 10**6, "g": 10**9,
+               "gb": 10**9, "kib": 2**10, "mib": 2**20, "gib": 2**30}
+
+
+def parse_bytes(text: str, flag: str) -> int:
+    """``'1073741824'``, ``'1GiB'``, ``'800MB'`` -> bytes; MorphConfigError naming ``flag``."""
+    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*", str(text))
+    unit = m.group(2).lower() if m else None
+    if not m or unit not in _BYTE_UNITS:
+        raise MorphConfigError(
+            f"{flag}: cannot parse {text!r}; expected bytes like 1073741824, 800MB or 1.5GiB"
+        )
+    value = int(float(m.group(1)) * _BYTE_UNITS[unit])
+    if value <= 0:
+        raise MorphConfigError(f"{flag}: must be positive, got {text!r}")
+    return value
 
 
 class MorphConfigError(ValueError):
@@ -89,17 +107,35 @@ class MorphConfig:
     enabled: bool = False
     engines_dir: str | None = None
     precision_map: PrecisionMap | None = None
+    mode: str = "default"
+    swap_order_path: str | None = None  # profile JSON with "order"; None = front to back
+    memory_budget_bytes: int | None = None  # weights + KV; None = derived from SGLang's sizing
+    log_path: str | None = None  # JSONL of transitions
+    controller_enabled: bool = True  # False: only POST /morph/swap moves layers
 
     @classmethod
     def from_cli_namespace(cls, args: argparse.Namespace) -> "MorphConfig":
         enabled = bool(getattr(args, "enable_morph", False))
         engines_dir = getattr(args, "morph_engines", None)
         spec = getattr(args, "morph_precision_map", None)
+        mode = getattr(args, "morph_mode", None)
+        swap_order = getattr(args, "morph_swap_order", None)
+        budget = getattr(args, "morph_memory_budget", None)
+        log_path = getattr(args, "morph_log", None)
+        no_controller = bool(getattr(args, "disable_morph_controller", False))
         if not enabled:
             given = [f for f, v in (("--morph-engines", engines_dir),
-                                    ("--morph-precision-map", spec)) if v is not None]
+                                    ("--morph-precision-map", spec),
+                                    ("--morph-mode", mode),
+                                    ("--morph-swap-order", swap_order),
+                                    ("--morph-memory-budget", budget),
+                                    ("--morph-log", log_path),
+                                    ("--disable-morph-controller", no_controller or None))
+                     if v is not None]
             if given:
                 raise MorphConfigError(f"{', '.join(given)} requires --enable-morph")
+        if mode is not None and mode not in MORPH_MODES:
+            raise MorphConfigError(f"--morph-mode: unknown mode {mode!r}; choose from {MORPH_MODES}")
         precision_map = PrecisionMap.parse(spec) if spec is not None else None
         if precision_map is not None and engines_dir is None and any(
             b != FULL_PRECISION_BITS for _, _, b in precision_map.items
@@ -108,7 +144,17 @@ class MorphConfig:
                 "--morph-precision-map with quantized layers requires --morph-engines PATH "
                 "(built with python -m sglang_morph.build_engines)"
             )
-        return cls(enabled=enabled, engines_dir=engines_dir, precision_map=precision_map)
+        return cls(
+            enabled=enabled,
+            engines_dir=engines_dir,
+            precision_map=precision_map,
+            mode=mode or "default",
+            swap_order_path=swap_order,
+            memory_budget_bytes=(parse_bytes(budget, "--morph-memory-budget")
+                                 if budget is not None else None),
+            log_path=log_path,
+            controller_enabled=not no_controller,
+        )
 
 
 def add_cli_args(parser: argparse.ArgumentParser) -> None:
@@ -134,6 +180,39 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
         default=None,
         help="Static per-layer precision at startup, e.g. '0-7:4,8-29:16' or '*:8' "
         "(layers not named stay at 16 bits). Serves static W4/W8/mixed baselines.",
+    )
+    group.add_argument(
+        "--morph-mode",
+        choices=MORPH_MODES,
+        default=None,
+        help="Controller policy: 'accuracy' (act late, W8 before W4, one layer at a time), "
+        "'default', or 'performance' (act early, several layers per step). Default: default.",
+    )
+    group.add_argument(
+        "--morph-swap-order",
+        metavar="PATH",
+        default=None,
+        help="Layer Importance Score profile JSON (python -m sglang_morph.profile_layers); "
+        "its \"order\" is the order layers are swapped in. Default: front to back.",
+    )
+    group.add_argument(
+        "--morph-memory-budget",
+        metavar="BYTES",
+        default=None,
+        help="One budget for weights + KV cache, e.g. 1GiB or 800MB. The KV pool starts at "
+        "what full-precision weights leave of it (sets --max-total-tokens). Default: the "
+        "weights plus the KV pool SGLang sizes from its own memory settings.",
+    )
+    group.add_argument(
+        "--morph-log",
+        metavar="PATH",
+        default=None,
+        help="Append every transition (swap, restore, KV resize) to this JSONL file.",
+    )
+    group.add_argument(
+        "--disable-morph-controller",
+        action="store_true",
+        help="Do not morph on pressure; layers move only through POST /morph/swap.",
     )
 
 

@@ -58,9 +58,55 @@ def _after_from_cli_args(server_args: Any, _cls: Any, args: Any) -> None:
         hf_config = local_hf_config(server_args.model_path)
         if hf_config is not None:
             plan_startup(cfg, hf_config)  # fail here, before any process is spawned
+        if cfg.memory_budget_bytes is not None:
+            _size_kv_for_budget(server_args, cfg, hf_config)
     except morph_config.MorphConfigError as e:
         raise MorphPluginError(f"sglang-morph: error: {e}") from e
     morph_config.attach(server_args, cfg)
+    if cfg.enabled:
+        # Transitions rewrite weights and KV slot indices between two batches; with overlap
+        # scheduling a launched batch's results would still hold the old ones.
+        server_args.disable_overlap_schedule = True
+        _install_http_side()
+
+
+def _size_kv_for_budget(server_args: Any, cfg: morph_config.MorphConfig, hf_config: Any) -> None:
+    from pathlib import Path
+
+    from sglang_morph.engines.startup import size_kv_for_budget
+
+    if server_args.max_total_tokens is not None:
+        raise morph_config.MorphConfigError(
+            "--morph-memory-budget sizes the KV pool itself; drop --max-total-tokens")
+    if hf_config is None:
+        raise morph_config.MorphConfigError(
+            "--morph-memory-budget needs a local model directory (--model-path PATH)")
+    sizing = size_kv_for_budget(cfg.memory_budget_bytes, Path(server_args.model_path).expanduser(),
+                                hf_config, server_args.dtype, server_args.kv_cache_dtype)
+    server_args.max_total_tokens = sizing.kv_capacity_tokens
+    logger.info("sglang-morph: memory budget %d bytes = weights %d + KV %d tokens x %d bytes",
+                sizing.budget_bytes, sizing.weight_bytes, sizing.kv_capacity_tokens,
+                sizing.kv_bytes_per_token)
+
+
+def _install_http_side() -> None:
+    """In the launcher (the HTTP process): the /morph routes and the TokenizerManager's side of
+    their IPC. Only with --enable-morph, so a server without it has no /morph routes."""
+    from sglang.srt.entrypoints.http_server import app
+
+    from sglang_morph.server.http import add_routes
+
+    add_routes(app)
+    register_and_verify((Hook(
+        "sglang.srt.managers.tokenizer_manager.TokenizerManager.__init__",
+        _after_tokenizer_manager_init, "AFTER"),))
+
+
+def _after_tokenizer_manager_init(_result: None, tokenizer_manager: Any, *args: Any,
+                                  **kwargs: Any) -> None:
+    from sglang_morph.server.http import attach_to_tokenizer_manager
+
+    attach_to_tokenizer_manager(tokenizer_manager)
 
 
 def _after_load_model(_result: None, runner: Any) -> None:
@@ -94,13 +140,38 @@ def _after_scheduler_init(_result: None, scheduler: Any, *args: Any, **kwargs: A
     cfg = morph_config.get(scheduler.server_args)
     if not cfg.enabled:
         return
+    from sglang.utils import TypeBasedDispatcher
+
+    from sglang_morph.executor.runtime import MorphRuntime
+    from sglang_morph.server.messages import MorphControlReq
+
     model_config = scheduler.model_config
+    runtime = MorphRuntime(scheduler, cfg)
+    scheduler._request_dispatcher += TypeBasedDispatcher(
+        [(MorphControlReq, runtime.handle_control)])
+    scheduler.morph_runtime = runtime
     logger.info(
-        "sglang-morph enabled in scheduler: %s, %d decoder layers, kv_capacity_tokens=%d",
+        "sglang-morph enabled in scheduler: %s, %d decoder layers, kv_capacity_tokens=%d, "
+        "memory budget %d bytes, mode %s, controller %s",
         model_config.hf_config.architectures[0],
         model_config.num_hidden_layers,
         scheduler.max_total_num_tokens,
+        runtime.budget.total_bytes,
+        runtime.mode,
+        "on" if runtime.controller is not None else "off",
     )
+
+
+def _before_get_next_batch(scheduler: Any, *args: Any, **kwargs: Any) -> None:
+    runtime = getattr(scheduler, "morph_runtime", None)
+    if runtime is not None:
+        runtime.on_step()
+
+
+def _after_retract_decode(result: Any, *args: Any, **kwargs: Any) -> None:
+    from sglang_morph.executor.runtime import count_retractions
+
+    count_retractions(result)
 
 
 # Kernels are run at up to this many tokens at startup: enough for decode and short prefills.
@@ -118,6 +189,19 @@ HOOKS: tuple[Hook, ...] = (
     Hook(
         "sglang.srt.model_executor.model_runner.ModelRunner.load_model",
         _after_load_model,
+        "AFTER",
+        only_if_imported=_IN_SCHEDULER,
+    ),
+    # Between two forward passes: the morph runtime samples pressure and applies its actions.
+    Hook(
+        "sglang.srt.managers.scheduler.Scheduler.get_next_batch_to_run",
+        _before_get_next_batch,
+        "BEFORE",
+        only_if_imported=_IN_SCHEDULER,
+    ),
+    Hook(
+        "sglang.srt.managers.schedule_batch.ScheduleBatch.retract_decode",
+        _after_retract_decode,
         "AFTER",
         only_if_imported=_IN_SCHEDULER,
     ),
@@ -157,5 +241,10 @@ def register_and_verify(hooks: tuple[Hook, ...]) -> list[str]:
 
 def load() -> None:
     """Entry point called by ``sglang.srt.plugins.load_plugins()``."""
+    # Registers the /morph IPC message types with SGLang's msgpack decoder in this process.
+    from sglang_morph.server import messages
+
+    del messages
+
     applied = register_and_verify(HOOKS)
     logger.debug("sglang-morph hooks applied: %s", applied)

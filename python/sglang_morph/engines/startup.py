@@ -54,3 +54,69 @@ def local_hf_config(model_path: str) -> dict[str, Any] | None:
     """``config.json`` of a local model directory; None for hub ids (checked later, in SGLang)."""
     path = Path(model_path).expanduser() / "config.json"
     return json.loads(path.read_text()) if path.is_file() else None
+
+
+_DTYPE_BYTES = {"float32": 4, "float": 4, "bfloat16": 2, "float16": 2, "half": 2}
+
+
+def _dtype_bytes(name: str, what: str) -> int:
+    name = str(name).removeprefix("torch.")
+    if name.startswith("fp8") or name.startswith("float8"):
+        return 1
+    if name not in _DTYPE_BYTES:
+        raise MorphConfigError(f"--morph-memory-budget: cannot size {what} of dtype {name!r}")
+    return _DTYPE_BYTES[name]
+
+
+def checkpoint_weight_bytes(model_dir: Path, hf_config: dict[str, Any], dtype_bytes: int) -> int:
+    """Bytes the model's weights take when served in a ``dtype_bytes`` dtype, read from the
+    safetensors headers (no tensor is loaded). A tied LM head is counted once."""
+    import struct
+
+    total = 0
+    tied = bool(hf_config.get("tie_word_embeddings", False))
+    files = sorted(Path(model_dir).glob("*.safetensors"))
+    if not files:
+        raise MorphConfigError(f"--morph-memory-budget: no *.safetensors in {model_dir}")
+    for path in files:
+        with open(path, "rb") as f:
+            (header_len,) = struct.unpack("<Q", f.read(8))
+            header = json.loads(f.read(header_len))
+        for name, info in header.items():
+            if name == "__metadata__" or (tied and name == "lm_head.weight"):
+                continue
+            numel = 1
+            for d in info["shape"]:
+                numel *= d
+            total += numel * dtype_bytes
+    return total
+
+
+@dataclasses.dataclass(frozen=True)
+class KVSizing:
+    budget_bytes: int
+    weight_bytes: int  # full precision, from the checkpoint
+    kv_bytes_per_token: int
+    kv_capacity_tokens: int
+
+
+def size_kv_for_budget(budget_bytes: int, model_dir: Path, hf_config: dict[str, Any],
+                       dtype: str, kv_cache_dtype: str) -> KVSizing:
+    """KV capacity at start = (budget - full-precision weights) / KV bytes per token."""
+    model_dtype = hf_config.get("torch_dtype") or hf_config.get("dtype") or "float32"
+    weight_dtype_bytes = _dtype_bytes(model_dtype if dtype == "auto" else dtype, "weights")
+    kv_dtype_bytes = (weight_dtype_bytes if kv_cache_dtype in ("auto", None)
+                      else _dtype_bytes(kv_cache_dtype, "the KV cache"))
+    heads = hf_config["num_attention_heads"]
+    head_dim = hf_config.get("head_dim") or hf_config["hidden_size"] // heads
+    kv_per_token = (2 * hf_config["num_hidden_layers"] * hf_config.get("num_key_value_heads", heads)
+                    * head_dim * kv_dtype_bytes)
+    weights = checkpoint_weight_bytes(model_dir, hf_config, weight_dtype_bytes)
+    tokens = (budget_bytes - weights) // kv_per_token
+    if tokens < 256:
+        raise MorphConfigError(
+            f"--morph-memory-budget {budget_bytes} bytes is too small: full-precision weights "
+            f"take {weights} bytes, leaving room for {max(tokens, 0)} KV tokens "
+            f"({kv_per_token} bytes each); give at least {weights + 256 * kv_per_token} bytes"
+        )
+    return KVSizing(budget_bytes, weights, kv_per_token, tokens)

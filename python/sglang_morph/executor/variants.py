@@ -138,6 +138,14 @@ class LayerVariantInstaller:
                 total += linear.weight.numel() * linear.weight.element_size()
         return total
 
+    def full_precision_bytes(self, layer_index: int) -> int:
+        """Exact bytes the layer's four fused linears occupy at full precision (in the served
+        dtype, which may differ from the dtype the engines were built for)."""
+        saved = self._full_precision.get(layer_index)
+        if saved is None:
+            return self.layer_device_bytes(layer_index)
+        return sum(w.numel() * w.element_size() for w in saved.weights.values())
+
     def set_layer_bits(self, layer_index: int, bits: int) -> LayerTransition:
         """Move one layer to ``bits`` (16 restores full precision). Between batches only."""
         started = time.perf_counter()

@@ -1,0 +1,257 @@
+"""MorphController: from pressure signals and the current per-layer bits to one typed action.
+
+The controller is a pure decision function with a little memory (streak counters, the time of
+its last action). It never applies anything: the caller (an executor on the scheduler thread)
+applies the returned ``SwapLayers`` between batches and passes the new per-layer bits to the
+next ``decide``. That keeps it drivable by a simulator and testable without SGLang.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from sglang_morph.config import FULL_PRECISION_BITS
+from sglang_morph.control.policy import ModePolicy
+from sglang_morph.control.signals import PressureSignals
+
+
+@dataclasses.dataclass(frozen=True)
+class SwapLayers:
+    """Serve ``layers`` at ``bits`` from now on; ``bits == 16`` is a restore.
+
+    Invariants (checked): ``layers`` is non-empty without duplicates and in the order the
+    controller chose them (the order an executor should apply them in).
+    """
+
+    layers: tuple[int, ...]
+    bits: int
+    reason: str  # human-readable, names the signal values that triggered the action
+
+    def __post_init__(self) -> None:
+        if not self.layers or len(set(self.layers)) != len(self.layers):
+            raise ValueError(
+                f"SwapLayers: layers must be non-empty and distinct, got {self.layers}")
+        if not 1 <= self.bits <= FULL_PRECISION_BITS:
+            raise ValueError(
+                f"SwapLayers: bits must be in 1..{FULL_PRECISION_BITS}, got {self.bits}")
+
+    @property
+    def restore(self) -> bool:
+        return self.bits == FULL_PRECISION_BITS
+
+
+@dataclasses.dataclass(frozen=True)
+class LayerCosts:
+    """Memory price of a decoder layer at each bit-width, and what KV capacity it buys.
+
+    Every layer costs the same (uniform decoder stacks such as Llama). Invariants (checked):
+    16 bits is present, fewer bits never cost more bytes, all sizes are positive.
+    """
+
+    layer_bytes_by_bits: dict[int, int]
+    kv_bytes_per_token: int
+    page_size_tokens: int
+
+    def __post_init__(self) -> None:
+        by_bits = self.layer_bytes_by_bits
+        if FULL_PRECISION_BITS not in by_bits:
+            raise ValueError(f"LayerCosts: layer_bytes_by_bits lacks {FULL_PRECISION_BITS} bits")
+        if any(b < 1 or n <= 0 for b, n in by_bits.items()):
+            raise ValueError(f"LayerCosts: bit-widths and byte sizes must be positive: {by_bits}")
+        ordered = [by_bits[b] for b in sorted(by_bits)]
+        if ordered != sorted(ordered):
+            raise ValueError(f"LayerCosts: fewer bits must not cost more bytes: {by_bits}")
+        if self.kv_bytes_per_token <= 0 or self.page_size_tokens <= 0:
+            raise ValueError("LayerCosts: kv_bytes_per_token and page_size_tokens must be > 0")
+
+    def layer_bytes(self, bits: int) -> int:
+        try:
+            return self.layer_bytes_by_bits[bits]
+        except KeyError:
+            known = sorted(self.layer_bytes_by_bits)
+            raise ValueError(f"LayerCosts: no size for {bits}-bit layers; known: {known}") from None
+
+    def freed_tokens(self, from_bits: int, to_bits: int) -> int:
+        """KV tokens one layer's move from ``from_bits`` to ``to_bits`` frees (> 0) or needs
+        back (< 0), in whole pages.
+
+        Rounding is always in the safe direction: capacity gained is rounded down (never promise
+        pages whose bytes are not there), capacity given back is rounded up (the weights must
+        get all their bytes back).
+        """
+        delta_bytes = self.layer_bytes(from_bits) - self.layer_bytes(to_bits)
+        kv, page = self.kv_bytes_per_token, self.page_size_tokens
+        if delta_bytes >= 0:
+            return delta_bytes // kv // page * page
+        needed_tokens = -(delta_bytes // kv)  # ceil(-delta_bytes / kv)
+        return -(-(-needed_tokens // page) * page)  # minus ceil to a whole page
+
+
+class MorphController:
+    """Decides when to quantize which layers under pressure and when to restore them.
+
+    Rules:
+    - A step is *high* when ``kv_usage >= kv_usage_high``, or requests wait and the oldest has
+      waited ``>= queue_delay_high_s``, or a request was retracted since the last step. Swapping
+      needs ``persist_steps`` consecutive high steps; a retraction fills that window at once,
+      because it is not a noisy gauge but proof that work was already thrown away.
+    - A step is *quiet* when ``kv_usage < kv_usage_high - kv_usage_quiet_margin``, nothing
+      waits and nothing was retracted. Restoring needs ``restore_quiet_steps`` consecutive quiet
+      steps spanning ``restore_quiet_s``, and is cut to the longest prefix of candidates whose
+      predicted usage ``kv_used / (kv_capacity - tokens_needed_back)`` stays below
+      ``kv_usage_low``. Steps that are neither break both streaks.
+    - After any action both streaks restart and no action follows within ``cooldown_s``. Both
+      together with the gap between the high, quiet and low thresholds prevent oscillation.
+    - Swaps walk ``swap_order`` (most expendable first) towards the first bit-width of
+      ``bits_sequence`` (limited to ``available_bits``) that some layer is still above; restores
+      walk it backwards, straight to 16 bits, since an intermediate 8-bit stop would double the
+      swaps and quiet windows before full quality is back.
+    - Layers outside ``swap_order`` never move. At most ``max_quantized_layers`` layers (all
+      layers counted, statically quantized ones included) are ever below 16 bits.
+
+    ``swap_order`` is checked for duplicates and negatives here and against the layer count at
+    every ``decide`` (the count is the length of ``layer_bits``, which must not change).
+    """
+
+    def __init__(
+        self,
+        policy: ModePolicy,
+        swap_order: tuple[int, ...],
+        available_bits: tuple[int, ...],
+        costs: LayerCosts,
+        max_quantized_layers: int | None = None,
+    ) -> None:
+        swap_order = tuple(swap_order)
+        if len(set(swap_order)) != len(swap_order) or any(i < 0 for i in swap_order):
+            raise ValueError(f"MorphController: swap_order must be distinct layer indices, "
+                             f"got {swap_order}")
+        for b in available_bits:
+            costs.layer_bytes(b)  # raises for a bit-width we cannot price
+        if max_quantized_layers is not None and max_quantized_layers < 0:
+            raise ValueError(f"MorphController: max_quantized_layers must be >= 0, "
+                             f"got {max_quantized_layers}")
+        self._swap_order = swap_order
+        self._available_bits = frozenset(available_bits)
+        self._costs = costs
+        self._max_quantized_layers = max_quantized_layers
+        self._policy = policy
+        self._num_layers: int | None = None
+        self._last_action_s: float | None = None
+        self._reset_streaks()
+
+    @property
+    def policy(self) -> ModePolicy:
+        return self._policy
+
+    def set_policy(self, policy: ModePolicy) -> None:
+        """Switch modes at runtime. Streaks restart (they were judged by the old thresholds);
+        the cooldown still counts from the last action, which the layers actually went through."""
+        self._policy = policy
+        self._reset_streaks()
+
+    def _reset_streaks(self) -> None:
+        self._high_steps = 0
+        self._quiet_steps = 0
+        self._quiet_since_s: float | None = None
+
+    def decide(self, signals: PressureSignals, layer_bits: tuple[int, ...]) -> SwapLayers | None:
+        self._check_layer_bits(layer_bits)
+        p, s = self._policy, signals
+        high_reasons = []
+        if s.kv_usage >= p.kv_usage_high:
+            high_reasons.append(f"kv_usage {s.kv_usage:.2f} >= {p.kv_usage_high:.2f}")
+        if s.num_waiting_reqs > 0 and s.head_wait_s >= p.queue_delay_high_s:
+            high_reasons.append(f"head_wait {s.head_wait_s:.3f} s >= {p.queue_delay_high_s} s "
+                                f"with {s.num_waiting_reqs} waiting")
+        if s.retractions_delta > 0:
+            high_reasons.append(f"{s.retractions_delta} retraction(s)")
+        quiet_threshold = p.kv_usage_high - p.kv_usage_quiet_margin
+        quiet = not high_reasons and s.num_waiting_reqs == 0 and s.kv_usage < quiet_threshold
+
+        if high_reasons:
+            self._high_steps += 1
+            if s.retractions_delta > 0:
+                self._high_steps = max(self._high_steps, p.persist_steps)
+        else:
+            self._high_steps = 0
+        if quiet:
+            self._quiet_steps += 1
+            if self._quiet_since_s is None:
+                self._quiet_since_s = s.time_s
+        else:
+            self._quiet_steps = 0
+            self._quiet_since_s = None
+
+        if self._last_action_s is not None and s.time_s - self._last_action_s < p.cooldown_s:
+            return None
+        action = None
+        if self._high_steps >= p.persist_steps:
+            action = self._swap_down(s, layer_bits, "; ".join(high_reasons))
+        elif (self._quiet_steps >= p.restore_quiet_steps
+              and s.time_s - self._quiet_since_s >= p.restore_quiet_s):
+            action = self._restore(s, layer_bits, quiet_threshold)
+        if action is not None:
+            self._last_action_s = s.time_s
+            self._reset_streaks()
+        return action
+
+    def _check_layer_bits(self, layer_bits: tuple[int, ...]) -> None:
+        n = len(layer_bits)
+        if self._num_layers is None:
+            if self._swap_order and max(self._swap_order) >= n:
+                raise ValueError(f"MorphController: swap_order names layer "
+                                 f"{max(self._swap_order)} but the model has {n} layers")
+            self._num_layers = n
+        elif n != self._num_layers:
+            raise ValueError(f"MorphController: layer_bits has {n} entries, "
+                             f"expected {self._num_layers}")
+        for i in self._swap_order:
+            self._costs.layer_bytes(layer_bits[i])  # a layer we may move must have a known size
+
+    def _swap_down(self, s: PressureSignals, layer_bits: tuple[int, ...],
+                   why: str) -> SwapLayers | None:
+        p = self._policy
+        targets = [b for b in p.bits_sequence if b in self._available_bits]
+        num_quantized = sum(b < FULL_PRECISION_BITS for b in layer_bits)
+        for target in targets:
+            quota = (self._max_quantized_layers - num_quantized
+                     if self._max_quantized_layers is not None else len(layer_bits))
+            picked = []
+            for i in self._swap_order:
+                if len(picked) == p.layers_per_step:
+                    break
+                if layer_bits[i] <= target:
+                    continue
+                if layer_bits[i] == FULL_PRECISION_BITS:
+                    if quota <= 0:
+                        continue  # already-quantized layers may still go lower
+                    quota -= 1
+                picked.append(i)
+            if picked:
+                freed = sum(self._costs.freed_tokens(layer_bits[i], target) for i in picked)
+                return SwapLayers(tuple(picked), target,
+                                  f"{why} for {self._high_steps} steps; "
+                                  f"frees {freed} KV tokens")
+        return None  # every swappable layer is at the last target (or the cap is reached)
+
+    def _restore(self, s: PressureSignals, layer_bits: tuple[int, ...],
+                 quiet_threshold: float) -> SwapLayers | None:
+        p = self._policy
+        candidates = [i for i in reversed(self._swap_order)
+                      if layer_bits[i] < FULL_PRECISION_BITS][: p.restore_layers_per_step]
+        chosen, needed_tokens, predicted = [], 0, s.kv_usage
+        for i in candidates:
+            need = needed_tokens - self._costs.freed_tokens(layer_bits[i], FULL_PRECISION_BITS)
+            capacity_after = s.kv_capacity_tokens - need
+            if capacity_after <= 0 or s.kv_used_tokens / capacity_after >= p.kv_usage_low:
+                break  # a prefix only: restoring out of order would break last-in-first-out
+            chosen.append(i)
+            needed_tokens, predicted = need, s.kv_used_tokens / capacity_after
+        if not chosen:
+            return None
+        return SwapLayers(
+            tuple(chosen), FULL_PRECISION_BITS,
+            f"quiet for {s.time_s - self._quiet_since_s:.1f} s / {self._quiet_steps} steps "
+            f"(kv_usage {s.kv_usage:.2f} < {quiet_threshold:.2f}, no queue); "
+            f"gives back {needed_tokens} KV tokens, predicted kv_usage {predicted:.2f} "
+            f"< {p.kv_usage_low:.2f}")

@@ -1,0 +1,132 @@
+"""Morph modes: the thresholds and pacing a ``MorphController`` decides with.
+
+A mode is one frozen ``ModePolicy``; ``MODES`` is the registry the CLI edge resolves a name
+against (``get_mode``). Modes differ in how readily they give up precision for KV capacity and
+how eagerly they take it back.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from sglang_morph.config import FULL_PRECISION_BITS
+
+
+@dataclasses.dataclass(frozen=True)
+class ModePolicy:
+    """Thresholds and pacing of one mode.
+
+    Invariants (checked): ``0 <= kv_usage_low < kv_usage_high - kv_usage_quiet_margin`` and
+    ``kv_usage_high <= 1``, so the "quiet" band and the restore target both lie strictly below
+    the swap trigger (that gap is the hysteresis); step counts and layer counts >= 1; times
+    >= 0; ``bits_sequence`` is non-empty, strictly decreasing and below full precision.
+    """
+
+    name: str
+    # --- swapping down (pressure) ---
+    kv_usage_high: float  # KV usage at/above which a step counts as high
+    queue_delay_high_s: float  # head-of-queue wait at/above which a step counts as high
+    persist_steps: int  # consecutive high steps before acting: one spike is not a burst
+    layers_per_step: int  # layers quantized per action
+    # Target bit-widths in order: a later entry is used only once every swappable layer is at
+    # or below the earlier one, so quality degrades gradually (8 everywhere before any 4).
+    bits_sequence: tuple[int, ...]
+    # --- restoring (no pressure) ---
+    kv_usage_quiet_margin: float  # a step is quiet only below kv_usage_high - this margin
+    kv_usage_low: float  # restore only if predicted usage AFTER the restore stays below this
+    restore_quiet_s: float  # quiet for at least this long ...
+    # ... and for at least this many observations, so one stale sample after a long gap does
+    # not pass for seconds of verified quiet.
+    restore_quiet_steps: int
+    restore_layers_per_step: int
+    # --- both ---
+    cooldown_s: float  # minimum time between two actions; a swap is not free, thrash is worse
+
+    def __post_init__(self) -> None:
+        def bad(msg: str) -> ValueError:
+            return ValueError(f"ModePolicy {self.name!r}: {msg}")
+
+        if not 0.0 < self.kv_usage_high <= 1.0:
+            raise bad(f"kv_usage_high must be in (0, 1], got {self.kv_usage_high}")
+        if not 0.0 <= self.kv_usage_quiet_margin < self.kv_usage_high:
+            raise bad(f"kv_usage_quiet_margin must be in [0, kv_usage_high), "
+                      f"got {self.kv_usage_quiet_margin}")
+        if not 0.0 <= self.kv_usage_low < self.kv_usage_high - self.kv_usage_quiet_margin:
+            raise bad(f"kv_usage_low {self.kv_usage_low} must be >= 0 and below the quiet "
+                      f"threshold {self.kv_usage_high - self.kv_usage_quiet_margin:.3f}")
+        for field in ("persist_steps", "layers_per_step", "restore_quiet_steps",
+                      "restore_layers_per_step"):
+            if getattr(self, field) < 1:
+                raise bad(f"{field} must be >= 1, got {getattr(self, field)}")
+        for field in ("queue_delay_high_s", "restore_quiet_s", "cooldown_s"):
+            if getattr(self, field) < 0:
+                raise bad(f"{field} must be >= 0, got {getattr(self, field)}")
+        seq = self.bits_sequence
+        if not seq or any(b >= FULL_PRECISION_BITS or b < 1 for b in seq) or any(
+            a <= b for a, b in zip(seq, seq[1:])
+        ):
+            raise bad(f"bits_sequence must be non-empty, strictly decreasing and below "
+                      f"{FULL_PRECISION_BITS}, got {seq}")
+
+
+# Steps are scheduler observations (tens of ms apart under load), so step counts are small
+# noise filters; the time windows carry the real pacing.
+MODES: dict[str, ModePolicy] = {
+    # Quality first: act late (near-full KV or clearly growing queues), degrade one layer at a
+    # time and to 8 bits before anything goes to 4, restore early and several layers at once.
+    "accuracy": ModePolicy(
+        name="accuracy",
+        kv_usage_high=0.92,
+        queue_delay_high_s=0.2,
+        persist_steps=5,
+        layers_per_step=1,
+        bits_sequence=(8, 4),
+        kv_usage_quiet_margin=0.1,
+        kv_usage_low=0.6,
+        restore_quiet_s=3.0,
+        restore_quiet_steps=5,
+        restore_layers_per_step=2,
+        cooldown_s=1.0,
+    ),
+    # Balanced: W4 swaps in pairs once the KV is 85% full for a few steps; restore after 5 s of
+    # quiet and only while the KV would stay under half full, far from the trigger.
+    "default": ModePolicy(
+        name="default",
+        kv_usage_high=0.85,
+        queue_delay_high_s=0.1,
+        persist_steps=3,
+        layers_per_step=2,
+        bits_sequence=(4,),
+        kv_usage_quiet_margin=0.1,
+        kv_usage_low=0.5,
+        restore_quiet_s=5.0,
+        restore_quiet_steps=10,
+        restore_layers_per_step=2,
+        cooldown_s=0.5,
+    ),
+    # Latency first: act early and in bigger steps, keep the capacity longer (a burst that just
+    # ended is the best predictor of the next one) and give it back slowly.
+    "performance": ModePolicy(
+        name="performance",
+        kv_usage_high=0.75,
+        queue_delay_high_s=0.05,
+        persist_steps=2,
+        layers_per_step=4,
+        bits_sequence=(4,),
+        kv_usage_quiet_margin=0.1,
+        kv_usage_low=0.4,
+        restore_quiet_s=10.0,
+        restore_quiet_steps=20,
+        restore_layers_per_step=1,
+        cooldown_s=0.25,
+    ),
+}
+
+
+def get_mode(name: str) -> ModePolicy:
+    try:
+        return MODES[name]
+    except KeyError:
+        raise ValueError(
+            f"unknown morph mode {name!r}; choose from {', '.join(sorted(MODES))}"
+        ) from None

@@ -1,0 +1,149 @@
+"""Pressure signals: what one scheduler step tells the controller, smoothed over time.
+
+The scheduler hook builds a ``PressureSnapshot`` from counters it already has (O(1), no
+scanning of requests) and hands it to ``PressureMonitor.observe``, which derives ratios, deltas
+and EWMAs into a ``PressureSignals`` for the controller. Nothing here knows about SGLang.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+
+def _check_non_negative(owner: str, **values: float) -> None:
+    for name, value in values.items():
+        # NaN slips through a plain `< 0` test and would poison every EWMA after it.
+        if value < 0 or math.isnan(value):
+            raise ValueError(f"{owner}: {name} must be >= 0, got {value!r}")
+
+
+@dataclasses.dataclass(frozen=True)
+class PressureSnapshot:
+    """Raw counters of one scheduler step.
+
+    Invariants (checked): every field >= 0 and ``kv_used_tokens <= kv_capacity_tokens``.
+    ``kv_used_tokens`` counts tokens held by live requests only: evictable prefix-cache pages
+    are free capacity for this purpose, since the scheduler reclaims them on demand.
+    """
+
+    time_s: float  # monotonic clock, not wall time: only differences matter
+    kv_capacity_tokens: int
+    kv_used_tokens: int
+    num_waiting_reqs: int
+    num_running_reqs: int
+    head_wait_s: float  # age of the oldest waiting request; 0.0 when none wait
+    retractions_total: int  # cumulative retracted (preempted) requests since start
+
+    def __post_init__(self) -> None:
+        _check_non_negative(
+            "PressureSnapshot",
+            time_s=self.time_s,
+            kv_capacity_tokens=self.kv_capacity_tokens,
+            kv_used_tokens=self.kv_used_tokens,
+            num_waiting_reqs=self.num_waiting_reqs,
+            num_running_reqs=self.num_running_reqs,
+            head_wait_s=self.head_wait_s,
+            retractions_total=self.retractions_total,
+        )
+        if self.kv_used_tokens > self.kv_capacity_tokens:
+            raise ValueError(
+                f"PressureSnapshot: kv_used_tokens {self.kv_used_tokens} exceeds "
+                f"kv_capacity_tokens {self.kv_capacity_tokens}; the KV accounting is broken"
+            )
+
+
+@dataclasses.dataclass(frozen=True)
+class PressureSignals:
+    """Derived view of one step, as the controller consumes it.
+
+    Invariants: ``0 <= kv_usage <= 1`` (0 when capacity is 0), ``retractions_delta >= 0``,
+    EWMAs equal the raw value on the first observation; latency EWMAs are None until the first
+    finished request reports one.
+    """
+
+    time_s: float
+    kv_usage: float
+    kv_usage_ewma: float
+    num_waiting_reqs: int
+    head_wait_s: float
+    queue_delay_ewma_s: float
+    retractions_delta: int  # retractions since the previous observation
+    num_running_reqs: int
+    kv_capacity_tokens: int
+    kv_used_tokens: int
+    ttft_ewma_s: float | None
+    tpot_ewma_s: float | None
+
+
+def _ewma(previous: float | None, sample: float, alpha: float) -> float:
+    # Seeding with the first sample, rather than 0, keeps the first seconds after start from
+    # reading as artificially calm.
+    return sample if previous is None else alpha * sample + (1.0 - alpha) * previous
+
+
+class PressureMonitor:
+    """Turns a stream of snapshots (and finished-request latencies) into ``PressureSignals``.
+
+    Invariants: snapshot times never go backwards and ``retractions_total`` never decreases
+    (either means two sources are mixed up, so ``observe`` refuses it rather than guessing).
+    ``ewma_alpha`` in (0, 1] is the weight of the newest sample.
+    """
+
+    def __init__(self, ewma_alpha: float = 0.3) -> None:
+        if not 0.0 < ewma_alpha <= 1.0:
+            raise ValueError(f"PressureMonitor: ewma_alpha must be in (0, 1], got {ewma_alpha!r}")
+        self.ewma_alpha = ewma_alpha
+        self._last: PressureSnapshot | None = None
+        self._kv_usage_ewma: float | None = None
+        self._queue_delay_ewma_s: float | None = None
+        self._ttft_ewma_s: float | None = None
+        self._tpot_ewma_s: float | None = None
+
+    def observe(self, snapshot: PressureSnapshot) -> PressureSignals:
+        last = self._last
+        if last is not None:
+            if snapshot.time_s < last.time_s:
+                raise ValueError(
+                    f"PressureMonitor: time went backwards ({last.time_s} -> {snapshot.time_s}); "
+                    f"use a monotonic clock"
+                )
+            if snapshot.retractions_total < last.retractions_total:
+                raise ValueError(
+                    f"PressureMonitor: retractions_total decreased "
+                    f"({last.retractions_total} -> {snapshot.retractions_total})"
+                )
+        # The first snapshot has no predecessor: retractions before monitoring began are not news.
+        retractions_delta = (
+            0 if last is None else snapshot.retractions_total - last.retractions_total
+        )
+        cap = snapshot.kv_capacity_tokens
+        kv_usage = snapshot.kv_used_tokens / cap if cap > 0 else 0.0
+        a = self.ewma_alpha
+        self._kv_usage_ewma = _ewma(self._kv_usage_ewma, kv_usage, a)
+        self._queue_delay_ewma_s = _ewma(self._queue_delay_ewma_s, snapshot.head_wait_s, a)
+        self._last = snapshot
+        return PressureSignals(
+            time_s=snapshot.time_s,
+            kv_usage=kv_usage,
+            kv_usage_ewma=self._kv_usage_ewma,
+            num_waiting_reqs=snapshot.num_waiting_reqs,
+            head_wait_s=snapshot.head_wait_s,
+            queue_delay_ewma_s=self._queue_delay_ewma_s,
+            retractions_delta=retractions_delta,
+            num_running_reqs=snapshot.num_running_reqs,
+            kv_capacity_tokens=cap,
+            kv_used_tokens=snapshot.kv_used_tokens,
+            ttft_ewma_s=self._ttft_ewma_s,
+            tpot_ewma_s=self._tpot_ewma_s,
+        )
+
+    def record_request_latency(self, ttft_s: float | None, tpot_s: float | None) -> None:
+        """Feed one finished request's latencies; None skips that metric (e.g. a 1-token reply
+        has no TPOT). The EWMAs show up in the next ``observe`` result."""
+        if ttft_s is not None:
+            _check_non_negative("record_request_latency", ttft_s=ttft_s)
+            self._ttft_ewma_s = _ewma(self._ttft_ewma_s, ttft_s, self.ewma_alpha)
+        if tpot_s is not None:
+            _check_non_negative("record_request_latency", tpot_s=tpot_s)
+            self._tpot_ewma_s = _ewma(self._tpot_ewma_s, tpot_s, self.ewma_alpha)

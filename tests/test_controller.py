@@ -1,0 +1,432 @@
+"""Control plane on synthetic signal sequences: monitor, modes, controller (no SGLang needed)."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import pytest
+
+from sglang_morph.control import (
+    MODES,
+    LayerCosts,
+    MorphController,
+    PressureMonitor,
+    PressureSignals,
+    PressureSnapshot,
+    SwapLayers,
+    get_mode,
+)
+
+# 16 -> 4 frees exactly 1200 tokens (75 pages of 16), 16 -> 8 frees 800.
+COSTS = LayerCosts({16: 160_000, 8: 80_000, 4: 40_000}, kv_bytes_per_token=100, page_size_tokens=16)
+ALL_BITS = (16, 8, 4)
+DEFAULT = MODES["default"]
+
+
+def sig(t, usage=0.0, waiting=0, head_wait_s=0.0, retractions=0, cap=10_000, used=None):
+    used = round(usage * cap) if used is None else used
+    return PressureSignals(
+        time_s=t, kv_usage=used / cap if cap else 0.0, kv_usage_ewma=used / cap if cap else 0.0,
+        num_waiting_reqs=waiting, head_wait_s=head_wait_s, queue_delay_ewma_s=head_wait_s,
+        retractions_delta=retractions, num_running_reqs=1, kv_capacity_tokens=cap,
+        kv_used_tokens=used, ttft_ewma_s=None, tpot_ewma_s=None,
+    )
+
+
+def policy(base=DEFAULT, **kw):
+    return dataclasses.replace(base, **kw)
+
+
+def ctl(pol=DEFAULT, order=(0, 1, 2, 3, 4, 5, 6, 7), bits=ALL_BITS, cap=None):
+    return MorphController(pol, order, bits, COSTS, max_quantized_layers=cap)
+
+
+def apply(bits, action):
+    bits = list(bits)
+    for i in action.layers:
+        bits[i] = action.bits
+    return tuple(bits)
+
+
+def drive(c, layer_bits, signals):
+    """Feed signals, applying every action; returns (actions with their time, final bits)."""
+    actions = []
+    for s in signals:
+        a = c.decide(s, layer_bits)
+        if a is not None:
+            actions.append((s.time_s, a))
+            layer_bits = apply(layer_bits, a)
+    return actions, layer_bits
+
+
+FULL8 = (16,) * 8
+
+# --------------------------------------------------------------------------- swap triggers
+
+
+def test_kv_high_acts_only_after_persist_steps_consecutive():
+    c = ctl()
+    usages = [0.9, 0.9, 0.7, 0.9, 0.9]  # the 0.7 step breaks the streak
+    assert all(c.decide(sig(0.1 * i, u), FULL8) is None for i, u in enumerate(usages))
+    a = c.decide(sig(0.5, 0.9), FULL8)  # third consecutive high step
+    assert a == SwapLayers((0, 1), 4, a.reason) and not a.restore
+    assert "kv_usage 0.90 >= 0.85" in a.reason and "frees 2400 KV tokens" in a.reason
+
+
+def test_isolated_spikes_never_act():
+    c = ctl()
+    seq = [sig(0.1 * i, 0.97 if i % 3 == 0 else 0.5) for i in range(300)]
+    assert drive(c, FULL8, seq)[0] == []
+
+
+def test_queue_delay_trigger_needs_waiting_requests_and_age():
+    young = [sig(0.1 * i, 0.3, waiting=4, head_wait_s=0.05) for i in range(10)]
+    nobody_waits = [sig(0.1 * i, 0.3, waiting=0, head_wait_s=0.5) for i in range(10)]
+    assert drive(ctl(), FULL8, young)[0] == []
+    assert drive(ctl(), FULL8, nobody_waits)[0] == []
+    old = [sig(0.1 * i, 0.3, waiting=4, head_wait_s=0.15) for i in range(3)]
+    actions, _ = drive(ctl(), FULL8, old)
+    assert [(t, a.layers) for t, a in actions] == [(pytest.approx(0.2), (0, 1))]
+    assert "head_wait 0.150 s >= 0.1 s with 4 waiting" in actions[0][1].reason
+
+
+def test_retraction_acts_at_once_but_respects_cooldown():
+    c = ctl(policy(cooldown_s=1.0))
+    a = c.decide(sig(0.0, 0.3, retractions=2), FULL8)
+    assert a is not None and a.layers == (0, 1) and "2 retraction(s)" in a.reason
+    bits = apply(FULL8, a)
+    assert c.decide(sig(0.5, 0.3, retractions=1), bits) is None  # inside the cooldown
+    assert c.decide(sig(0.6, 0.3), bits) is None  # the retraction streak did not survive calm
+    assert c.decide(sig(1.1, 0.3, retractions=1), bits).layers == (2, 3)
+
+
+# --------------------------------------------------------------------------- layer choice
+
+
+def test_layers_follow_swap_order_and_never_leave_it():
+    order = (5, 2, 7, 0)
+    c = ctl(policy(cooldown_s=0.0), order=order)
+    actions, bits = drive(c, FULL8, [sig(0.1 * i, 0.95) for i in range(40)])
+    assert [a.layers for _, a in actions] == [(5, 2), (7, 0)]
+    assert bits == (4, 16, 4, 16, 16, 4, 16, 4)  # layers 1, 3, 4, 6 are not in the order
+
+
+@pytest.mark.parametrize("mode,per_step", [("accuracy", 1), ("default", 2), ("performance", 4)])
+def test_layers_per_step_per_mode(mode, per_step):
+    actions, _ = drive(ctl(get_mode(mode)), FULL8, [sig(0.1 * i, 0.99) for i in range(6)])
+    assert actions and actions[0][1].layers == tuple(range(per_step))
+
+
+def test_accuracy_goes_to_8_everywhere_before_4():
+    c = ctl(policy(MODES["accuracy"], cooldown_s=0.0), order=(2, 0, 1))
+    actions, bits = drive(c, (16,) * 4, [sig(0.1 * i, 0.99) for i in range(100)])
+    assert [(a.layers, a.bits) for _, a in actions] == [
+        ((2,), 8), ((0,), 8), ((1,), 8), ((2,), 4), ((0,), 4), ((1,), 4)]
+    assert bits == (4, 4, 4, 16)
+
+
+def test_accuracy_skips_bit_widths_the_engines_lack():
+    c = ctl(policy(MODES["accuracy"], cooldown_s=0.0), order=(0,), bits=(16, 4))
+    assert [(a.layers, a.bits) for _, a in drive(c, (16,), [sig(i, 0.99) for i in range(20)])[0]] \
+        == [((0,), 4)]
+
+
+def test_max_quantized_layers_caps_new_quantization():
+    c = ctl(policy(cooldown_s=0.0), cap=3)
+    actions, bits = drive(c, FULL8, [sig(0.1 * i, 0.99) for i in range(50)])
+    assert [a.layers for _, a in actions] == [(0, 1), (2,)]
+    assert sum(b < 16 for b in bits) == 3
+    # With accuracy's 8-then-4 the cap bounds the 8-bit stage and 4 bits reuse the same layers.
+    c = ctl(policy(MODES["accuracy"], cooldown_s=0.0), cap=2)
+    actions, bits = drive(c, FULL8, [sig(0.1 * i, 0.99) for i in range(100)])
+    assert [(a.layers, a.bits) for _, a in actions] == [((0,), 8), ((1,), 8), ((0,), 4), ((1,), 4)]
+    # Statically quantized layers outside the order count towards the cap.
+    c = ctl(cap=1, order=(0, 1))
+    assert drive(c, (16, 16, 4), [sig(0.1 * i, 0.99) for i in range(10)])[0] == []
+
+
+def test_nothing_left_to_swap_returns_none():
+    c = ctl(policy(cooldown_s=0.0), order=(0, 1))
+    bits = (4, 4, 16)
+    assert all(c.decide(sig(0.1 * i, 0.99), bits) is None for i in range(20))
+
+
+# --------------------------------------------------------------------------- restore
+
+
+def swapped_controller(pol, order=(0, 1, 2, 3)):
+    """A controller that has just quantized every layer of ``order`` (at t < 0)."""
+    c = ctl(pol, order=order)
+    actions, bits = drive(c, (16,) * 4, [sig(-10 + 0.1 * i, 0.99) for i in range(40)])
+    assert all(b == 4 for b in bits)
+    return c, bits
+
+
+def test_restore_waits_for_quiet_time_and_quiet_steps():
+    pol = policy(restore_quiet_s=5.0, restore_quiet_steps=10, cooldown_s=0.0)
+    # Dense steps: the time window binds (first quiet step at t=0).
+    c, bits = swapped_controller(pol)
+    actions, _ = drive(c, bits, [sig(0.1 * i, 0.1) for i in range(52)])
+    assert actions[0][0] == pytest.approx(5.0)
+    # Sparse steps: the step count binds (10th quiet step at t=18 although 5 s passed at t=6).
+    c, bits = swapped_controller(pol)
+    actions, _ = drive(c, bits, [sig(2.0 * i, 0.1) for i in range(12)])
+    assert actions[0][0] == pytest.approx(18.0)
+    # A non-quiet step (a waiting request) restarts the window.
+    c, bits = swapped_controller(pol)
+    seq = [sig(0.1 * i, 0.1, waiting=1 if i == 30 else 0) for i in range(90)]
+    assert drive(c, bits, seq)[0][0][0] == pytest.approx(8.1)
+    # Usage between the quiet threshold (0.75) and the trigger (0.85) never counts as quiet.
+    c, bits = swapped_controller(pol)
+    assert drive(c, bits, [sig(0.1 * i, 0.8) for i in range(200)])[0] == []
+
+
+@pytest.mark.parametrize("used,restored", [(3500, (3, 2)), (4000, (3,)), (4500, ())])
+def test_restore_limited_by_predicted_usage(used, restored):
+    # Each restore takes 1200 tokens back from a 10000-token pool; kv_usage_low is 0.5:
+    # 3500/7600 = 0.46 fits two, 4000/8800 = 0.45 fits one (4000/7600 = 0.53 does not),
+    # 4500/8800 = 0.51 fits none.
+    c, bits = swapped_controller(policy(restore_quiet_s=1.0, restore_quiet_steps=2))
+    actions, _ = drive(c, bits, [sig(0.5 * i, used=used) for i in range(4)])
+    assert tuple(a.layers for _, a in actions) == ((restored,) if restored else ())
+    if restored:
+        assert actions[0][1].restore and actions[0][1].bits == 16
+
+
+def test_restore_order_is_reverse_swap_order_and_goes_straight_to_16():
+    c, bits = swapped_controller(policy(MODES["accuracy"], cooldown_s=0.0), order=(2, 0, 3, 1))
+    actions, bits = drive(c, bits, [sig(0.5 * i, 0.0) for i in range(100)])
+    assert [(a.layers, a.bits) for _, a in actions] == [((1, 3), 16), ((0, 2), 16)]
+    assert bits == (16,) * 4
+
+
+def test_cooldown_spaces_actions():
+    c = ctl(policy(cooldown_s=1.0))
+    actions, _ = drive(c, FULL8, [sig(0.1 * i, 0.99) for i in range(40)])
+    times = [t for t, _ in actions]
+    assert times == pytest.approx([0.2, 1.2, 2.2, 3.2])  # high steps counted during cooldown
+
+
+# --------------------------------------------------------------------------- stability
+
+
+def test_alternating_high_low_every_step_never_acts():
+    seq = [sig(0.1 * i, 0.95 if i % 2 else 0.1) for i in range(200)]
+    assert drive(ctl(policy(persist_steps=2)), FULL8, seq)[0] == []
+
+
+class Server:
+    """Toy server: KV capacity grows/shrinks with the actions, demand beyond it queues."""
+
+    def __init__(self, c, capacity_tokens=10_000):
+        self.c, self.cap, self.bits = c, capacity_tokens, FULL8
+        self.actions, self.caps = [], []  # caps[i]: capacity right after actions[i]
+
+    def step(self, t, demand_tokens):
+        used = min(demand_tokens, self.cap)
+        waiting = int(demand_tokens > used)
+        a = self.c.decide(sig(t, used=used, cap=self.cap, waiting=waiting,
+                              head_wait_s=0.5 * waiting), self.bits)
+        if a is not None:
+            self.cap += sum(COSTS.freed_tokens(self.bits[i], a.bits) for i in a.layers)
+            self.bits = apply(self.bits, a)
+            self.actions.append((t, a))
+            self.caps.append(self.cap)
+
+
+@pytest.mark.parametrize("mode", sorted(MODES))
+def test_bursty_load_gives_bounded_actions_and_no_flapping(mode):
+    # 200 steps of 0.1 s alternating 2 s bursts (demand above capacity) and 2 s lulls. Lulls are
+    # shorter than every quiet window, so a restore needs a burst that the grown pool absorbs
+    # without pressure; every restore comes a full quiet window after the previous action.
+    pol = get_mode(mode)
+    srv = Server(ctl(pol))
+    for i in range(200):
+        srv.step(0.1 * i, 12_000 if (i // 20) % 2 == 0 else 1_000)
+    assert 1 <= len(srv.actions) <= 16  # 8 layers; 16 -> 8 -> 4 at most one layer per action
+    restores = [i for i, (_, a) in enumerate(srv.actions) if a.restore]
+    assert len(restores) <= 20.0 / pol.restore_quiet_s
+    for i in restores:
+        assert srv.actions[i][0] - srv.actions[i - 1][0] >= pol.restore_quiet_s
+    # Swapping stops as soon as the pool absorbs a burst below the trigger, in every mode.
+    enough = [i for i, cap in enumerate(srv.caps) if 12_000 / cap < pol.kv_usage_high]
+    assert enough and not any(not a.restore for _, a in srv.actions[enough[0] + 1:])
+
+
+@pytest.mark.parametrize("mode", sorted(MODES))
+def test_steady_load_converges(mode):
+    # Burst, then a long steady moderate load: after adapting, the controller must go still
+    # (no restore that the next step would undo, no swap that the quiet window would undo).
+    srv = Server(ctl(get_mode(mode)))
+    for i in range(2000):
+        srv.step(0.1 * i, 13_000 if i < 100 else 5_000)
+    assert srv.actions and all(t < 100.0 for t, _ in srv.actions)
+    swaps_then_restores = [a.restore for _, a in srv.actions]
+    assert swaps_then_restores == sorted(swaps_then_restores)  # never swap after a restore
+    assert 5_000 / srv.cap < get_mode(mode).kv_usage_high
+
+
+def test_slow_square_wave_swaps_and_restores_once_per_cycle():
+    srv = Server(ctl(policy(cooldown_s=0.0, restore_layers_per_step=8)))
+    for i in range(400):  # 4 cycles of 10 s burst / 10 s lull at 0.2 s per step
+        srv.step(0.2 * i, 12_000 if i % 100 < 50 else 500)
+    # Each burst takes 2 swaps of 2 layers (2400 tokens each); each lull one restore of all 4,
+    # a quiet window (5 s) after it began.
+    assert [a.restore for _, a in srv.actions] == [False, False, True] * 4
+    assert [round(t, 1) for t, a in srv.actions if a.restore] == [15.0, 35.0, 55.0, 75.0]
+
+
+# --------------------------------------------------------------------------- modes
+
+
+def test_set_policy_switches_mode_and_resets_streaks():
+    c = ctl()
+    assert c.decide(sig(0.0, 0.95), FULL8) is None
+    assert c.decide(sig(0.1, 0.95), FULL8) is None  # default would act on the next high step
+    c.set_policy(get_mode("performance"))
+    assert c.policy is MODES["performance"]
+    assert c.decide(sig(0.2, 0.95), FULL8) is None  # streak restarted: 1 of 2
+    assert c.decide(sig(0.3, 0.95), FULL8).layers == (0, 1, 2, 3)
+    # Layer state belongs to the caller: 8-bit layers left by accuracy go on to 4 bits.
+    c = ctl(get_mode("performance"))
+    bits = (8, 8, 16, 16, 16, 16, 16, 16)
+    actions, _ = drive(c, bits, [sig(0.1 * i, 0.95) for i in range(2)])
+    assert [(a.layers, a.bits) for _, a in actions] == [((0, 1, 2, 3), 4)]
+
+
+def test_modes_are_ordered_from_cautious_to_eager():
+    acc, dft, perf = MODES["accuracy"], MODES["default"], MODES["performance"]
+    assert acc.kv_usage_high > dft.kv_usage_high > perf.kv_usage_high
+    assert acc.queue_delay_high_s > dft.queue_delay_high_s > perf.queue_delay_high_s
+    assert acc.layers_per_step < dft.layers_per_step < perf.layers_per_step
+    assert acc.bits_sequence == (8, 4) and dft.bits_sequence == perf.bits_sequence == (4,)
+    assert get_mode("default") is DEFAULT
+
+
+def test_get_mode_names_the_valid_modes():
+    with pytest.raises(ValueError, match="accuracy, default, performance"):
+        get_mode("fast")
+
+
+@pytest.mark.parametrize("bad", [
+    {"kv_usage_low": 0.8},  # above the quiet threshold 0.75: no hysteresis gap
+    {"kv_usage_high": 1.2},
+    {"persist_steps": 0},
+    {"cooldown_s": -1.0},
+    {"bits_sequence": (4, 8)},
+    {"bits_sequence": (16,)},
+    {"bits_sequence": ()},
+])
+def test_policy_validation(bad):
+    with pytest.raises(ValueError, match="ModePolicy 'default'"):
+        policy(**bad)
+
+
+# --------------------------------------------------------------------------- costs
+
+
+def test_layer_costs_round_to_pages_in_the_safe_direction():
+    costs = LayerCosts({16: 10_000, 4: 2_999}, kv_bytes_per_token=7, page_size_tokens=16)
+    # 7001 bytes = 1000.14 tokens: gaining rounds down to 62 pages, giving back rounds up to 63.
+    assert costs.freed_tokens(16, 4) == 992
+    assert costs.freed_tokens(4, 16) == -1008
+    assert costs.freed_tokens(4, 4) == 0
+    assert COSTS.freed_tokens(16, 4) == 1200 and COSTS.freed_tokens(4, 16) == -1200
+    assert COSTS.freed_tokens(8, 4) == 400 and COSTS.freed_tokens(16, 8) == 800
+
+
+@pytest.mark.parametrize("kw", [
+    {"layer_bytes_by_bits": {8: 1, 4: 1}},  # no 16
+    {"layer_bytes_by_bits": {16: 10, 4: 20}},  # 4 bits bigger than 16
+    {"layer_bytes_by_bits": {16: 10, 4: 0}},
+    {"kv_bytes_per_token": 0},
+    {"page_size_tokens": 0},
+])
+def test_layer_costs_validation(kw):
+    with pytest.raises(ValueError, match="LayerCosts"):
+        dataclasses.replace(COSTS, **kw)
+    with pytest.raises(ValueError, match="no size for 3-bit"):
+        COSTS.freed_tokens(16, 3)
+
+
+# --------------------------------------------------------------------------- validation
+
+
+def test_controller_and_action_validation():
+    with pytest.raises(ValueError, match="distinct"):
+        ctl(order=(0, 1, 1))
+    with pytest.raises(ValueError, match="distinct"):
+        ctl(order=(-1, 0))
+    with pytest.raises(ValueError, match="no size for 3-bit"):
+        ctl(bits=(16, 3))
+    with pytest.raises(ValueError, match="max_quantized_layers"):
+        ctl(cap=-1)
+    with pytest.raises(ValueError, match="names layer 7 but the model has 4 layers"):
+        ctl().decide(sig(0.0), (16,) * 4)
+    c = ctl()
+    c.decide(sig(0.0), FULL8)
+    with pytest.raises(ValueError, match="expected 8"):
+        c.decide(sig(0.1), (16,) * 9)
+    with pytest.raises(ValueError, match="no size for 3-bit"):
+        c.decide(sig(0.2), (3,) + (16,) * 7)
+    with pytest.raises(ValueError):
+        SwapLayers((), 4, "x")
+    with pytest.raises(ValueError):
+        SwapLayers((1, 1), 4, "x")
+    with pytest.raises(ValueError):
+        SwapLayers((1,), 32, "x")
+    assert SwapLayers((1,), 16, "x").restore
+
+
+# --------------------------------------------------------------------------- monitor
+
+
+def snap(t, used=0, cap=100, waiting=0, running=1, head_wait_s=0.0, retractions=0):
+    return PressureSnapshot(t, cap, used, waiting, running, head_wait_s, retractions)
+
+
+def test_monitor_ewma_ratio_and_retraction_delta():
+    m = PressureMonitor(ewma_alpha=0.5)
+    s0 = m.observe(snap(0.0, used=0, retractions=5, head_wait_s=0.4, waiting=2))
+    assert (s0.kv_usage, s0.kv_usage_ewma, s0.retractions_delta) == (0.0, 0.0, 0)
+    assert s0.queue_delay_ewma_s == 0.4 and s0.num_waiting_reqs == 2
+    s1 = m.observe(snap(1.0, used=100, retractions=5))
+    assert (s1.kv_usage, s1.kv_usage_ewma, s1.retractions_delta) == (1.0, 0.5, 0)
+    assert s1.queue_delay_ewma_s == pytest.approx(0.2)
+    s2 = m.observe(snap(2.0, used=100, retractions=8))
+    assert (s2.kv_usage_ewma, s2.retractions_delta) == (0.75, 3)
+    assert m.observe(snap(3.0, used=0, cap=0, retractions=8)).kv_usage == 0.0
+    assert (s2.kv_capacity_tokens, s2.kv_used_tokens, s2.num_running_reqs) == (100, 100, 1)
+
+
+def test_monitor_latency_ewmas():
+    m = PressureMonitor(ewma_alpha=0.5)
+    s = m.observe(snap(0.0))
+    assert s.ttft_ewma_s is None and s.tpot_ewma_s is None
+    m.record_request_latency(1.0, None)
+    s = m.observe(snap(0.1))
+    assert s.ttft_ewma_s == 1.0 and s.tpot_ewma_s is None
+    m.record_request_latency(3.0, 0.1)
+    m.record_request_latency(None, 0.3)
+    s = m.observe(snap(0.2))
+    assert s.ttft_ewma_s == 2.0 and s.tpot_ewma_s == pytest.approx(0.2)
+
+
+def test_monitor_validation():
+    for kw in ({"used": -1}, {"waiting": -1}, {"head_wait_s": -0.1}, {"retractions": -1},
+               {"head_wait_s": math.nan}, {"used": 101}):
+        with pytest.raises(ValueError, match="PressureSnapshot"):
+            snap(0.0, **kw)
+    with pytest.raises(ValueError, match="ewma_alpha"):
+        PressureMonitor(ewma_alpha=0.0)
+    m = PressureMonitor()
+    m.observe(snap(1.0, retractions=3))
+    with pytest.raises(ValueError, match="backwards"):
+        m.observe(snap(0.5, retractions=3))
+    with pytest.raises(ValueError, match="decreased"):
+        m.observe(snap(2.0, retractions=2))
+    with pytest.raises(ValueError, match="ttft_s"):
+        m.record_request_latency(-1.0, None)
+    with pytest.raises(ValueError, match="tpot_s"):
+        m.record_request_latency(None, -1.0)

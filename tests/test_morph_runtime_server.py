@@ -1,0 +1,342 @@
+"""MorphServe runtime in a live server: in-place layer swaps, KV growth and shrink, control API.
+
+One float32 server (exact greedy equality with transformers holds in float32), manual control
+only (``--disable-morph-controller``), a small memory budget so that the KV growth matters, and
+SGLang's ``--api-key`` plus ``--admin-api-key``. The controller's end-to-end test under a burst
+has its own server at the end.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+
+import pytest
+import requests
+import torch
+
+from conftest import running_server
+from sglang_morph.engines import hf_variants
+from sglang_morph.engines.manifest import EngineManifest
+
+API_KEY = "test-api-key"
+ADMIN_KEY = "test-admin-key"
+USER = {"Authorization": f"Bearer {API_KEY}"}
+ADMIN = {"Authorization": f"Bearer {ADMIN_KEY}"}
+# float32 weights are about 540 MB; this leaves a KV pool of a few thousand tokens.
+BUDGET = "650MB"
+SWAPPED = [17, 14, 13, 15, 12, 25, 16, 26]  # the first 8 of the LIS profile order
+
+
+@pytest.fixture(scope="module")
+def server(server_factory, engines_awq, tmp_path_factory):
+    log = tmp_path_factory.mktemp("morph_log") / "transitions.jsonl"
+    srv = server_factory(
+        "--dtype", "float32", "--enable-morph", "--morph-engines", str(engines_awq),
+        "--morph-memory-budget", BUDGET, "--disable-morph-controller", "--morph-log", str(log),
+        "--api-key", API_KEY, "--admin-api-key", ADMIN_KEY,
+    )
+    srv.transitions_log = log
+    return srv
+
+
+def status(server) -> dict:
+    r = requests.get(f"{server.url}/morph/status", headers=USER, timeout=60)
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+def swap(server, layers, bits, headers=ADMIN) -> requests.Response:
+    return requests.post(f"{server.url}/morph/swap", json={"layers": layers, "bits": bits},
+                         headers=headers, timeout=600)
+
+
+def generate_ids(server, ids, n_new) -> list[int]:
+    r = requests.post(f"{server.url}/generate", headers=USER, timeout=600, json={
+        "input_ids": ids, "sampling_params": {"temperature": 0, "max_new_tokens": n_new,
+                                              "ignore_eos": True}})
+    assert r.status_code == 200, r.text
+    return r.json()["output_ids"]
+
+
+class Stream:
+    """One streamed greedy /generate in a thread; ``ids`` grows as chunks arrive."""
+
+    def __init__(self, server, ids, n_new):
+        self.ids: list[int] = []
+        self.error: BaseException | None = None
+        self.finish_reason = None
+        self._thread = threading.Thread(target=self._run, args=(server, ids, n_new), daemon=True)
+        self._thread.start()
+
+    def _run(self, server, ids, n_new):
+        try:
+            with requests.post(f"{server.url}/generate", headers=USER, stream=True, timeout=900,
+                               json={"input_ids": ids, "stream": True, "sampling_params": {
+                                   "temperature": 0, "max_new_tokens": n_new,
+                                   "ignore_eos": True}}) as r:
+                r.raise_for_status()
+                for line in r.iter_lines():
+                    if not line.startswith(b"data:") or line == b"data: [DONE]":
+                        continue
+                    chunk = json.loads(line[5:])
+                    self.ids = list(chunk["output_ids"])
+                    self.finish_reason = chunk["meta_info"].get("finish_reason")
+        except BaseException as e:  # reported by join()
+            self.error = e
+
+    def wait_for(self, n_tokens: int, timeout_s: float = 600) -> None:
+        deadline = time.monotonic() + timeout_s
+        while len(self.ids) < n_tokens:
+            assert self._thread.is_alive() or len(self.ids) >= n_tokens, self.error
+            assert time.monotonic() < deadline, f"stream stuck at {len(self.ids)} tokens"
+            time.sleep(0.02)
+
+    def join(self) -> list[int]:
+        self._thread.join(timeout=900)
+        assert self.error is None, self.error
+        return self.ids
+
+
+def prompt_ids(tokenizer, seed: int, n_tokens: int) -> list[int]:
+    """A distinct prompt of exactly ``n_tokens`` (no shared prefix with other seeds)."""
+    text = " ".join(f"item{seed}-{i} is a number." for i in range(n_tokens))
+    return tokenizer(text)["input_ids"][:n_tokens]
+
+
+@pytest.fixture(scope="module")
+def tokenizer(default_model_path):
+    return hf_variants.load_tokenizer(default_model_path)
+
+
+def test_status_shape_and_budget(server):
+    s = status(server)
+    assert s["mode"] == "default" and s["controller"] is False
+    assert [layer["bits"] for layer in s["layers"]] == [16] * 30
+    assert s["available_bits"] == [4, 8, 16]
+    assert s["kv_bytes_per_token"] == 2 * 30 * 3 * 64 * 4  # K and V, 30 layers, 3 heads, fp32
+    assert s["kv_capacity_tokens"] == s["kv_capacity_tokens_at_start"] > 1000
+    assert s["weight_bytes"] + s["kv_bytes"] <= s["memory_budget_bytes"] == 650_000_000
+    assert s["free_budget_bytes"] < s["kv_bytes_per_token"]  # the launcher filled the budget
+
+
+def test_bad_requests_get_4xx_and_change_nothing(server):
+    before = status(server)
+    cases = [
+        ({"layers": [30], "bits": 4}, "unknown layers [30]"),
+        ({"layers": [-1], "bits": 4}, "unknown layers [-1]"),
+        ({"layers": [1, 1], "bits": 4}, "repeat"),
+        ({"layers": [1], "bits": 3}, "no 3-bit variant"),
+        ({"layers": [], "bits": 4}, "non-empty list"),
+        ({"layers": [1], "bits": "4"}, "'bits' must be an integer"),
+        ({"layers": [1], "bits": 4, "extra": 1}, "unknown fields"),
+    ]
+    for body, needle in cases:
+        r = requests.post(f"{server.url}/morph/swap", json=body, headers=ADMIN, timeout=60)
+        assert r.status_code == 400 and needle in r.json()["error"], (body, r.text)
+    r = requests.post(f"{server.url}/morph/swap", data="{not json", headers=ADMIN, timeout=60)
+    assert r.status_code == 400
+    r = requests.post(f"{server.url}/morph/mode", json={"mode": "fastest"}, headers=ADMIN,
+                      timeout=60)
+    assert r.status_code == 400 and "fastest" in r.json()["error"]
+    after = status(server)
+    for key in ("layers", "kv_capacity_tokens", "transitions_total", "mode"):
+        assert after[key] == before[key], key
+
+
+def test_control_endpoints_obey_api_and_admin_keys(server):
+    before = status(server)
+    assert requests.get(f"{server.url}/morph/status", timeout=60).status_code == 401
+    for headers in ({}, USER, {"Authorization": "Bearer wrong"}):
+        assert swap(server, [0], 4, headers=headers).status_code == 401
+        r = requests.post(f"{server.url}/morph/mode", json={"mode": "performance"},
+                          headers=headers, timeout=60)
+        assert r.status_code == 401
+    after = status(server)
+    assert after["layers"] == before["layers"] and after["mode"] == before["mode"]
+    r = requests.post(f"{server.url}/morph/mode", json={"mode": "performance"}, headers=ADMIN,
+                      timeout=60)
+    assert r.status_code == 200 and r.json()["mode"] == "performance"
+    r = requests.post(f"{server.url}/morph/mode", json={"mode": "default"}, headers=ADMIN,
+                      timeout=60)
+    assert r.json()["mode"] == "default"
+
+
+def test_swap_grows_kv_by_freed_bytes_and_restore_returns_exactly(server, tokenizer):
+    prompts = [prompt_ids(tokenizer, seed, 40) for seed in range(3)]
+    before_outputs = [generate_ids(server, ids, 24) for ids in prompts]
+    start = status(server)
+    page = 1
+
+    r = swap(server, SWAPPED, 4)
+    assert r.status_code == 200, r.text
+    s = r.json()
+    t = s["transitions"][-1]
+    assert t["action"] == "swap" and t["layers"] == SWAPPED and t["to_bits"] == 4
+    assert t["freed_bytes"] > 8 * 10_000_000  # ~12 MB per float32 layer
+    grown = s["kv_capacity_tokens"] - start["kv_capacity_tokens"]
+    expected = (t["freed_bytes"] + start["free_budget_bytes"]) // s["kv_bytes_per_token"]
+    assert expected - page < grown <= expected
+    assert [layer["bits"] for layer in s["layers"]] == [4 if i in SWAPPED else 16
+                                                        for i in range(30)]
+    assert s["weight_bytes"] + s["kv_bytes"] <= s["memory_budget_bytes"]
+    # Quantized layers change greedy outputs somewhere, or the swap did nothing.
+    swapped_outputs = [generate_ids(server, ids, 24) for ids in prompts]
+    assert swapped_outputs != before_outputs
+
+    r = swap(server, SWAPPED, 16)
+    assert r.status_code == 200, r.text
+    s = r.json()
+    assert s["transitions"][-1]["action"] == "restore"
+    assert s["kv_capacity_tokens"] == start["kv_capacity_tokens"]
+    assert s["weight_bytes"] == start["weight_bytes"] and s["kv_bytes"] == start["kv_bytes"]
+    assert [layer["bits"] for layer in s["layers"]] == [16] * 30
+    assert [generate_ids(server, ids, 24) for ids in prompts] == before_outputs
+
+    lines = server.transitions_log.read_text().splitlines()
+    logged = [json.loads(line) for line in lines[-2:]]
+    assert [x["action"] for x in logged] == ["swap", "restore"]
+    assert logged[0]["layers"] == SWAPPED
+
+
+def test_long_stream_keeps_going_across_swap_and_restore(server, tokenizer):
+    ids = prompt_ids(tokenizer, 100, 64)
+    n_new = 240
+    reference = generate_ids(server, ids, n_new)  # this server, never swapped at this point
+    stream = Stream(server, ids, n_new)
+    stream.wait_for(20)
+    tokens_before_swap = list(stream.ids)
+    assert swap(server, SWAPPED, 4).status_code == 200
+    stream.wait_for(len(tokens_before_swap) + 60)
+    assert swap(server, SWAPPED, 16).status_code == 200
+    out = stream.join()
+    assert len(out) == n_new and stream.finish_reason["type"] == "length"
+    assert out[: len(tokens_before_swap)] == reference[: len(tokens_before_swap)]
+    assert [layer["bits"] for layer in status(server)["layers"]] == [16] * 30
+
+
+def transformers_schedule(model_path, engines, ids, n_new, quantized_until: int) -> list[int]:
+    """Greedy tokens from transformers (float32) when ``SWAPPED`` are W4 for the forwards that
+    produce tokens ``0..quantized_until-1`` and full precision afterwards, with one KV cache
+    throughout: what a state-preserving restore at that token must produce."""
+    model = hf_variants.load_model(model_path)
+    w4 = hf_variants.LayerVariants(model, engines, EngineManifest.load(engines), 4,
+                                   progress=False)
+    out: list[int] = []
+    past = None
+    x = torch.tensor([ids])
+    with torch.inference_mode():
+        for t in range(n_new):
+            w4.set_quantized(SWAPPED if t < quantized_until else ())
+            res = model(input_ids=x, past_key_values=past, use_cache=True)
+            past = res.past_key_values
+            token = int(res.logits[0, -1].argmax())
+            out.append(token)
+            x = torch.tensor([[token]])
+    return out
+
+
+def test_restore_moves_live_kv_without_corrupting_it(server, tokenizer, engines_awq,
+                                                     default_model_path):
+    """The stream's KV sits above the start capacity (the low slots hold cached prompts) when
+    the restore shrinks the pool: the restore evicts the cache and moves the live KV down, and
+    the request's tokens equal transformers with the same precision schedule."""
+    requests.post(f"{server.url}/flush_cache", headers=ADMIN, timeout=60)
+    start = status(server)
+    assert swap(server, SWAPPED, 4).status_code == 200
+    # Cached prompts fill the slots below the start capacity.
+    filler_tokens = start["kv_capacity_tokens"] - 400
+    for seed in range(200, 200 + filler_tokens // 300):
+        generate_ids(server, prompt_ids(tokenizer, seed, 299), 1)
+    ids = prompt_ids(tokenizer, 1, 300)
+    n_new = 64
+    stream = Stream(server, ids, n_new)
+    stream.wait_for(8)
+    pause = requests.post(f"{server.url}/pause_generation", json={"mode": "in_place"},
+                          headers=ADMIN, timeout=60)
+    assert pause.status_code == 200, pause.text
+    time.sleep(2.0)  # the tokens of the last step reach the client
+    k = len(stream.ids)
+    r = swap(server, SWAPPED, 16)
+    requests.post(f"{server.url}/continue_generation", json={}, headers=ADMIN, timeout=60)
+    assert r.status_code == 200, r.text
+    t = r.json()["transitions"][-1]
+    assert t["action"] == "restore" and t["kv_moved_tokens"] > 0 and t["kv_evicted_tokens"] > 0
+    assert r.json()["kv_capacity_tokens"] == start["kv_capacity_tokens"]
+    out = stream.join()
+    expected = transformers_schedule(default_model_path, engines_awq, ids, n_new, k)
+    assert out == expected, (k, out, expected)
+
+
+def test_restore_refused_while_live_kv_exceeds_the_smaller_pool(server, tokenizer):
+    """When live requests need more KV than the pool would have after the restore, the restore
+    is refused with 409 and changes nothing; it succeeds once they finish."""
+    start = status(server)
+    assert swap(server, SWAPPED, 4).status_code == 200
+    grown = status(server)["kv_capacity_tokens"]
+    n_prompt = (start["kv_capacity_tokens"] + 600) // 2
+    streams = [Stream(server, prompt_ids(tokenizer, 300 + i, n_prompt), 400) for i in range(2)]
+    for s in streams:
+        s.wait_for(2)
+    requests.post(f"{server.url}/pause_generation", json={"mode": "in_place"}, headers=ADMIN,
+                  timeout=60)
+    try:
+        r = swap(server, SWAPPED, 16)
+        assert r.status_code == 409, r.text
+        after = status(server)
+        assert after["kv_capacity_tokens"] == grown
+        assert [x["bits"] for x in after["layers"]] == [4 if i in SWAPPED else 16
+                                                        for i in range(30)]
+    finally:
+        requests.post(f"{server.url}/continue_generation", json={}, headers=ADMIN, timeout=60)
+    for s in streams:
+        assert len(s.join()) == 400
+    r = swap(server, SWAPPED, 16)
+    assert r.status_code == 200 and r.json()["kv_capacity_tokens"] == start["kv_capacity_tokens"]
+
+
+def test_controller_swaps_under_a_burst_and_restores_after(engines_awq, tokenizer, tmp_path):
+    """A small budget and a burst of concurrent requests: the default-mode controller swaps
+    layers and grows KV during the burst, and restores every layer once load is gone."""
+    log = tmp_path / "transitions.jsonl"
+    args = ["--enable-morph", "--morph-engines", str(engines_awq), "--morph-memory-budget",
+            "310MB", "--morph-log", str(log), "--enable-metrics"]
+    with running_server(args, tmp_path) as srv:
+        start = requests.get(f"{srv.url}/morph/status", timeout=60).json()
+        assert start["controller"] is True and start["quantized_layers"] == 0
+        burst_tokens = 0
+
+        def one(seed):
+            requests.post(f"{srv.url}/generate", timeout=900, json={
+                "input_ids": prompt_ids(tokenizer, seed, 200),
+                "sampling_params": {"temperature": 0, "max_new_tokens": 48, "ignore_eos": True}})
+
+        threads = [threading.Thread(target=one, args=(400 + i,)) for i in range(32)]
+        burst_tokens = 32 * 248
+        assert burst_tokens > 2 * start["kv_capacity_tokens"]
+        for th in threads:
+            th.start()
+        peak_layers = 0
+        while any(th.is_alive() for th in threads):
+            peak_layers = max(peak_layers,
+                              requests.get(f"{srv.url}/morph/status", timeout=60).json()[
+                                  "quantized_layers"])
+            time.sleep(0.5)
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline:
+            s = requests.get(f"{srv.url}/morph/status", timeout=60).json()
+            if s["quantized_layers"] == 0:
+                break
+            time.sleep(1.0)
+        assert s["quantized_layers"] == 0, s["transitions"]
+        assert s["kv_capacity_tokens"] == start["kv_capacity_tokens"]
+        metrics = requests.get(f"{srv.url}/metrics", timeout=60).text
+    logged = [json.loads(line) for line in log.read_text().splitlines()]
+    actions = [x["action"] for x in logged]
+    assert "swap" in actions and actions[-1] == "restore", actions
+    assert all(x["source"] == "controller" for x in logged)
+    assert max(x["kv_capacity_tokens_after"] for x in logged) > start["kv_capacity_tokens"]
+    assert peak_layers > 0 or len(logged) >= 2
+    assert "sglang_morph_kv_capacity_tokens" in metrics
+    assert "sglang_morph_transitions_total" in metrics
