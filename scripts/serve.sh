@@ -32,8 +32,10 @@ if ! (command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1); t
   # --morph-memory-budget sizes the pool itself.
   has_flag --max-total-tokens "$@" || has_flag --mem-fraction-static "$@" \
     || has_flag --morph-memory-budget "$@" || args+=(--max-total-tokens 65536)
-  # Without it the idle scheduler busy-polls and keeps a whole core at 100%.
-  has_flag --sleep-on-idle "$@" || args+=(--sleep-on-idle)
+  # Without it the idle scheduler busy-polls and keeps a whole core at 100%
+  # (SGLANG_MORPH_SLEEP_ON_IDLE=0 keeps SGLang's busy loop, e.g. to measure per-step overhead).
+  has_flag --sleep-on-idle "$@" || [[ "${SGLANG_MORPH_SLEEP_ON_IDLE:-1}" == 0 ]] \
+    || args+=(--sleep-on-idle)
 fi
 
 exec "$PY" -m sglang.launch_server "${args[@]}"

@@ -16,7 +16,7 @@ import pytest
 import requests
 import torch
 
-from conftest import running_server
+from conftest import SHARED_DATA, running_server
 from sglang_morph.engines import hf_variants
 from sglang_morph.engines.manifest import EngineManifest
 
@@ -99,15 +99,23 @@ class Stream:
         return self.ids
 
 
-def prompt_ids(tokenizer, seed: int, n_tokens: int) -> list[int]:
-    """A distinct prompt of exactly ``n_tokens`` (no shared prefix with other seeds)."""
-    text = " ".join(f"item{seed}-{i} is a number." for i in range(n_tokens))
-    return tokenizer(text)["input_ids"][:n_tokens]
-
-
 @pytest.fixture(scope="module")
 def tokenizer(default_model_path):
     return hf_variants.load_tokenizer(default_model_path)
+
+
+@pytest.fixture(scope="module")
+def corpus_ids(tokenizer) -> list[int]:
+    return tokenizer((SHARED_DATA / "text" / "wikitext2_test.txt").read_text())[
+        "input_ids"]
+
+
+def prompt_ids(corpus_ids, seed: int, n_tokens: int) -> list[int]:
+    """``n_tokens`` of WikiText-2 at a per-seed offset: distinct prompts for distinct seeds
+    (no shared prefix, so no radix-cache hit between them)."""
+    start = seed * 600
+    assert start + n_tokens <= len(corpus_ids)
+    return corpus_ids[start:start + n_tokens]
 
 
 def test_status_shape_and_budget(server):
@@ -163,9 +171,9 @@ def test_control_endpoints_obey_api_and_admin_keys(server):
     assert r.json()["mode"] == "default"
 
 
-def test_swap_grows_kv_by_freed_bytes_and_restore_returns_exactly(server, tokenizer):
-    prompts = [prompt_ids(tokenizer, seed, 40) for seed in range(3)]
-    before_outputs = [generate_ids(server, ids, 24) for ids in prompts]
+def test_swap_grows_kv_by_freed_bytes_and_restore_returns_exactly(server, corpus_ids):
+    prompts = [prompt_ids(corpus_ids, seed, 40) for seed in range(4)]
+    before_outputs = [generate_ids(server, ids, 32) for ids in prompts]
     start = status(server)
     page = 1
 
@@ -182,7 +190,7 @@ def test_swap_grows_kv_by_freed_bytes_and_restore_returns_exactly(server, tokeni
                                                         for i in range(30)]
     assert s["weight_bytes"] + s["kv_bytes"] <= s["memory_budget_bytes"]
     # Quantized layers change greedy outputs somewhere, or the swap did nothing.
-    swapped_outputs = [generate_ids(server, ids, 24) for ids in prompts]
+    swapped_outputs = [generate_ids(server, ids, 32) for ids in prompts]
     assert swapped_outputs != before_outputs
 
     r = swap(server, SWAPPED, 16)
@@ -192,7 +200,7 @@ def test_swap_grows_kv_by_freed_bytes_and_restore_returns_exactly(server, tokeni
     assert s["kv_capacity_tokens"] == start["kv_capacity_tokens"]
     assert s["weight_bytes"] == start["weight_bytes"] and s["kv_bytes"] == start["kv_bytes"]
     assert [layer["bits"] for layer in s["layers"]] == [16] * 30
-    assert [generate_ids(server, ids, 24) for ids in prompts] == before_outputs
+    assert [generate_ids(server, ids, 32) for ids in prompts] == before_outputs
 
     lines = server.transitions_log.read_text().splitlines()
     logged = [json.loads(line) for line in lines[-2:]]
@@ -200,8 +208,8 @@ def test_swap_grows_kv_by_freed_bytes_and_restore_returns_exactly(server, tokeni
     assert logged[0]["layers"] == SWAPPED
 
 
-def test_long_stream_keeps_going_across_swap_and_restore(server, tokenizer):
-    ids = prompt_ids(tokenizer, 100, 64)
+def test_long_stream_keeps_going_across_swap_and_restore(server, corpus_ids):
+    ids = prompt_ids(corpus_ids, 100, 64)
     n_new = 240
     reference = generate_ids(server, ids, n_new)  # this server, never swapped at this point
     stream = Stream(server, ids, n_new)
@@ -237,7 +245,7 @@ def transformers_schedule(model_path, engines, ids, n_new, quantized_until: int)
     return out
 
 
-def test_restore_moves_live_kv_without_corrupting_it(server, tokenizer, engines_awq,
+def test_restore_moves_live_kv_without_corrupting_it(server, corpus_ids, engines_awq,
                                                      default_model_path):
     """The stream's KV sits above the start capacity (the low slots hold cached prompts) when
     the restore shrinks the pool: the restore evicts the cache and moves the live KV down, and
@@ -245,11 +253,11 @@ def test_restore_moves_live_kv_without_corrupting_it(server, tokenizer, engines_
     requests.post(f"{server.url}/flush_cache", headers=ADMIN, timeout=60)
     start = status(server)
     assert swap(server, SWAPPED, 4).status_code == 200
-    # Cached prompts fill the slots below the start capacity.
-    filler_tokens = start["kv_capacity_tokens"] - 400
-    for seed in range(200, 200 + filler_tokens // 300):
-        generate_ids(server, prompt_ids(tokenizer, seed, 299), 1)
-    ids = prompt_ids(tokenizer, 1, 300)
+    # Cached prompts fill every slot below the start capacity (a flushed allocator hands out
+    # the lowest free slots first), so the stream's KV lands above it.
+    for seed in range(200, 200 + start["kv_capacity_tokens"] // 300 + 1):
+        generate_ids(server, prompt_ids(corpus_ids, seed, 299), 1)
+    ids = prompt_ids(corpus_ids, 1, 300)
     n_new = 64
     stream = Stream(server, ids, n_new)
     stream.wait_for(8)
@@ -269,14 +277,14 @@ def test_restore_moves_live_kv_without_corrupting_it(server, tokenizer, engines_
     assert out == expected, (k, out, expected)
 
 
-def test_restore_refused_while_live_kv_exceeds_the_smaller_pool(server, tokenizer):
+def test_restore_refused_while_live_kv_exceeds_the_smaller_pool(server, corpus_ids):
     """When live requests need more KV than the pool would have after the restore, the restore
     is refused with 409 and changes nothing; it succeeds once they finish."""
     start = status(server)
     assert swap(server, SWAPPED, 4).status_code == 200
     grown = status(server)["kv_capacity_tokens"]
     n_prompt = (start["kv_capacity_tokens"] + 600) // 2
-    streams = [Stream(server, prompt_ids(tokenizer, 300 + i, n_prompt), 400) for i in range(2)]
+    streams = [Stream(server, prompt_ids(corpus_ids, 300 + i, n_prompt), 100) for i in range(2)]
     for s in streams:
         s.wait_for(2)
     requests.post(f"{server.url}/pause_generation", json={"mode": "in_place"}, headers=ADMIN,
@@ -291,12 +299,12 @@ def test_restore_refused_while_live_kv_exceeds_the_smaller_pool(server, tokenize
     finally:
         requests.post(f"{server.url}/continue_generation", json={}, headers=ADMIN, timeout=60)
     for s in streams:
-        assert len(s.join()) == 400
+        assert len(s.join()) == 100
     r = swap(server, SWAPPED, 16)
     assert r.status_code == 200 and r.json()["kv_capacity_tokens"] == start["kv_capacity_tokens"]
 
 
-def test_controller_swaps_under_a_burst_and_restores_after(engines_awq, tokenizer, tmp_path):
+def test_controller_swaps_under_a_burst_and_restores_after(engines_awq, corpus_ids, tmp_path):
     """A small budget and a burst of concurrent requests: the default-mode controller swaps
     layers and grows KV during the burst, and restores every layer once load is gone."""
     log = tmp_path / "transitions.jsonl"
@@ -305,15 +313,13 @@ def test_controller_swaps_under_a_burst_and_restores_after(engines_awq, tokenize
     with running_server(args, tmp_path) as srv:
         start = requests.get(f"{srv.url}/morph/status", timeout=60).json()
         assert start["controller"] is True and start["quantized_layers"] == 0
-        burst_tokens = 0
-
         def one(seed):
             requests.post(f"{srv.url}/generate", timeout=900, json={
-                "input_ids": prompt_ids(tokenizer, seed, 200),
-                "sampling_params": {"temperature": 0, "max_new_tokens": 48, "ignore_eos": True}})
+                "input_ids": prompt_ids(corpus_ids, seed, 200),
+                "sampling_params": {"temperature": 0, "max_new_tokens": 32, "ignore_eos": True}})
 
-        threads = [threading.Thread(target=one, args=(400 + i,)) for i in range(32)]
-        burst_tokens = 32 * 248
+        threads = [threading.Thread(target=one, args=(400 + i,)) for i in range(24)]
+        burst_tokens = 24 * 232
         assert burst_tokens > 2 * start["kv_capacity_tokens"]
         for th in threads:
             th.start()
@@ -323,7 +329,7 @@ def test_controller_swaps_under_a_burst_and_restores_after(engines_awq, tokenize
                               requests.get(f"{srv.url}/morph/status", timeout=60).json()[
                                   "quantized_layers"])
             time.sleep(0.5)
-        deadline = time.monotonic() + 120
+        deadline = time.monotonic() + 180  # restores come a quiet window apart
         while time.monotonic() < deadline:
             s = requests.get(f"{srv.url}/morph/status", timeout=60).json()
             if s["quantized_layers"] == 0:

@@ -85,7 +85,7 @@ MODES: dict[str, ModePolicy] = {
         kv_usage_low=0.6,
         restore_quiet_s=3.0,
         restore_quiet_steps=5,
-        restore_layers_per_step=2,
+        restore_layers_per_step=4,
         cooldown_s=1.0,
     ),
     # Balanced: W4 swaps in pairs once the KV is 85% full for a few steps; restore after 5 s of
@@ -101,7 +101,7 @@ MODES: dict[str, ModePolicy] = {
         kv_usage_low=0.5,
         restore_quiet_s=5.0,
         restore_quiet_steps=10,
-        restore_layers_per_step=2,
+        restore_layers_per_step=4,
         cooldown_s=0.5,
     ),
     # Latency first: act early and in bigger steps, keep the capacity longer (a burst that just
@@ -117,7 +117,7 @@ MODES: dict[str, ModePolicy] = {
         kv_usage_low=0.4,
         restore_quiet_s=10.0,
         restore_quiet_steps=20,
-        restore_layers_per_step=1,
+        restore_layers_per_step=2,
         cooldown_s=0.25,
     ),
 }

@@ -135,14 +135,24 @@ class MorphRuntime:
         self.last_signals: PressureSignals | None = None
         self.controller = self._make_controller() if cfg.controller_enabled else None
         self._log = open(cfg.log_path, "a", buffering=1) if cfg.log_path else None
-        self._metrics = _Metrics() if getattr(scheduler, "enable_metrics", False) else None
+        reporter = getattr(scheduler, "metrics_reporter", None)
+        self._metrics = _Metrics() if getattr(reporter, "enable_metrics", False) else None
         self._next_sample_s = 0.0
+        self.hook_calls_total = 0
+        self.hook_seconds_total = 0.0
         self._next_idle_check_s = 0.0
         self._resized_since_check = False
         # A static precision map already freed weight memory: it becomes KV at once.
-        if self.installer is not None and any(b != FULL_PRECISION_BITS for b in self.layer_bits):
-            self._grow_into_free("startup", "static --morph-precision-map", time.perf_counter(),
-                                 [], (), FULL_PRECISION_BITS)
+        quantized = [i for i, b in enumerate(self.layer_bits) if b != FULL_PRECISION_BITS]
+        if quantized:
+            before = self.resizer.capacity_tokens
+            self._grow_kv_into_free()
+            self._record(Transition(
+                time.time(), "swap", "startup", tuple(quantized),
+                (FULL_PRECISION_BITS,) * len(quantized), min(self.layer_bits),
+                sum(self.installer.full_precision_bytes(i) - self.installer.layer_device_bytes(i)
+                    for i in quantized),
+                before, self.resizer.capacity_tokens, 0, 0, 0.0, "--morph-precision-map"))
         self.kv_capacity_tokens_at_start = self.resizer.capacity_tokens
         self.check_integrity()
         self._publish_metrics()
@@ -218,6 +228,8 @@ class MorphRuntime:
             "free_budget_bytes": b.free_bytes,
             "signals": dataclasses.asdict(self.last_signals) if self.last_signals else None,
             "retractions_total": retractions_total,
+            "hook_calls_total": self.hook_calls_total,
+            "hook_seconds_total": self.hook_seconds_total,
             "transitions_total": self.transitions_total,
             "transitions": [t.to_json() for t in self.transitions],
         }
@@ -226,6 +238,15 @@ class MorphRuntime:
 
     def on_step(self) -> None:
         """Called before every ``get_next_batch_to_run``: sample, decide, act (rate-limited)."""
+        started = time.perf_counter()
+        try:
+            self._on_step()
+        finally:
+            # Self-measured so the hook's overhead can be read off /morph/status.
+            self.hook_calls_total += 1
+            self.hook_seconds_total += time.perf_counter() - started
+
+    def _on_step(self) -> None:
         now = time.monotonic()
         if now < self._next_sample_s:
             return
@@ -328,18 +349,20 @@ class MorphRuntime:
             out.append(self._swap_down(down, action.bits, source, action.reason))
         return out
 
-    def _swap_down(self, layers: list[int], bits: int, source: str, reason: str) -> Transition:
-        started = time.perf_counter()
-        from_bits = tuple(self.layer_bits[i] for i in layers)
+    def _set_layers(self, layers: list[int], bits: int) -> int:
+        """Move ``layers`` to ``bits`` through the budget; returns the weight bytes freed."""
         freed = 0
         for i in layers:
             t = self.installer.set_layer_bits(i, bits)
             delta = t.device_bytes_after - t.device_bytes_before
             self.budget = self.budget.moved(weight_delta_bytes=delta)
             freed -= delta
-        return self._grow_into_free(source, reason, started, layers, from_bits, bits, freed)
+        return freed
 
-    def _grow_into_free(self, source, reason, started, layers, from_bits, bits, freed=0):
+    def _swap_down(self, layers: list[int], bits: int, source: str, reason: str) -> Transition:
+        started = time.perf_counter()
+        from_bits = tuple(self.layer_bits[i] for i in layers)
+        freed = self._set_layers(layers, bits)
         before = self.resizer.capacity_tokens
         self._grow_kv_into_free()
         return self._record(Transition(
@@ -374,12 +397,7 @@ class MorphRuntime:
             self.budget = self.budget.moved(
                 kv_delta_bytes=(resize.new_capacity_tokens - before) * self.kv_bytes_per_token)
             moved, evicted = resize.moved_tokens, resize.evicted_tokens
-        freed = 0
-        for i in layers:
-            t = self.installer.set_layer_bits(i, bits)
-            delta = t.device_bytes_after - t.device_bytes_before
-            self.budget = self.budget.moved(weight_delta_bytes=delta)
-            freed -= delta
+        freed = self._set_layers(layers, bits)
         # The shrink rounds up to whole pages: what it took beyond the need goes back to KV.
         self._grow_kv_into_free()
         return self._record(Transition(
