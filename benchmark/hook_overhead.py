@@ -13,14 +13,14 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
-import subprocess
 import time
 from pathlib import Path
 
 import requests
 
 from benchmark._server import ServerLaunch, running_server
+from benchmark.engines_quality import build_engines
+from benchmark.throughput import git_state, machine_info
 
 RESULTS = Path(__file__).parent / "results"
 
@@ -30,9 +30,7 @@ def main() -> None:
     ap.add_argument("--window-s", type=float, default=20.0)
     ap.add_argument("--engines", default=None, help="engines dir (default: build/reuse AWQ 8,4)")
     args = ap.parse_args()
-    engines = args.engines or subprocess.run(
-        [".venv/bin/python", "-m", "sglang_morph.build_engines", "--bits", "8,4"],
-        check=True, capture_output=True, text=True).stdout.strip().splitlines()[-1]
+    engines = args.engines or str(build_engines("--bits", "8,4"))
     os.environ["SGLANG_MORPH_SLEEP_ON_IDLE"] = "0"  # serve.sh: keep SGLang's busy idle loop
     launch = ServerLaunch(("--enable-morph", "--morph-engines", engines),
                           RESULTS / "raw" / "hook_overhead.server.log")
@@ -46,9 +44,8 @@ def main() -> None:
     calls = b["hook_calls_total"] - a["hook_calls_total"]
     hook_s = b["hook_seconds_total"] - a["hook_seconds_total"]
     result = {
-        "commit": subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
-                                 text=True).stdout.strip(),
-        "machine": f"{platform.machine()} {platform.processor() or ''} ".strip(),
+        **git_state(),
+        "machine": machine_info(),
         "window_s": wall_s,
         "loop_iterations": calls,
         "loop_iteration_us": 1e6 * wall_s / max(calls, 1),

@@ -154,6 +154,11 @@ class KVResizer:
     def capacity_tokens(self) -> int:
         return self.pool.size
 
+    @property
+    def held_tokens(self) -> int:
+        """Tokens held by requests and locked cache: neither free nor evictable."""
+        return self.capacity_tokens - self.allocator.available_size() - self.tree.evictable_size()
+
     # ---- grow ----
 
     def grow(self, add_tokens: int) -> KVResize:
@@ -210,7 +215,7 @@ class KVResizer:
             return f"shrinking by {remove} tokens leaves no usable page", []
         if self.allocator.free_group is not None:
             return "the allocator is inside a free group; resize between batches", []
-        held = self.capacity_tokens - self.allocator.available_size() - self.tree.evictable_size()
+        held = self.held_tokens
         if held > new:
             return (f"{held} tokens are held by requests and locked cache, more than the "
                     f"{new}-token capacity asked for"), []

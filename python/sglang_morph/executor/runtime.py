@@ -88,14 +88,9 @@ def model_weight_bytes(model: torch.nn.Module, installer: Any) -> int:
         if key not in seen:
             seen.add(key)
             total += t.untyped_storage().nbytes()
-    if installer is not None:
-        from sglang_morph.executor.variants import FUSED_LINEARS, MorphQuantLinearMethod, _submodule
-
-        for layer in installer.layers:
-            for path in FUSED_LINEARS:
-                method = _submodule(layer, path).quant_method
-                if isinstance(method, MorphQuantLinearMethod):
-                    total += method.prepared.device_bytes
+    if installer is not None:  # quantized layers' tensors are not Parameters
+        total += sum(installer.layer_device_bytes(i) for i, bits in enumerate(installer.bits)
+                     if bits != FULL_PRECISION_BITS)
     return total
 
 
@@ -193,11 +188,6 @@ class MorphRuntime:
         bits = tuple(b for b in self.available_bits if b != FULL_PRECISION_BITS)
         return MorphController(get_mode(self.mode), self.swap_order, bits, costs)
 
-    def kv_used_tokens(self) -> int:
-        s = self.scheduler
-        free = s.token_to_kv_pool_allocator.available_size() + s.tree_cache.evictable_size()
-        return self.resizer.capacity_tokens - free
-
     def check_integrity(self) -> None:
         self.resizer.check_integrity()
         if self.installer is not None:
@@ -220,7 +210,7 @@ class MorphRuntime:
             "swap_order": list(self.swap_order),
             "kv_capacity_tokens": self.resizer.capacity_tokens,
             "kv_capacity_tokens_at_start": self.kv_capacity_tokens_at_start,
-            "kv_used_tokens": self.kv_used_tokens(),
+            "kv_used_tokens": self.resizer.held_tokens,
             "kv_bytes_per_token": self.kv_bytes_per_token,
             "memory_budget_bytes": b.total_bytes,
             "weight_bytes": b.weight_bytes,
@@ -261,7 +251,7 @@ class MorphRuntime:
         snapshot = PressureSnapshot(
             time_s=now,
             kv_capacity_tokens=self.resizer.capacity_tokens,
-            kv_used_tokens=max(0, self.kv_used_tokens()),
+            kv_used_tokens=max(0, self.resizer.held_tokens),
             num_waiting_reqs=len(waiting),
             num_running_reqs=len(s.running_batch.reqs) if s.running_batch is not None else 0,
             head_wait_s=head_wait_s,
