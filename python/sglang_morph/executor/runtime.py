@@ -138,16 +138,19 @@ class MorphRuntime:
         self._next_idle_check_s = 0.0
         self._resized_since_check = False
         # A static precision map already freed weight memory: it becomes KV at once.
-        quantized = [i for i, b in enumerate(self.layer_bits) if b != FULL_PRECISION_BITS]
-        if quantized:
-            before = self.resizer.capacity_tokens
-            self._grow_kv_into_free()
+        before = self.resizer.capacity_tokens
+        self._grow_kv_into_free()
+        for bits in sorted(set(self.layer_bits) - {FULL_PRECISION_BITS}, reverse=True):
+            # One record per bit-width, as if each group had been swapped at startup; the KV
+            # growth is shown on the last one.
+            layers = tuple(i for i, b in enumerate(self.layer_bits) if b == bits)
+            after = (self.resizer.capacity_tokens if bits == min(self.layer_bits) else before)
             self._record(Transition(
-                time.time(), "swap", "startup", tuple(quantized),
-                (FULL_PRECISION_BITS,) * len(quantized), min(self.layer_bits),
-                sum(self.installer.full_precision_bytes(i) - self.installer.layer_device_bytes(i)
-                    for i in quantized),
-                before, self.resizer.capacity_tokens, 0, 0, 0.0, "--morph-precision-map"))
+                time.time(), "swap", "startup", layers, (FULL_PRECISION_BITS,) * len(layers),
+                bits, sum(self.installer.full_precision_bytes(i)
+                          - self.installer.layer_device_bytes(i) for i in layers),
+                before, after, 0, 0, 0.0, "--morph-precision-map"))
+            before = after
         self.kv_capacity_tokens_at_start = self.resizer.capacity_tokens
         self.check_integrity()
         self._publish_metrics()
@@ -186,7 +189,11 @@ class MorphRuntime:
             page_size_tokens=self.resizer.page_size,
         )
         bits = tuple(b for b in self.available_bits if b != FULL_PRECISION_BITS)
-        return MorphController(get_mode(self.mode), self.swap_order, bits, costs)
+        # Layers a --morph-precision-map quantized at startup are the operator's static choice:
+        # the controller neither takes them lower nor "restores" them to 16 bits when quiet.
+        start_bits = self.layer_bits
+        order = tuple(i for i in self.swap_order if start_bits[i] == FULL_PRECISION_BITS)
+        return MorphController(get_mode(self.mode), order, bits, costs)
 
     def check_integrity(self) -> None:
         self.resizer.check_integrity()
