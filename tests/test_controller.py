@@ -24,13 +24,17 @@ ALL_BITS = (16, 8, 4)
 DEFAULT = MODES["default"]
 
 
-def sig(t, usage=0.0, waiting=0, head_wait_s=0.0, retractions=0, cap=10_000, used=None):
+def sig(t, usage=0.0, waiting=0, head_wait_s=0.0, retractions=0, cap=10_000, used=None,
+        reserved=0, head_need=None):
+    """Synthetic signals; a waiting head needs the whole pool unless ``head_need`` says
+    otherwise, i.e. it waits for KV."""
     used = round(usage * cap) if used is None else used
     return PressureSignals(
         time_s=t, kv_usage=used / cap if cap else 0.0, kv_usage_ewma=used / cap if cap else 0.0,
         num_waiting_reqs=waiting, head_wait_s=head_wait_s, queue_delay_ewma_s=head_wait_s,
         retractions_delta=retractions, num_running_reqs=1, kv_capacity_tokens=cap,
-        kv_used_tokens=used, ttft_ewma_s=None, tpot_ewma_s=None,
+        kv_used_tokens=used, ttft_ewma_s=None, tpot_ewma_s=None, kv_reserved_tokens=reserved,
+        head_need_tokens=(cap if waiting else 0) if head_need is None else head_need,
     )
 
 
@@ -88,7 +92,20 @@ def test_queue_delay_trigger_needs_waiting_requests_and_age():
     old = [sig(0.1 * i, 0.3, waiting=4, head_wait_s=0.15) for i in range(3)]
     actions, _ = drive(ctl(), FULL8, old)
     assert [(t, a.layers) for t, a in actions] == [(pytest.approx(0.2), (0, 1))]
-    assert "head_wait 0.150 s >= 0.1 s with 4 waiting" in actions[0][1].reason
+    assert "head_wait 0.150 s >= 0.1 s with 4 waiting, blocked by KV" in actions[0][1].reason
+
+
+def test_queue_that_waits_for_compute_does_not_quantize():
+    # 3000 held + 2000 reserved for running outputs + 400 for the head < 10000: the head fits,
+    # it waits for the GPU/CPU, not for KV; one token more than the pool and it is blocked.
+    computing = [sig(0.1 * i, 0.3, waiting=4, head_wait_s=1.0, reserved=2000, head_need=400)
+                 for i in range(20)]
+    assert drive(ctl(), FULL8, computing)[0] == []
+    assert not computing[0].head_blocked_by_kv
+    blocked = [sig(0.1 * i, 0.3, waiting=4, head_wait_s=1.0, reserved=6601, head_need=400)
+               for i in range(3)]
+    assert blocked[0].head_blocked_by_kv
+    assert len(drive(ctl(), FULL8, blocked)[0]) == 1
 
 
 def test_retraction_acts_at_once_but_respects_cooldown():
@@ -430,3 +447,13 @@ def test_monitor_validation():
         m.record_request_latency(-1.0, None)
     with pytest.raises(ValueError, match="tpot_s"):
         m.record_request_latency(None, -1.0)
+
+
+def test_monitor_passes_admission_counters_through():
+    m = PressureMonitor()
+    s = m.observe(PressureSnapshot(0.0, 100, 40, 1, 2, 0.3, 0, kv_reserved_tokens=50,
+                                   head_need_tokens=11))
+    assert (s.kv_reserved_tokens, s.head_need_tokens) == (50, 11)
+    assert s.head_blocked_by_kv  # 40 + 50 + 11 > 100
+    with pytest.raises(ValueError, match="kv_reserved_tokens"):
+        PressureSnapshot(0.0, 100, 40, 1, 2, 0.3, 0, kv_reserved_tokens=-1)

@@ -91,8 +91,11 @@ class MorphController:
     """Decides when to quantize which layers under pressure and when to restore them.
 
     Rules:
-    - A step is *high* when ``kv_usage >= kv_usage_high``, or requests wait and the oldest has
-      waited ``>= queue_delay_high_s``, or a request was retracted since the last step. Swapping
+    - A step is *high* when ``kv_usage >= kv_usage_high``, or the oldest waiting request has
+      waited ``>= queue_delay_high_s`` and cannot be admitted for lack of KV (held + reserved +
+      its need > capacity; a queue that waits for compute is not helped by more KV, and
+      quantizing for it would cost quality for nothing), or a request was retracted since the
+      last step. Swapping
       needs ``persist_steps`` consecutive high steps; a retraction fills that window at once,
       because it is not a noisy gauge but proof that work was already thrown away.
     - A step is *quiet* when ``kv_usage < kv_usage_high - kv_usage_quiet_margin``, nothing
@@ -160,9 +163,9 @@ class MorphController:
         high_reasons = []
         if s.kv_usage >= p.kv_usage_high:
             high_reasons.append(f"kv_usage {s.kv_usage:.2f} >= {p.kv_usage_high:.2f}")
-        if s.num_waiting_reqs > 0 and s.head_wait_s >= p.queue_delay_high_s:
+        if s.head_blocked_by_kv and s.head_wait_s >= p.queue_delay_high_s:
             high_reasons.append(f"head_wait {s.head_wait_s:.3f} s >= {p.queue_delay_high_s} s "
-                                f"with {s.num_waiting_reqs} waiting")
+                                f"with {s.num_waiting_reqs} waiting, blocked by KV")
         if s.retractions_delta > 0:
             high_reasons.append(f"{s.retractions_delta} retraction(s)")
         quiet_threshold = p.kv_usage_high - p.kv_usage_quiet_margin

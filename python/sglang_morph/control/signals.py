@@ -34,6 +34,11 @@ class PressureSnapshot:
     num_running_reqs: int
     head_wait_s: float  # age of the oldest waiting request; 0.0 when none wait
     retractions_total: int  # cumulative retracted (preempted) requests since start
+    # KV the running requests may still claim for their remaining output (the scheduler's own
+    # admission reservation) and what the oldest waiting request needs to be admitted. They
+    # tell a queue that waits for KV from one that waits for compute.
+    kv_reserved_tokens: int = 0
+    head_need_tokens: int = 0
 
     def __post_init__(self) -> None:
         _check_non_negative(
@@ -45,6 +50,8 @@ class PressureSnapshot:
             num_running_reqs=self.num_running_reqs,
             head_wait_s=self.head_wait_s,
             retractions_total=self.retractions_total,
+            kv_reserved_tokens=self.kv_reserved_tokens,
+            head_need_tokens=self.head_need_tokens,
         )
         if self.kv_used_tokens > self.kv_capacity_tokens:
             raise ValueError(
@@ -74,6 +81,16 @@ class PressureSignals:
     kv_used_tokens: int
     ttft_ewma_s: float | None
     tpot_ewma_s: float | None
+    kv_reserved_tokens: int = 0
+    head_need_tokens: int = 0
+
+    @property
+    def head_blocked_by_kv(self) -> bool:
+        """The oldest waiting request cannot be admitted because KV is short: held + reserved
+        + its need exceed the capacity (the scheduler's own admission test, in tokens)."""
+        return self.num_waiting_reqs > 0 and (
+            self.kv_used_tokens + self.kv_reserved_tokens + self.head_need_tokens
+            > self.kv_capacity_tokens)
 
 
 def _ewma(previous: float | None, sample: float, alpha: float) -> float:
@@ -136,6 +153,8 @@ class PressureMonitor:
             kv_used_tokens=snapshot.kv_used_tokens,
             ttft_ewma_s=self._ttft_ewma_s,
             tpot_ewma_s=self._tpot_ewma_s,
+            kv_reserved_tokens=snapshot.kv_reserved_tokens,
+            head_need_tokens=snapshot.head_need_tokens,
         )
 
     def record_request_latency(self, ttft_s: float | None, tpot_s: float | None) -> None:

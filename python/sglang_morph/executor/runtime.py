@@ -23,6 +23,7 @@ import time
 from typing import Any
 
 import torch
+from sglang.srt.managers.schedule_policy import CLIP_MAX_NEW_TOKENS
 
 from sglang_morph.config import FULL_PRECISION_BITS, MorphConfig
 from sglang_morph.control.budget import MemoryBudget
@@ -47,6 +48,15 @@ retractions_total = 0
 def count_retractions(result: Any, *_args: Any, **_kwargs: Any) -> None:
     global retractions_total
     retractions_total += len(result[0])
+
+
+def _future_tokens(req: Any, new_token_ratio: float) -> float:
+    """KV tokens SGLang's admission reserves for a request's remaining output: what is left of
+    max_new_tokens (clipped), scaled by the scheduler's new-token ratio unless ignore_eos fixes
+    the length (schedule_policy.PrefillAdder does the same)."""
+    params = req.sampling_params
+    left = min(params.max_new_tokens - len(req.output_ids), CLIP_MAX_NEW_TOKENS)
+    return max(0, left) * (1.0 if params.ignore_eos else new_token_ratio)
 
 
 class MorphRequestError(ValueError):
@@ -251,18 +261,25 @@ class MorphRuntime:
         s = self.scheduler
         waiting = s.waiting_queue
         head_wait_s = 0.0
+        head_need = 0
+        ratio = s.new_token_ratio_tracker.current
         if waiting:
-            oldest = min(r.time_stats.wait_queue_entry_time for r in waiting)
+            head = min(waiting, key=lambda r: r.time_stats.wait_queue_entry_time)
+            oldest = head.time_stats.wait_queue_entry_time
             if oldest > 0:
                 head_wait_s = max(0.0, time.perf_counter() - oldest)
+            head_need = len(head.origin_input_ids) + _future_tokens(head, ratio)
+        running = s.running_batch.reqs if s.running_batch is not None else []
         snapshot = PressureSnapshot(
             time_s=now,
             kv_capacity_tokens=self.resizer.capacity_tokens,
             kv_used_tokens=max(0, self.resizer.held_tokens),
             num_waiting_reqs=len(waiting),
-            num_running_reqs=len(s.running_batch.reqs) if s.running_batch is not None else 0,
+            num_running_reqs=len(running),
             head_wait_s=head_wait_s,
             retractions_total=retractions_total,
+            kv_reserved_tokens=int(sum(_future_tokens(r, ratio) for r in running)),
+            head_need_tokens=int(head_need),
         )
         self.last_signals = self.monitor.observe(snapshot)
         if self.controller is not None:

@@ -1,0 +1,169 @@
+"""Open-loop replay against a running server: every request is sent at its trace arrival time
+whether or not earlier ones have finished, and streamed so each token's arrival is timed.
+
+Alongside, a poller samples ``GET /morph/status`` (KV capacity and use, waiting requests,
+quantized layers, retractions) for the timelines. Times are wall-clock (``time.time()``), the
+clock the server's transition log uses too.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import json
+import time
+from typing import Any
+
+import httpx
+from tqdm import tqdm
+
+from benchmark.replay.trace import TraceRequest
+
+STATUS_POLL_INTERVAL_S = 0.25
+
+
+@dataclasses.dataclass
+class RequestRecord:
+    """One replayed request as the client saw it. ``chunks`` are (arrival time, completion
+    tokens so far) per streamed chunk; ``error`` is set when the request failed."""
+
+    index: int
+    scheduled_unix_s: float  # when the trace says it arrives (latencies count from here)
+    sent_unix_s: float = 0.0
+    prompt_tokens: int = 0
+    max_new_tokens: int = 0
+    chunks: list[tuple[float, int]] = dataclasses.field(default_factory=list)
+    output_ids: list[int] = dataclasses.field(default_factory=list)
+    queue_time_s: float | None = None  # SGLang's own: waiting queue to first forward
+    num_retractions: int = 0
+    finish_reason: str | None = None
+    error: str | None = None
+
+    @property
+    def ok(self) -> bool:
+        return self.error is None and bool(self.chunks)
+
+    @property
+    def ttft_s(self) -> float | None:
+        return self.chunks[0][0] - self.scheduled_unix_s if self.ok else None
+
+    @property
+    def e2e_s(self) -> float | None:
+        return self.chunks[-1][0] - self.scheduled_unix_s if self.ok else None
+
+    @property
+    def tpot_s(self) -> float | None:
+        """Mean time per output token after the first (None for a single-token output)."""
+        if not self.ok or self.chunks[-1][1] < 2:
+            return None
+        first_t, first_n = self.chunks[0]
+        last_t, last_n = self.chunks[-1]
+        return (last_t - first_t) / (last_n - first_n) if last_n > first_n else None
+
+    def to_json(self) -> dict[str, Any]:
+        d = dataclasses.asdict(self)
+        d.update(ttft_s=self.ttft_s, tpot_s=self.tpot_s, e2e_s=self.e2e_s)
+        return d
+
+
+@dataclasses.dataclass
+class ReplayResult:
+    url: str
+    start_unix_s: float
+    end_unix_s: float
+    records: list[RequestRecord]
+    status_samples: list[dict[str, Any]]  # {"t": unix s, status fields ...}
+
+
+async def _one(client: httpx.AsyncClient, url: str, req: TraceRequest, ids: list[int],
+               start: float, rec: RequestRecord, bar: tqdm, timeout_s: float) -> None:
+    delay = start + req.arrival_s - time.time()
+    if delay > 0:
+        await asyncio.sleep(delay)
+    rec.sent_unix_s = time.time()
+    body = {"input_ids": ids, "stream": True,
+            "sampling_params": {"temperature": 0, "max_new_tokens": req.output_tokens,
+                                "ignore_eos": True}}
+    try:
+        async with client.stream("POST", f"{url}/generate", json=body, timeout=timeout_s) as r:
+            if r.status_code != 200:
+                rec.error = f"HTTP {r.status_code}: {(await r.aread()).decode()[:300]}"
+                return
+            async for line in r.aiter_lines():
+                if not line.startswith("data:") or line == "data: [DONE]":
+                    continue
+                now = time.time()
+                chunk = json.loads(line[5:])
+                meta = chunk.get("meta_info", {})
+                n = meta.get("completion_tokens", len(chunk.get("output_ids", [])))
+                if n > (rec.chunks[-1][1] if rec.chunks else 0):
+                    rec.chunks.append((now, n))
+                rec.output_ids = chunk.get("output_ids", rec.output_ids)
+                if meta.get("queue_time") is not None:
+                    rec.queue_time_s = meta["queue_time"]
+                rec.num_retractions = meta.get("num_retractions", rec.num_retractions)
+                if meta.get("finish_reason"):
+                    rec.finish_reason = meta["finish_reason"].get("type")
+    except httpx.HTTPError as e:
+        rec.error = f"{type(e).__name__}: {e}"
+    finally:
+        bar.update(1)
+
+
+async def _poll_status(client: httpx.AsyncClient, url: str, out: list[dict[str, Any]],
+                       stop: asyncio.Event) -> None:
+    while not stop.is_set():
+        try:
+            r = await client.get(f"{url}/morph/status", timeout=10.0)
+            if r.status_code == 200:
+                s = r.json()
+                sig = s.get("signals") or {}
+                out.append({
+                    "t": time.time(),
+                    "kv_capacity_tokens": s["kv_capacity_tokens"],
+                    "kv_used_tokens": s["kv_used_tokens"],
+                    "quantized_layers": s["quantized_layers"],
+                    "num_waiting_reqs": sig.get("num_waiting_reqs", 0),
+                    "num_running_reqs": sig.get("num_running_reqs", 0),
+                    "retractions_total": s["retractions_total"],
+                    "transitions_total": s["transitions_total"],
+                })
+        except httpx.HTTPError:
+            pass  # a busy scheduler answers late; a missed sample is only a gap in a plot
+        try:
+            await asyncio.wait_for(stop.wait(), STATUS_POLL_INTERVAL_S)
+        except asyncio.TimeoutError:
+            pass
+
+
+async def _replay(url: str, requests: list[TraceRequest], prompts: list[list[int]],
+                  drain_timeout_s: float, label: str) -> ReplayResult:
+    limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
+    async with httpx.AsyncClient(limits=limits) as client:
+        start = time.time() + 0.5  # time to schedule every task before the first arrival
+        records = [RequestRecord(r.index, start + r.arrival_s, prompt_tokens=len(p),
+                                 max_new_tokens=r.output_tokens)
+                   for r, p in zip(requests, prompts)]
+        samples: list[dict[str, Any]] = []
+        stop = asyncio.Event()
+        poller = asyncio.create_task(_poll_status(client, url, samples, stop))
+        last_arrival = max(r.arrival_s for r in requests)
+        # Every request gets until the end of the trace plus the drain time to finish.
+        timeout_s = last_arrival + drain_timeout_s
+        with tqdm(total=len(requests), desc=f"replay {label}", unit="req") as bar:
+            await asyncio.gather(*(
+                _one(client, url, r, p, start, rec, bar, timeout_s)
+                for r, p, rec in zip(requests, prompts, records)))
+        end = time.time()
+        await asyncio.sleep(STATUS_POLL_INTERVAL_S)  # one sample of the drained state
+        stop.set()
+        await poller
+    return ReplayResult(url, start, end, records, samples)
+
+
+def replay(url: str, requests: list[TraceRequest], prompts: list[list[int]],
+           drain_timeout_s: float = 300.0, label: str = "") -> ReplayResult:
+    """Replay ``requests`` (with their ``prompts`` as token ids) open-loop against ``url``."""
+    if len(requests) != len(prompts) or not requests:
+        raise ValueError("replay needs one prompt per request and at least one request")
+    return asyncio.run(_replay(url.rstrip("/"), requests, prompts, drain_timeout_s, label))

@@ -1,0 +1,137 @@
+"""benchmark.replay: trace windows, prompts, metrics on synthetic records, and the --quick
+driver end to end (two real servers; checks the harness, not performance)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from benchmark.replay import metrics as M
+from benchmark.replay.client import ReplayResult, RequestRecord
+from benchmark.replay.trace import TRACES, TraceWindow, load_window, prompt_token_ids, read_trace
+from conftest import REPO_ROOT
+
+CODE = TRACES / "azure_llm_2023_code.csv"
+BURSTGPT = TRACES / "burstgpt_first400.csv"
+
+
+def test_azure_window_scales_time_and_lengths():
+    raw = read_trace(CODE)
+    w = TraceWindow(CODE, start_s=1200, duration_s=20, time_scale=2.0, keep_every=3,
+                    prompt_scale=0.125, output_scale=2.0, min_prompt_tokens=32,
+                    max_prompt_tokens=384, min_output_tokens=16, max_output_tokens=64)
+    reqs = load_window(w)
+    sel = raw[(raw.time_s >= 1200) & (raw.time_s < 1220)].iloc[::3]
+    assert len(reqs) == len(sel) > 0
+    for r, (_, row) in zip(reqs, sel.iterrows()):
+        assert r.arrival_s == pytest.approx((row.time_s - 1200) * 2.0)
+        assert r.prompt_tokens == min(384, max(32, round(row.prompt_tokens / 8)))
+        assert r.output_tokens == min(64, max(16, round(row.output_tokens * 2)))
+    assert [r.index for r in reqs] == list(range(len(reqs)))
+    assert all(a.arrival_s <= b.arrival_s for a, b in zip(reqs, reqs[1:]))
+
+
+def test_burstgpt_format_drops_failed_rows():
+    df = read_trace(BURSTGPT)
+    assert len(df) == 400 - 17  # 17 rows with 0 request tokens (SOURCES.md)
+    assert df.time_s.iloc[0] == 0 and (df.prompt_tokens > 0).all()
+
+
+def test_bad_windows_and_caps_are_refused():
+    with pytest.raises(ValueError, match="no requests"):
+        load_window(TraceWindow(CODE, start_s=10**6, duration_s=10))
+    with pytest.raises(ValueError, match="exceed the model's context"):
+        load_window(TraceWindow(CODE, max_prompt_tokens=8000, max_output_tokens=500), 8192)
+    for kw in ({"duration_s": 0}, {"time_scale": -1}, {"keep_every": 0},
+               {"min_output_tokens": 9, "max_output_tokens": 8}):
+        with pytest.raises(ValueError):
+            TraceWindow(CODE, **kw)
+    with pytest.raises(FileNotFoundError):
+        read_trace(TRACES / "missing.csv")
+
+
+def test_prompts_are_disjoint_corpus_slices():
+    reqs = load_window(TraceWindow(CODE, start_s=1204, duration_s=3, prompt_scale=0.01,
+                                   max_prompt_tokens=64))
+    corpus = list(range(10_000))
+    prompts = prompt_token_ids(reqs, corpus)
+    assert [len(p) for p in prompts] == [r.prompt_tokens for r in reqs]
+    flat = [t for p in prompts for t in p]
+    assert len(set(flat)) == len(flat)  # no shared tokens, hence no shared prefixes
+
+
+def record(i, start, ttft, n, gap, max_new=None):
+    r = RequestRecord(i, start, sent_unix_s=start, max_new_tokens=max_new or n)
+    r.chunks = [(start + ttft + k * gap, k + 1) for k in range(n)]
+    r.output_ids = list(range(n))
+    return r
+
+
+def test_summary_percentiles_slo_and_quantized_share():
+    recs = [record(i, 100.0 + i, ttft=0.5 * i, n=5, gap=0.1) for i in range(10)]
+    failed = RequestRecord(10, 111.0, error="HTTP 500: boom")
+    res = ReplayResult("x", 100.0, 130.0, recs + [failed], [])
+    # Layers were quantized from 104.2 to 107.0: tokens arriving in that span count.
+    steps = M.quantized_steps([
+        {"time_unix_s": 104.2, "layers": [3, 4], "to_bits": 4},
+        {"time_unix_s": 107.0, "layers": [3, 4], "to_bits": 16}], num_layers=8)
+    assert steps == [(0.0, 0), (104.2, 2), (107.0, 0)]
+    s = M.summarize(res, M.Slo(ttft_s=2.0), steps)
+    ttfts = [0.5 * i for i in range(10)]
+    assert s["ttft_s"]["p95"] == pytest.approx(np.percentile(ttfts, 95))
+    assert s["tpot_s"]["p50"] == pytest.approx(0.1)
+    assert s["completed"] == 10 and s["failed"] == 1
+    # TTFT <= 2 s: requests 0-4 meet it; the failed one violates it.
+    assert s["slo_violation_rate"] == pytest.approx(6 / 11)
+    tokens_in = sum(1 for r in recs for t, _ in r.chunks if 104.2 <= t < 107.0)
+    assert 0 < tokens_in < 50
+    assert s["quantized_token_share"] == pytest.approx(tokens_in / 50)
+    assert s["max_quantized_layers"] == 2
+    end = max(r.chunks[-1][0] for r in recs)
+    assert s["throughput_tokens_per_s"] == pytest.approx(50 / (end - 100.0))
+    assert s["goodput_requests_per_s"] == pytest.approx(5 / (end - 100.0))
+    with_tpot = M.summarize(res, M.Slo(ttft_s=2.0, tpot_s=0.05), steps)
+    assert with_tpot["slo_violation_rate"] == 1.0  # every TPOT is 0.1 s
+
+
+def test_agreement_exact_and_rouge_on_token_ids():
+    ref = {0: [1, 2, 3, 4], 1: [5, 6, 7, 8], 2: [9, 10]}
+    assert M.agreement(dict(ref), ref) == {"compared": 3, "exact_match_rate": 1.0,
+                                           "rouge_l_f1": 1.0}
+    other = M.agreement({0: [1, 2, 3, 4], 1: [5, 6, 99, 98], 3: [1]}, ref)
+    assert other["compared"] == 2 and other["exact_match_rate"] == 0.5
+    assert other["rouge_l_f1"] == pytest.approx((1.0 + 0.5) / 2)  # LCS 2 of 4 each way
+    assert M.agreement({}, ref)["rouge_l_f1"] is None
+
+
+def test_quick_replay_end_to_end(tmp_path):
+    """Two servers (full precision, morph default) under the same budget replay the same
+    trace; every request completes with its full length and the report files appear."""
+    out = tmp_path / "replay"
+    proc = subprocess.run([sys.executable, "-m", "benchmark.replay", "--quick", "--out", str(out)],
+                          cwd=REPO_ROOT, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    report = json.loads((out / "replay.json").read_text())
+    assert set(report["configs"]) == {"fp", "default"}
+    n = report["settings"]["requests"]
+    assert n >= 3
+    budget_caps = set()
+    for name, c in report["configs"].items():
+        m = c["metrics"]
+        assert m["completed"] == n and m["failed"] == 0 and m["truncated"] == 0, name
+        for r in c["records"]:
+            assert len(r["output_ids"]) == r["max_new_tokens"]
+            assert 0 < r["ttft_s"] <= r["e2e_s"]
+        assert c["status_samples"], name
+        budget_caps.add(c["kv_capacity_tokens_at_start"])
+    assert len(budget_caps) == 1  # same budget, same full-precision KV pool at start
+    fp = report["configs"]["fp"]
+    assert fp["quality"]["exact_match_rate"] == 1.0 and fp["quality"]["perplexity"] > 1
+    assert fp["metrics"]["max_quantized_layers"] == 0
+    assert report["settings"]["git"]["commit"]
+    for f in ("replay.md", "cdf.png", "timeline_fp.png", "timeline_default.png"):
+        assert (out / f).stat().st_size > 0, f
