@@ -25,7 +25,7 @@ DEFAULT = MODES["default"]
 
 
 def sig(t, usage=0.0, waiting=0, head_wait_s=0.0, retractions=0, cap=10_000, used=None,
-        reserved=0, head_need=None):
+        reserved=0, head_need=None, waiting_need=0):
     """Synthetic signals; a waiting head needs the whole pool unless ``head_need`` says
     otherwise, i.e. it waits for KV."""
     used = round(usage * cap) if used is None else used
@@ -35,6 +35,7 @@ def sig(t, usage=0.0, waiting=0, head_wait_s=0.0, retractions=0, cap=10_000, use
         retractions_delta=retractions, num_running_reqs=1, kv_capacity_tokens=cap,
         kv_used_tokens=used, ttft_ewma_s=None, tpot_ewma_s=None, kv_reserved_tokens=reserved,
         head_need_tokens=(cap if waiting else 0) if head_need is None else head_need,
+        waiting_need_tokens=waiting_need,
     )
 
 
@@ -133,6 +134,23 @@ def test_layers_follow_swap_order_and_never_leave_it():
 def test_layers_per_step_per_mode(mode, per_step):
     actions, _ = drive(ctl(get_mode(mode)), FULL8, [sig(0.1 * i, 0.99) for i in range(6)])
     assert actions and actions[0][1].layers == tuple(range(per_step))
+
+
+@pytest.mark.parametrize("waiting_need,layers", [
+    (0, 2),         # nothing waits: layers_per_step
+    (1000, 2),      # 300 missing: one layer (1200 tokens) would do, but at least 2 move
+    (4000, 3),      # 3300 missing: 3 layers free 3600
+    (100_000, 8),   # more than any action may free: max_layers_per_step
+])
+def test_swap_size_covers_the_waiting_deficit(waiting_need, layers):
+    order = tuple(range(12))
+    # 9000 held + 300 reserved in a 10000 pool: the deficit is waiting_need - 700.
+    seq = [sig(0.1 * i, used=9000, reserved=300, waiting=3 if waiting_need else 0,
+               head_wait_s=0.5, waiting_need=waiting_need) for i in range(3)]
+    actions, _ = drive(ctl(order=order), (16,) * 12, seq)
+    deficit = max(0, 9000 + 300 + waiting_need - 10_000) if waiting_need else 0
+    assert seq[0].kv_deficit_tokens == deficit
+    assert actions[0][1].layers == order[:layers]
 
 
 def test_accuracy_goes_to_8_everywhere_before_4():
@@ -334,6 +352,7 @@ def test_get_mode_names_the_valid_modes():
     {"bits_sequence": (4, 8)},
     {"bits_sequence": (16,)},
     {"bits_sequence": ()},
+    {"max_layers_per_step": 1},  # below layers_per_step (2)
 ])
 def test_policy_validation(bad):
     with pytest.raises(ValueError, match="ModePolicy 'default'"):

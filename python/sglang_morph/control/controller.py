@@ -105,6 +105,9 @@ class MorphController:
       ``kv_usage_low``. Steps that are neither break both streaks.
     - After any action both streaks restart and no action follows within ``cooldown_s``. Both
       together with the gap between the high, quiet and low thresholds prevent oscillation.
+    - An action moves ``layers_per_step`` layers, or more (up to ``max_layers_per_step``) when
+      requests wait and the KV they lack (``kv_deficit_tokens``: held + reserved + the
+      waiting requests' needs - capacity) takes more layers to free.
     - Swaps walk ``swap_order`` (most expendable first) towards the first bit-width of
       ``bits_sequence`` (limited to ``available_bits``) that some layer is still above; restores
       walk it backwards, straight to 16 bits, since an intermediate 8-bit stop would double the
@@ -216,12 +219,15 @@ class MorphController:
         p = self._policy
         targets = [b for b in p.bits_sequence if b in self._available_bits]
         num_quantized = sum(b < FULL_PRECISION_BITS for b in layer_bits)
+        deficit = s.kv_deficit_tokens
+        limit = p.max_layers_per_step if deficit > 0 else p.layers_per_step
         for target in targets:
             quota = (self._max_quantized_layers - num_quantized
                      if self._max_quantized_layers is not None else len(layer_bits))
-            picked = []
+            picked, freed = [], 0
             for i in self._swap_order:
-                if len(picked) == p.layers_per_step:
+                if len(picked) == limit or (len(picked) >= p.layers_per_step
+                                            and freed >= deficit):
                     break
                 if layer_bits[i] <= target:
                     continue
@@ -230,11 +236,12 @@ class MorphController:
                         continue  # already-quantized layers may still go lower
                     quota -= 1
                 picked.append(i)
+                freed += self._costs.freed_tokens(layer_bits[i], target)
             if picked:
-                freed = sum(self._costs.freed_tokens(layer_bits[i], target) for i in picked)
+                short = f", waiting requests lack {deficit}" if deficit else ""
                 return SwapLayers(tuple(picked), target,
                                   f"{why} for {self._high_steps} steps; "
-                                  f"frees {freed} KV tokens")
+                                  f"frees {freed} KV tokens{short}")
         return None  # every swappable layer is at the last target (or the cap is reached)
 
     def _restore(self, s: PressureSignals, layer_bits: tuple[int, ...],

@@ -28,6 +28,10 @@ class ModePolicy:
     queue_delay_high_s: float  # head-of-queue wait at/above which a step counts as high
     persist_steps: int  # consecutive high steps before acting: one spike is not a burst
     layers_per_step: int  # layers quantized per action
+    # When requests wait for KV, one action may move up to this many layers: as many as cover
+    # the waiting demand's deficit, so a burst is absorbed in one step rather than one step
+    # per cooldown while its requests queue.
+    max_layers_per_step: int
     # Target bit-widths in order: a later entry is used only once every swappable layer is at
     # or below the earlier one, so quality degrades gradually (8 everywhere before any 4).
     bits_sequence: tuple[int, ...]
@@ -54,6 +58,9 @@ class ModePolicy:
         if not 0.0 <= self.kv_usage_low < self.kv_usage_high - self.kv_usage_quiet_margin:
             raise bad(f"kv_usage_low {self.kv_usage_low} must be >= 0 and below the quiet "
                       f"threshold {self.kv_usage_high - self.kv_usage_quiet_margin:.3f}")
+        if self.max_layers_per_step < self.layers_per_step:
+            raise bad(f"max_layers_per_step {self.max_layers_per_step} is below "
+                      f"layers_per_step {self.layers_per_step}")
         for field in ("persist_steps", "layers_per_step", "restore_quiet_steps",
                       "restore_layers_per_step"):
             if getattr(self, field) < 1:
@@ -80,6 +87,7 @@ MODES: dict[str, ModePolicy] = {
         queue_delay_high_s=0.2,
         persist_steps=5,
         layers_per_step=1,
+        max_layers_per_step=4,
         bits_sequence=(8, 4),
         kv_usage_quiet_margin=0.1,
         kv_usage_low=0.6,
@@ -96,6 +104,7 @@ MODES: dict[str, ModePolicy] = {
         queue_delay_high_s=0.1,
         persist_steps=3,
         layers_per_step=2,
+        max_layers_per_step=8,
         bits_sequence=(4,),
         kv_usage_quiet_margin=0.1,
         kv_usage_low=0.5,
@@ -112,6 +121,7 @@ MODES: dict[str, ModePolicy] = {
         queue_delay_high_s=0.05,
         persist_steps=2,
         layers_per_step=4,
+        max_layers_per_step=16,
         bits_sequence=(4,),
         kv_usage_quiet_margin=0.1,
         kv_usage_low=0.4,

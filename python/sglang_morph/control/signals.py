@@ -39,6 +39,7 @@ class PressureSnapshot:
     # tell a queue that waits for KV from one that waits for compute.
     kv_reserved_tokens: int = 0
     head_need_tokens: int = 0
+    waiting_need_tokens: int = 0  # the same need summed over every waiting request
 
     def __post_init__(self) -> None:
         _check_non_negative(
@@ -52,6 +53,7 @@ class PressureSnapshot:
             retractions_total=self.retractions_total,
             kv_reserved_tokens=self.kv_reserved_tokens,
             head_need_tokens=self.head_need_tokens,
+            waiting_need_tokens=self.waiting_need_tokens,
         )
         if self.kv_used_tokens > self.kv_capacity_tokens:
             raise ValueError(
@@ -83,6 +85,15 @@ class PressureSignals:
     tpot_ewma_s: float | None
     kv_reserved_tokens: int = 0
     head_need_tokens: int = 0
+    waiting_need_tokens: int = 0
+
+    @property
+    def kv_deficit_tokens(self) -> int:
+        """KV tokens missing to admit every waiting request next to the running ones."""
+        if self.num_waiting_reqs == 0:
+            return 0
+        return max(0, self.kv_used_tokens + self.kv_reserved_tokens + self.waiting_need_tokens
+                   - self.kv_capacity_tokens)
 
     @property
     def head_blocked_by_kv(self) -> bool:
@@ -155,6 +166,7 @@ class PressureMonitor:
             tpot_ewma_s=self._tpot_ewma_s,
             kv_reserved_tokens=snapshot.kv_reserved_tokens,
             head_need_tokens=snapshot.head_need_tokens,
+            waiting_need_tokens=snapshot.waiting_need_tokens,
         )
 
     def record_request_latency(self, ttft_s: float | None, tpot_s: float | None) -> None:

@@ -261,7 +261,7 @@ class MorphRuntime:
         s = self.scheduler
         waiting = s.waiting_queue
         head_wait_s = 0.0
-        head_need = 0
+        head_need = waiting_need = 0
         ratio = s.new_token_ratio_tracker.current
         if waiting:
             head = min(waiting, key=lambda r: r.time_stats.wait_queue_entry_time)
@@ -269,6 +269,8 @@ class MorphRuntime:
             if oldest > 0:
                 head_wait_s = max(0.0, time.perf_counter() - oldest)
             head_need = len(head.origin_input_ids) + _future_tokens(head, ratio)
+            waiting_need = sum(len(r.origin_input_ids) + _future_tokens(r, ratio)
+                               for r in waiting)
         running = s.running_batch.reqs if s.running_batch is not None else []
         snapshot = PressureSnapshot(
             time_s=now,
@@ -280,6 +282,7 @@ class MorphRuntime:
             retractions_total=retractions_total,
             kv_reserved_tokens=int(sum(_future_tokens(r, ratio) for r in running)),
             head_need_tokens=int(head_need),
+            waiting_need_tokens=int(waiting_need),
         )
         self.last_signals = self.monitor.observe(snapshot)
         if self.controller is not None:
