@@ -9,6 +9,7 @@ next ``decide``. That keeps it drivable by a simulator and testable without SGLa
 from __future__ import annotations
 
 import dataclasses
+import math
 
 from sglang_morph.config import FULL_PRECISION_BITS
 from sglang_morph.control.policy import ModePolicy
@@ -95,9 +96,11 @@ class MorphController:
       waited ``>= queue_delay_high_s`` and cannot be admitted for lack of KV (held + reserved +
       its need > capacity; a queue that waits for compute is not helped by more KV, and
       quantizing for it would cost quality for nothing), or a request was retracted since the
-      last step. Swapping
-      needs ``persist_steps`` consecutive high steps; a retraction fills that window at once,
-      because it is not a noisy gauge but proof that work was already thrown away.
+      last step. Swapping needs ``persist_steps`` consecutive high steps; a retraction or a
+      KV-blocked head that has waited ``queue_delay_high_s`` fills that window at once: neither
+      is a noisy gauge, both are work already delayed or thrown away (the wait threshold is
+      the persistence, in time rather than in scheduler steps, which are seconds apart on a
+      loaded CPU).
     - A step is *quiet* when ``kv_usage < kv_usage_high - kv_usage_quiet_margin``, nothing
       waits and nothing was retracted. Restoring needs ``restore_quiet_steps`` consecutive quiet
       steps spanning ``restore_quiet_s``, and is cut to the longest prefix of candidates whose
@@ -106,8 +109,8 @@ class MorphController:
     - After any action both streaks restart and no action follows within ``cooldown_s``. Both
       together with the gap between the high, quiet and low thresholds prevent oscillation.
     - An action moves ``layers_per_step`` layers, or more (up to ``max_layers_per_step``) when
-      requests wait and the KV they lack (``kv_deficit_tokens``: held + reserved + the
-      waiting requests' needs - capacity) takes more layers to free.
+      requests wait and admitting them all (held + reserved + the waiting requests' needs)
+      at a usage of at most ``kv_usage_high`` takes more layers to free.
     - Swaps walk ``swap_order`` (most expendable first) towards the first bit-width of
       ``bits_sequence`` (limited to ``available_bits``) that some layer is still above; restores
       walk it backwards, straight to 16 bits, since an intermediate 8-bit stop would double the
@@ -164,9 +167,10 @@ class MorphController:
         self._check_layer_bits(layer_bits)
         p, s = self._policy, signals
         high_reasons = []
+        kv_queue = s.head_blocked_by_kv and s.head_wait_s >= p.queue_delay_high_s
         if s.kv_usage >= p.kv_usage_high:
             high_reasons.append(f"kv_usage {s.kv_usage:.2f} >= {p.kv_usage_high:.2f}")
-        if s.head_blocked_by_kv and s.head_wait_s >= p.queue_delay_high_s:
+        if kv_queue:
             high_reasons.append(f"head_wait {s.head_wait_s:.3f} s >= {p.queue_delay_high_s} s "
                                 f"with {s.num_waiting_reqs} waiting, blocked by KV")
         if s.retractions_delta > 0:
@@ -176,7 +180,7 @@ class MorphController:
 
         if high_reasons:
             self._high_steps += 1
-            if s.retractions_delta > 0:
+            if s.retractions_delta > 0 or kv_queue:
                 self._high_steps = max(self._high_steps, p.persist_steps)
         else:
             self._high_steps = 0
@@ -219,7 +223,12 @@ class MorphController:
         p = self._policy
         targets = [b for b in p.bits_sequence if b in self._available_bits]
         num_quantized = sum(b < FULL_PRECISION_BITS for b in layer_bits)
-        deficit = s.kv_deficit_tokens
+        deficit = 0
+        if s.num_waiting_reqs:
+            demand = s.kv_used_tokens + s.kv_reserved_tokens + s.waiting_need_tokens
+            # Room for the queue at the trigger's own usage level, so the swap that admits it
+            # does not leave the pool at the threshold that triggers the next one.
+            deficit = max(0, math.ceil(demand / p.kv_usage_high) - s.kv_capacity_tokens)
         limit = p.max_layers_per_step if deficit > 0 else p.layers_per_step
         for target in targets:
             quota = (self._max_quantized_layers - num_quantized
