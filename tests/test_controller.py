@@ -25,7 +25,7 @@ DEFAULT = MODES["default"]
 
 
 def sig(t, usage=0.0, waiting=0, head_wait_s=0.0, retractions=0, cap=10_000, used=None,
-        reserved=0, head_need=None, waiting_need=0):
+        reserved=0, head_need=None, waiting_need=0, gap=0.0):
     """Synthetic signals; a waiting head needs the whole pool unless ``head_need`` says
     otherwise, i.e. it waits for KV."""
     used = round(usage * cap) if used is None else used
@@ -35,7 +35,7 @@ def sig(t, usage=0.0, waiting=0, head_wait_s=0.0, retractions=0, cap=10_000, use
         retractions_delta=retractions, num_running_reqs=1, kv_capacity_tokens=cap,
         kv_used_tokens=used, ttft_ewma_s=None, tpot_ewma_s=None, kv_reserved_tokens=reserved,
         head_need_tokens=(cap if waiting else 0) if head_need is None else head_need,
-        waiting_need_tokens=waiting_need,
+        waiting_need_tokens=waiting_need, sample_gap_s=gap,
     )
 
 
@@ -95,7 +95,13 @@ def test_queue_delay_trigger_needs_waiting_requests_and_age():
     # A head blocked by KV that has waited past the threshold acts at once (the wait is the
     # persistence), unlike kv_usage alone, which needs persist_steps samples.
     assert [(t, a.layers) for t, a in actions] == [(pytest.approx(0.0), (0, 1))]
-    assert "head_wait 0.150 s >= 0.1 s with 4 waiting, blocked by KV" in actions[0][1].reason
+    assert "head_wait 0.150 s + 0.000 s step >= 0.1 s with 4 waiting, blocked by KV" \
+        in actions[0][1].reason
+    # Just enqueued, but the scheduler's steps are 0.5 s apart: it will have waited that long.
+    slow_steps = [sig(0.5 * i, 0.3, waiting=4, head_wait_s=0.0, gap=0.5) for i in range(1, 3)]
+    assert drive(ctl(), FULL8, slow_steps)[0][0][0] == 0.5  # the first sample already acts
+    fast_steps = [sig(0.02 * i, 0.3, waiting=4, head_wait_s=0.0, gap=0.02) for i in range(1, 9)]
+    assert drive(ctl(), FULL8, fast_steps)[0] == []
 
 
 def test_queue_that_waits_for_compute_does_not_quantize():

@@ -231,7 +231,15 @@ def targets(report: dict[str, Any]) -> dict[str, Any]:
 def write_report(report: dict[str, Any], out_dir: Path, timeline_configs: Sequence[str]) -> None:
     out_dir.mkdir(parents=True, exist_ok=True)
     report["targets"] = targets(report)
-    (out_dir / "replay.json").write_text(json.dumps(report, indent=1))
+    # Every streamed chunk and output id go to raw/ (large); the results JSON keeps each
+    # request's latencies, which the tables and plots need.
+    (out_dir / "raw").mkdir(exist_ok=True)
+    (out_dir / "raw" / "replay_full.json").write_text(json.dumps(report))
+    slim = {**report, "configs": {
+        name: {**c, "records": [{k: v for k, v in r.items() if k not in ("chunks", "output_ids")}
+                                for r in c["records"]]}
+        for name, c in report["configs"].items()}}
+    (out_dir / "replay.json").write_text(json.dumps(slim, indent=1))
     md = [f"# Bursty-load replay ({report['settings']['trace']['path'].split('/')[-1]})", "",
           f"commit {report['settings']['git']['commit']}"
           f"{' (dirty)' if report['settings']['git']['dirty'] else ''}, "

@@ -92,8 +92,9 @@ class MorphController:
     """Decides when to quantize which layers under pressure and when to restore them.
 
     Rules:
-    - A step is *high* when ``kv_usage >= kv_usage_high``, or the oldest waiting request has
-      waited ``>= queue_delay_high_s`` and cannot be admitted for lack of KV (held + reserved +
+    - A step is *high* when ``kv_usage >= kv_usage_high``, or the oldest waiting request will
+      have waited ``>= queue_delay_high_s`` by the next step (its wait so far plus the last
+      step's length) and cannot be admitted for lack of KV (held + reserved +
       its need > capacity; a queue that waits for compute is not helped by more KV, and
       quantizing for it would cost quality for nothing), or a request was retracted since the
       last step. Swapping needs ``persist_steps`` consecutive high steps; a retraction or a
@@ -167,12 +168,17 @@ class MorphController:
         self._check_layer_bits(layer_bits)
         p, s = self._policy, signals
         high_reasons = []
-        kv_queue = s.head_blocked_by_kv and s.head_wait_s >= p.queue_delay_high_s
+        # A head the scheduler cannot admit now waits at least one more iteration (about the
+        # last sample gap when busy): on a loaded CPU that alone can be seconds, so the wait
+        # it will have reached by the next look is what is compared with the threshold.
+        expected_wait_s = s.head_wait_s + s.sample_gap_s
+        kv_queue = s.head_blocked_by_kv and expected_wait_s >= p.queue_delay_high_s
         if s.kv_usage >= p.kv_usage_high:
             high_reasons.append(f"kv_usage {s.kv_usage:.2f} >= {p.kv_usage_high:.2f}")
         if kv_queue:
-            high_reasons.append(f"head_wait {s.head_wait_s:.3f} s >= {p.queue_delay_high_s} s "
-                                f"with {s.num_waiting_reqs} waiting, blocked by KV")
+            high_reasons.append(f"head_wait {s.head_wait_s:.3f} s + {s.sample_gap_s:.3f} s "
+                                f"step >= {p.queue_delay_high_s} s with {s.num_waiting_reqs} "
+                                f"waiting, blocked by KV")
         if s.retractions_delta > 0:
             high_reasons.append(f"{s.retractions_delta} retraction(s)")
         quiet_threshold = p.kv_usage_high - p.kv_usage_quiet_margin

@@ -86,6 +86,9 @@ class PressureSignals:
     kv_reserved_tokens: int = 0
     head_need_tokens: int = 0
     waiting_need_tokens: int = 0
+    # Time since the previous observation. Under load that is one scheduler iteration, the
+    # least a request not admitted now will wait before the scheduler looks again.
+    sample_gap_s: float = 0.0
 
     @property
     def kv_deficit_tokens(self) -> int:
@@ -167,6 +170,7 @@ class PressureMonitor:
             kv_reserved_tokens=snapshot.kv_reserved_tokens,
             head_need_tokens=snapshot.head_need_tokens,
             waiting_need_tokens=snapshot.waiting_need_tokens,
+            sample_gap_s=0.0 if last is None else snapshot.time_s - last.time_s,
         )
 
     def record_request_latency(self, ttft_s: float | None, tpot_s: float | None) -> None:
