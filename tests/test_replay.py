@@ -115,7 +115,10 @@ def test_quick_replay_end_to_end(tmp_path):
     proc = subprocess.run([sys.executable, "-m", "benchmark.replay", "--quick", "--out", str(out)],
                           cwd=REPO_ROOT, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    report = json.loads((out / "replay.json").read_text())
+    report = json.loads((out / "raw" / "replay_full.json").read_text())
+    slim = json.loads((out / "replay.json").read_text())
+    assert slim["configs"]["fp"]["metrics"] == report["configs"]["fp"]["metrics"]
+    assert "chunks" not in slim["configs"]["fp"]["records"][0]
     assert set(report["configs"]) == {"fp", "default"}
     n = report["settings"]["requests"]
     assert n >= 3
