@@ -155,7 +155,7 @@ def test_swap_size_covers_the_waiting_deficit(waiting_need, layers):
     # 9000 held + 300 reserved in a 10000 pool (usage 0.9: high without any queue).
     seq = [sig(0.1 * i, used=9000, reserved=300, waiting=3 if waiting_need else 0,
                head_wait_s=0.5, waiting_need=waiting_need) for i in range(3)]
-    assert seq[0].kv_deficit_tokens == (max(0, waiting_need - 700) if waiting_need else 0)
+    assert seq[0].kv_deficit_tokens() == (max(0, waiting_need - 700) if waiting_need else 0)
     actions, _ = drive(ctl(order=order), (16,) * 12, seq)
     assert actions[0][1].layers == order[:layers]
 

@@ -11,8 +11,8 @@ from typing import Any, Sequence
 import numpy as np
 
 from benchmark.replay.client import ReplayResult
+from sglang_morph.config import FULL_PRECISION_BITS
 
-FULL_PRECISION_BITS = 16
 PERCENTILES = (50, 95, 99)
 
 
@@ -45,22 +45,18 @@ def quantized_steps(transitions: list[dict[str, Any]], num_layers: int) -> list[
     return steps
 
 
-def quantized_at(steps: list[tuple[float, int]], t: float) -> int:
-    times = [s[0] for s in steps]
-    return steps[bisect.bisect_right(times, t) - 1][1]
-
-
 def quantized_token_share(result: ReplayResult, steps: list[tuple[float, int]]) -> float:
     """Output tokens that arrived while any layer was below 16 bits / all output tokens.
 
     A chunk's tokens are attributed to its arrival time; a token is produced one streaming
     hop earlier, a few milliseconds at most, far below the spacing of transitions."""
+    times = [s[0] for s in steps]
     quantized = total = 0
     for rec in result.records:
         prev = 0
         for t, n in rec.chunks:
             total += n - prev
-            if quantized_at(steps, t) > 0:
+            if steps[bisect.bisect_right(times, t) - 1][1] > 0:
                 quantized += n - prev
             prev = n
     return quantized / total if total else 0.0

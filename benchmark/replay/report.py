@@ -8,6 +8,16 @@ from typing import Any
 import numpy as np
 
 
+def _pyplot():
+    """matplotlib's pyplot on the file-only Agg backend (benchmarks run without a display)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
 def _fmt(x: float | None, digits: int = 2) -> str:
     return "-" if x is None else f"{x:.{digits}f}"
 
@@ -42,11 +52,7 @@ def markdown_table(report: dict[str, Any]) -> str:
 
 def plot_timeline(name: str, config: dict[str, Any], start_unix_s: float, path: Path,
                   ttft_slo_s: float) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = _pyplot()
     recs, samples = config["records"], config["status_samples"]
     fig, axes = plt.subplots(4, 1, figsize=(9, 9), sharex=True)
     arrivals = np.array([r["scheduled_unix_s"] - start_unix_s for r in recs])
@@ -82,11 +88,7 @@ def plot_timeline(name: str, config: dict[str, Any], start_unix_s: float, path: 
 
 
 def plot_cdfs(report: dict[str, Any], path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = _pyplot()
     fig, axes = plt.subplots(1, 2, figsize=(10, 4))
     for name, c in report["configs"].items():
         for ax, key in zip(axes, ("ttft_s", "tpot_s")):
@@ -118,11 +120,7 @@ def sweep_markdown(sweep: dict[str, Any]) -> str:
 
 
 def plot_sweep(sweep: dict[str, Any], path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = _pyplot()
     fig, axes = plt.subplots(1, 3, figsize=(13, 3.8))
     for name, points in sweep["configs"].items():
         x = [p["offered_requests_per_s"] for p in points]

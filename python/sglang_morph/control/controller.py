@@ -9,7 +9,6 @@ next ``decide``. That keeps it drivable by a simulator and testable without SGLa
 from __future__ import annotations
 
 import dataclasses
-import math
 
 from sglang_morph.config import FULL_PRECISION_BITS
 from sglang_morph.control.policy import ModePolicy
@@ -98,7 +97,7 @@ class MorphController:
       its need > capacity; a queue that waits for compute is not helped by more KV, and
       quantizing for it would cost quality for nothing), or a request was retracted since the
       last step. Swapping needs ``persist_steps`` consecutive high steps; a retraction or a
-      KV-blocked head that has waited ``queue_delay_high_s`` fills that window at once: neither
+      KV-blocked head that will have waited ``queue_delay_high_s`` fills that window at once: neither
       is a noisy gauge, both are work already delayed or thrown away (the wait threshold is
       the persistence, in time rather than in scheduler steps, which are seconds apart on a
       loaded CPU).
@@ -229,12 +228,9 @@ class MorphController:
         p = self._policy
         targets = [b for b in p.bits_sequence if b in self._available_bits]
         num_quantized = sum(b < FULL_PRECISION_BITS for b in layer_bits)
-        deficit = 0
-        if s.num_waiting_reqs:
-            demand = s.kv_used_tokens + s.kv_reserved_tokens + s.waiting_need_tokens
-            # Room for the queue at the trigger's own usage level, so the swap that admits it
-            # does not leave the pool at the threshold that triggers the next one.
-            deficit = max(0, math.ceil(demand / p.kv_usage_high) - s.kv_capacity_tokens)
+        # Room for the queue at the trigger's own usage level, so the swap that admits it does
+        # not leave the pool at the threshold that triggers the next one.
+        deficit = s.kv_deficit_tokens(p.kv_usage_high)
         limit = p.max_layers_per_step if deficit > 0 else p.layers_per_step
         for target in targets:
             quota = (self._max_quantized_layers - num_quantized

@@ -42,19 +42,8 @@ class PressureSnapshot:
     waiting_need_tokens: int = 0  # the same need summed over every waiting request
 
     def __post_init__(self) -> None:
-        _check_non_negative(
-            "PressureSnapshot",
-            time_s=self.time_s,
-            kv_capacity_tokens=self.kv_capacity_tokens,
-            kv_used_tokens=self.kv_used_tokens,
-            num_waiting_reqs=self.num_waiting_reqs,
-            num_running_reqs=self.num_running_reqs,
-            head_wait_s=self.head_wait_s,
-            retractions_total=self.retractions_total,
-            kv_reserved_tokens=self.kv_reserved_tokens,
-            head_need_tokens=self.head_need_tokens,
-            waiting_need_tokens=self.waiting_need_tokens,
-        )
+        # Every field is a count, a time or a clock reading: none may be negative or NaN.
+        _check_non_negative("PressureSnapshot", **dataclasses.asdict(self))
         if self.kv_used_tokens > self.kv_capacity_tokens:
             raise ValueError(
                 f"PressureSnapshot: kv_used_tokens {self.kv_used_tokens} exceeds "
@@ -90,13 +79,14 @@ class PressureSignals:
     # least a request not admitted now will wait before the scheduler looks again.
     sample_gap_s: float = 0.0
 
-    @property
-    def kv_deficit_tokens(self) -> int:
-        """KV tokens missing to admit every waiting request next to the running ones."""
+    def kv_deficit_tokens(self, max_usage: float = 1.0) -> int:
+        """KV tokens missing to admit every waiting request next to the running ones (held +
+        reserved + all waiting needs) with the pool at most ``max_usage`` full; 0 when nothing
+        waits."""
         if self.num_waiting_reqs == 0:
             return 0
-        return max(0, self.kv_used_tokens + self.kv_reserved_tokens + self.waiting_need_tokens
-                   - self.kv_capacity_tokens)
+        demand = self.kv_used_tokens + self.kv_reserved_tokens + self.waiting_need_tokens
+        return max(0, math.ceil(demand / max_usage) - self.kv_capacity_tokens)
 
     @property
     def head_blocked_by_kv(self) -> bool:

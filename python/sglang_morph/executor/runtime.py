@@ -34,8 +34,9 @@ from sglang_morph.executor.kv_resizer import KVResizer, KVResizeRefused
 
 logger = logging.getLogger("sglang_morph")
 
-# The controller samples the scheduler at most this often: a snapshot is O(waiting requests)
-# (the oldest waiting request is not always at the head of a policy-sorted queue).
+# The controller samples the scheduler at most this often: a snapshot is O(waiting + running
+# requests) (the oldest waiting request is not always at the head of a policy-sorted queue,
+# and admission needs and reservations are per request).
 SAMPLE_INTERVAL_S = 0.02
 # An idle scheduler checks KV integrity at most this often, and only after a resize.
 IDLE_CHECK_INTERVAL_S = 5.0
@@ -48,6 +49,11 @@ retractions_total = 0
 def count_retractions(result: Any, *_args: Any, **_kwargs: Any) -> None:
     global retractions_total
     retractions_total += len(result[0])
+
+
+def _admission_tokens(req: Any, new_token_ratio: float) -> float:
+    """KV tokens a waiting request needs to be admitted: its prompt plus its reserved output."""
+    return len(req.origin_input_ids) + _future_tokens(req, new_token_ratio)
 
 
 def _future_tokens(req: Any, new_token_ratio: float) -> float:
@@ -268,9 +274,8 @@ class MorphRuntime:
             oldest = head.time_stats.wait_queue_entry_time
             if oldest > 0:
                 head_wait_s = max(0.0, time.perf_counter() - oldest)
-            head_need = len(head.origin_input_ids) + _future_tokens(head, ratio)
-            waiting_need = sum(len(r.origin_input_ids) + _future_tokens(r, ratio)
-                               for r in waiting)
+            head_need = _admission_tokens(head, ratio)
+            waiting_need = sum(_admission_tokens(r, ratio) for r in waiting)
         running = s.running_batch.reqs if s.running_batch is not None else []
         snapshot = PressureSnapshot(
             time_s=now,
