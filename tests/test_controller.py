@@ -483,3 +483,42 @@ def test_monitor_passes_admission_counters_through():
     assert s.head_blocked_by_kv  # 40 + 50 + 11 > 100
     with pytest.raises(ValueError, match="kv_reserved_tokens"):
         PressureSnapshot(0.0, 100, 40, 1, 2, 0.3, 0, kv_reserved_tokens=-1)
+
+
+# --------------------------------------------------------------------------- operators
+
+
+def test_pinned_layers_are_never_swapped_nor_restored():
+    c = ctl()
+    pinned = frozenset({0, 1})
+    a = None
+    for i in range(3):
+        a = c.decide(sig(0.1 * i, 0.9), FULL8, pinned=pinned)
+    assert a is not None and a.layers == (2, 3)
+    # Layers 0 and 1 were quantized by an operator and stay there through a long quiet spell,
+    # while the controller's own layers come back.
+    bits = apply(apply(FULL8, a), SwapLayers((0, 1), 4, "operator"))
+    restored = []
+    for i in range(80):
+        r = c.decide(sig(1 + 0.5 * i, 0.0), bits, pinned=pinned)
+        if r is not None:
+            restored.append(r)
+            bits = apply(bits, r)
+    assert restored and all(set(r.layers).isdisjoint(pinned) for r in restored)
+    assert bits == (4, 4) + (16,) * 6
+    # Unpinned, the same quiet spell restores them.
+    more = [r for i in range(40) if (r := c.decide(sig(50 + 0.5 * i, 0.0), bits)) is not None]
+    assert more and set(more[0].layers) == {0, 1}
+
+
+def test_an_external_transition_restarts_cooldown_and_quiet_window():
+    c = ctl()
+    bits = apply(FULL8, SwapLayers((0, 1), 4, "operator"))
+    # Quiet for 4.9 s, then an operator transition: the restore needs a fresh quiet window.
+    for i in range(50):
+        assert c.decide(sig(0.1 * i, 0.0), bits) is None
+    c.note_transition(4.95)
+    quiet = [sig(5.0 + 0.1 * i, 0.0) for i in range(49)]
+    assert all(c.decide(s, bits) is None for s in quiet)  # only 4.8 s since the transition
+    actions, _ = drive(c, bits, [sig(10.0 + 0.1 * i, 0.0) for i in range(20)])
+    assert actions and actions[0][0] >= 4.95 + DEFAULT.restore_quiet_s

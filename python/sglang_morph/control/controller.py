@@ -146,6 +146,7 @@ class MorphController:
         self._policy = policy
         self._num_layers: int | None = None
         self._last_action_s: float | None = None
+        self._pinned: frozenset[int] = frozenset()
         self._reset_streaks()
 
     @property
@@ -163,8 +164,19 @@ class MorphController:
         self._quiet_steps = 0
         self._quiet_since_s: float | None = None
 
-    def decide(self, signals: PressureSignals, layer_bits: tuple[int, ...]) -> SwapLayers | None:
+    def note_transition(self, time_s: float) -> None:
+        """A transition the controller did not decide (``POST /morph/swap``) happened at
+        ``time_s`` (the clock of ``PressureSignals.time_s``): the cooldown and the quiet window
+        start again from it, as after an action of its own."""
+        self._last_action_s = time_s
+        self._reset_streaks()
+
+    def decide(self, signals: PressureSignals, layer_bits: tuple[int, ...],
+               pinned: frozenset[int] = frozenset()) -> SwapLayers | None:
+        """One action or None. Layers in ``pinned`` (placed by an operator) are never moved,
+        neither down under pressure nor back up when quiet."""
         self._check_layer_bits(layer_bits)
+        self._pinned = frozenset(pinned)
         p, s = self._policy, signals
         high_reasons = []
         # A head the scheduler cannot admit now waits at least one more iteration (about the
@@ -240,7 +252,7 @@ class MorphController:
                 if len(picked) == limit or (len(picked) >= p.layers_per_step
                                             and freed >= deficit):
                     break
-                if layer_bits[i] <= target:
+                if layer_bits[i] <= target or i in self._pinned:
                     continue
                 if layer_bits[i] == FULL_PRECISION_BITS:
                     if quota <= 0:
@@ -259,7 +271,8 @@ class MorphController:
                  quiet_threshold: float) -> SwapLayers | None:
         p = self._policy
         candidates = [i for i in reversed(self._swap_order)
-                      if layer_bits[i] < FULL_PRECISION_BITS][: p.restore_layers_per_step]
+                      if layer_bits[i] < FULL_PRECISION_BITS
+                      and i not in self._pinned][: p.restore_layers_per_step]
         chosen, needed_tokens, predicted = [], 0, s.kv_usage
         for i in candidates:
             need = needed_tokens - self._costs.freed_tokens(layer_bits[i], FULL_PRECISION_BITS)
