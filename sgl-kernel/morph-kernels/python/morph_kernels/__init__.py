@@ -60,8 +60,14 @@ def prepare(
     *,
     device: torch.device | str,
     act_dtype: torch.dtype,
+    non_blocking: bool = False,
 ) -> PreparedWeight:
     """Validate ``stored`` against its format and lay it out for the kernel on ``device``.
+
+    With ``non_blocking`` and ``stored`` in pinned host memory, the copies (and the layout
+    work after them) are only queued on the current CUDA stream: a transition can prepare a
+    layer on a side stream while the serving stream decodes, and install it once an event
+    recorded after ``prepare`` has completed. ``stored`` must stay untouched until then.
 
     Raises ``ValueError`` for an unknown bit-width, an inconsistent stored tensor (the message
     names it), an unsupported device or an activation dtype the device's kernels do not take.
@@ -84,7 +90,7 @@ def prepare(
             f"{where} kernels take activations in {backend.ACT_DTYPES}, got {act_dtype}"
         )
     # Moved first, so the layout work (unpacking, transposes) runs on the target device.
-    on_device = {name: t.to(device) for name, t in stored.items()}
+    on_device = {name: t.to(device, non_blocking=non_blocking) for name, t in stored.items()}
     tensors = backend.prepare_tensors(bits, on_device, act_dtype)
     return PreparedWeight(bits, out_features, in_features, group_size, tensors, act_dtype)
 

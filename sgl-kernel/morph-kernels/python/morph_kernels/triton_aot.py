@@ -33,8 +33,8 @@ def compile_kernel(
 ):
     """The compiled kernel (``.asm["ptx"]``, ``.metadata.shared``, ...) for one configuration."""
     act = _TRITON_DTYPES[act_dtype]
-    types = {"x_ptr": f"*{act}", "y_ptr": f"*{act}", "s_ptr": "*bf16", "M": "i32", "N": "i32",
-             "K": "i32", "M_BUCKET": "i32"}
+    types = {"x_ptr": f"*{act}", "y_ptr": f"*{act}", "s_ptr": "*bf16", "ws_ptr": "*fp32",
+             "lock_ptr": "*i32", "M": "i32", "N": "i32", "K": "i32", "M_BUCKET": "i32"}
     constexprs = dict(config.kwargs)
     if bits == 8:
         fn = triton_gpu._w8a16_kernel

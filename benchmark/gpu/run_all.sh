@@ -1,0 +1,30 @@
+#!/usr/bin/env bash
+# Everything the GPU issue measures, in one device call (the device keeps nothing between calls):
+#   bash benchmark/gpu/run_all.sh [tests] [kernels] [kv_vmm] [transition] [probe]   (default: all)
+# Results: $OUT/{kernels,transition,kv_vmm}.json and $OUT/run.log (plus the probe's two logs);
+# here, `python -m benchmark.gpu.render DIR` turns the JSON into benchmark/results/gpu/*.md.
+# Set MORPH_COMMIT to the commit being measured (the device's copy of the tree has no .git).
+set -uo pipefail
+ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)"
+cd "$ROOT"
+export OUT="${OUT:-/tmp/gpu_out}" PYTHONUNBUFFERED=1
+export PYTHONPATH="$ROOT/python:$ROOT/sgl-kernel/morph-kernels/python:$ROOT${PYTHONPATH:+:$PYTHONPATH}"
+mkdir -p "$OUT"
+LOG="$OUT/run.log"
+steps=("$@"); [[ ${#steps[@]} == 0 ]] && steps=(tests kernels kv_vmm transition probe)
+{ echo "commit ${MORPH_COMMIT:-unknown}"; nvidia-smi; } >>"$LOG" 2>&1
+for s in "${steps[@]}"; do
+  echo "===== $s ($(date +%T))" | tee -a "$LOG"
+  case $s in
+    tests) timeout 300 python3 -m pytest -q -p no:cacheprovider --noconftest -rs \
+             tests/test_kv_vmm_gpu.py tests/test_morph_kernels.py -k "gpu or Gpu or vmm" ;;
+    kernels) timeout 400 python3 -m benchmark.gpu.kernels ;;
+    kv_vmm) timeout 120 python3 -m benchmark.gpu.kv_vmm ;;
+    transition) timeout 300 python3 -m benchmark.gpu.transition ;;
+    probe) mkdir -p /tmp/probe_tok && cp .gpu_carry/tokenizer/* /tmp/probe_tok/ \
+             && gunzip -f /tmp/probe_tok/tokenizer.json.gz \
+             && PROBE_TOKENIZER_DIR=/tmp/probe_tok timeout 400 bash benchmark/gpu/sglang_probe.sh ;;
+    *) echo "unknown step $s" ;;
+  esac 2>&1 | tee -a "$LOG"
+  echo "===== $s exit ${PIPESTATUS[0]} ($(date +%T))" | tee -a "$LOG"
+done
