@@ -65,7 +65,12 @@ class DecodeLikeStep:
 
 
 def slots(lo: int, hi: int, n: int, gen) -> torch.Tensor:
+    """``n`` distinct slots in ``[lo, hi)`` (``index_copy_`` needs distinct targets)."""
     return torch.randperm(hi - lo, generator=gen, device="cuda")[:n] + lo
+
+
+def reads(lo: int, hi: int, n: int, gen) -> torch.Tensor:
+    return torch.randint(lo, hi, (n,), generator=gen, device="cuda")
 
 
 def run() -> dict:
@@ -85,7 +90,7 @@ def run() -> dict:
     ptrs = [t.data_ptr() for t in arena.buffers]
 
     step = DecodeLikeStep(arena, batch=64, reads=4096)
-    step.set_slots(slots(0, START_TOKENS, 64, gen), slots(0, START_TOKENS, 4096, gen), gen)
+    step.set_slots(slots(0, START_TOKENS, 64, gen), reads(0, START_TOKENS, 4096, gen), gen)
     step.run()  # eager once before capture
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
@@ -94,7 +99,7 @@ def run() -> dict:
     checks = {}
 
     def replay_matches_eager(name: str, lo: int, hi: int) -> None:
-        step.set_slots(slots(lo, hi, 64, gen), slots(lo, hi, 4096, gen), gen)
+        step.set_slots(slots(lo, hi, 64, gen), reads(lo, hi, 4096, gen), gen)
         before = [t.clone() for t in arena.tensors]
         graph.replay()
         replayed = step.result.clone()

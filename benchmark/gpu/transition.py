@@ -121,10 +121,44 @@ class DecodeLoop:
         return events
 
 
-def copy_layer(layer: dict[str, dict], stream: torch.cuda.Stream) -> list[torch.Tensor]:
+# Paced copies: chunks of this size with the side stream idling between them, so the copy
+# engine takes a fraction of the time (and of the HBM write traffic) it would at full speed.
+PACE_CHUNK_BYTES = 8 << 20
+_sleep_cycles_per_ms: list[float] = []
+
+
+def sleep_cycles_per_ms() -> float:
+    """GPU clock cycles per ms of ``torch.cuda._sleep`` (a spin kernel), measured once."""
+    if not _sleep_cycles_per_ms:
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        torch.cuda._sleep(1_000_000)
+        start.record()
+        torch.cuda._sleep(20_000_000)
+        end.record()
+        end.synchronize()
+        _sleep_cycles_per_ms.append(20_000_000 / start.elapsed_time(end))
+    return _sleep_cycles_per_ms[0]
+
+
+def copy_layer(layer: dict[str, dict], stream: torch.cuda.Stream,
+               gap_per_chunk_ms: float = 0.0) -> list[torch.Tensor]:
+    """Queue the layer's host -> device copies on ``stream``; with a gap, in paced chunks."""
     with torch.cuda.stream(stream):
-        return [t.to("cuda", non_blocking=True) for tensors in layer.values()
-                for t in tensors.values()]
+        if gap_per_chunk_ms <= 0:
+            return [t.to("cuda", non_blocking=True) for tensors in layer.values()
+                    for t in tensors.values()]
+        gap_cycles = int(gap_per_chunk_ms * sleep_cycles_per_ms())
+        out = []
+        for tensors in layer.values():
+            for t in tensors.values():
+                dst = torch.empty(t.shape, dtype=t.dtype, device="cuda")
+                src_bytes, dst_bytes = t.view(-1).view(torch.uint8), dst.view(-1).view(torch.uint8)
+                for off in range(0, src_bytes.numel(), PACE_CHUNK_BYTES):
+                    dst_bytes[off:off + PACE_CHUNK_BYTES].copy_(
+                        src_bytes[off:off + PACE_CHUNK_BYTES], non_blocking=True)
+                    torch.cuda._sleep(gap_cycles)
+                out.append(dst)
+        return out
 
 
 def timed_on(stream: torch.cuda.Stream, fn) -> tuple[torch.cuda.Event, torch.cuda.Event, object]:
@@ -135,20 +169,21 @@ def timed_on(stream: torch.cuda.Stream, fn) -> tuple[torch.cuda.Event, torch.cud
     return start, end, out
 
 
-def idle_copy_ms(layer: dict[str, dict], repeats: int = 7) -> float:
+def idle_copy_ms(layer: dict[str, dict], repeats: int = 7, gap_ms: float = 0.0) -> float:
     side = torch.cuda.Stream()
     times = []
     for _ in range(repeats):
-        start, end, _ = timed_on(side, lambda: copy_layer(layer, side))
+        start, end, _ = timed_on(side, lambda: copy_layer(layer, side, gap_ms))
         end.synchronize()
         times.append(start.elapsed_time(end))
     return statistics.median(times)
 
 
 def slowdown_under_copies(loop: DecodeLoop, layer: dict[str, dict], rounds: int,
-                          steps: int) -> dict:
+                          steps: int, gap_ms: float = 0.0) -> dict:
     """Alternating rounds: ``steps`` decode steps alone, then ``steps`` steps with back-to-back
-    copies of ``layer`` on a side stream. Returns median step times and the copy time under load."""
+    copies of ``layer`` on a side stream (paced by ``gap_ms`` per chunk). Returns median step
+    times and the copy time under load."""
     side = torch.cuda.Stream()
     base, loaded, copy_ms = [], [], []
     for _ in range(rounds):
@@ -157,14 +192,14 @@ def slowdown_under_copies(loop: DecodeLoop, layer: dict[str, dict], rounds: int,
         torch.cuda.synchronize()
         base += [s.elapsed_time(e) for s, e in events]
         # Enough copies to outlast the decode steps (the median step time so far).
-        copy_alone_ms = idle_copy_ms(layer, repeats=1)
+        copy_alone_ms = idle_copy_ms(layer, repeats=1, gap_ms=gap_ms)
         n_copies = int(steps * statistics.median(base) / max(copy_alone_ms, 1e-3)) + 2
         origin = torch.cuda.Event(enable_timing=True)
         origin.record()
         side.wait_stream(torch.cuda.current_stream())
         windows = []
         for _ in range(n_copies):
-            start, end, _ = timed_on(side, lambda: copy_layer(layer, side))
+            start, end, _ = timed_on(side, lambda: copy_layer(layer, side, gap_ms))
             windows.append((start, end))
         events = loop.run(steps)
         torch.cuda.synchronize()
@@ -177,6 +212,31 @@ def slowdown_under_copies(loop: DecodeLoop, layer: dict[str, dict], rounds: int,
     return {"step_ms_alone": base_ms, "step_ms_during_copy": loaded_ms,
             "steps_during_copy": len(loaded), "slowdown": loaded_ms / base_ms - 1.0,
             "copy_ms_under_decode": statistics.median(copy_ms)}
+
+
+def one_transition(loop: DecodeLoop, layer: dict[str, dict], repeats: int,
+                   gap_ms: float = 0.0) -> dict:
+    """One layer copied once while decoding: the decode time the steps overlapping the copy
+    lost, in ms and as a share of one step (median over ``repeats``)."""
+    side = torch.cuda.Stream()
+    torch.cuda.synchronize()
+    base = statistics.median(s.elapsed_time(e) for s, e in loop.run(50))
+    extra = []
+    for _ in range(repeats):
+        torch.cuda.synchronize()
+        origin = torch.cuda.Event(enable_timing=True)
+        origin.record()
+        events = loop.run(3)
+        side.wait_stream(torch.cuda.current_stream())
+        start, end, _ = timed_on(side, lambda: copy_layer(layer, side, gap_ms))
+        events += loop.run(12)
+        torch.cuda.synchronize()
+        c0, c1 = origin.elapsed_time(start), origin.elapsed_time(end)
+        overlap = [s.elapsed_time(e) for s, e in events
+                   if origin.elapsed_time(e) > c0 and origin.elapsed_time(s) < c1]
+        extra.append(sum(overlap) - len(overlap) * base)
+    extra_ms = statistics.median(extra)
+    return {"step_ms": base, "extra_ms": extra_ms, "extra_share_of_step": extra_ms / base}
 
 
 def prepare_on_side_stream(loop: DecodeLoop, layer: dict[str, dict], bits: int) -> dict:
@@ -220,12 +280,16 @@ def run(args) -> dict:
             print(out["copies"][-1], flush=True)
     loop = DecodeLoop(LLAMA3_8B, args.batch, args.context, gen)
     out["decode_weight_bytes"] = loop.weight_bytes
+    chunk_ms = PACE_CHUNK_BYTES / out["copies"][-1]["h2d_bytes_per_s"] * 1e3
     for variant in ("bf16", "w4_awq"):
         layer = host_layer_variant(LLAMA3_8B, variant, gen)
-        result = {"variant": variant, "bytes": nbytes(layer),
-                  **slowdown_under_copies(loop, layer, args.rounds, args.steps)}
-        out["slowdown"].append(result)
-        print(result, flush=True)
+        for pace in (1, 2, 4):  # copy at 1/pace of full speed
+            gap_ms = (pace - 1) * chunk_ms
+            result = {"variant": variant, "bytes": nbytes(layer), "pace": pace,
+                      **slowdown_under_copies(loop, layer, args.rounds, args.steps, gap_ms),
+                      "one_transition": one_transition(loop, layer, 7, gap_ms)}
+            out["slowdown"].append(result)
+            print(result, flush=True)
     for variant, bits in (("w8", 8), ("w4_awq", 4)):
         layer = host_layer_variant(LLAMA3_8B, variant, gen)
         prepare_on_side_stream(loop, layer, bits)  # first time: caches, allocator
@@ -251,11 +315,20 @@ def markdown(r: dict) -> str:
              f"GB of weights), batch {r['batch']}, context {r['context']}, one CUDA graph per "
              f"step; median step time of steps entirely inside a copy window vs steps with no "
              f"copy, in alternating rounds.\n\n",
-             table(["copied variant", "MB", "step ms alone", "step ms during copy", "steps",
-                    "slowdown", "copy ms under decode"],
-                   [[s["variant"], f"{s['bytes'] / 1e6:.1f}", f"{s['step_ms_alone']:.3f}",
-                     f"{s['step_ms_during_copy']:.3f}", s["steps_during_copy"],
-                     f"{100 * s['slowdown']:+.2f}%", f"{s['copy_ms_under_decode']:.2f}"]
+             "Pace 1 copies at full speed; pace n in 8 MiB chunks with the side stream idle "
+             "between chunks for (n - 1) chunk times (`torch.cuda._sleep`), i.e. at 1/n of "
+             "the speed. \"One transition\": a single copy of the layer while decoding, the "
+             "decode time lost by the steps it overlapped (median of 7), as a share of one "
+             "step.\n\n",
+             table(["copied variant", "MB", "pace", "step ms alone", "step ms during copies",
+                    "steps", "slowdown while copying", "copy ms under decode",
+                    "one transition: lost ms", "of one step"],
+                   [[s["variant"], f"{s['bytes'] / 1e6:.1f}", f"1/{s['pace']}",
+                     f"{s['step_ms_alone']:.3f}", f"{s['step_ms_during_copy']:.3f}",
+                     s["steps_during_copy"], f"{100 * s['slowdown']:+.2f}%",
+                     f"{s['copy_ms_under_decode']:.2f}",
+                     f"{s['one_transition']['extra_ms']:.3f}",
+                     f"{100 * s['one_transition']['extra_share_of_step']:.2f}%"]
                     for s in r["slowdown"]]),
              "\n## A whole transition: `morph_kernels.prepare(non_blocking=True)` of a layer's "
              "four fused linears on a side stream\n\n",
