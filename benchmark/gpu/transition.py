@@ -220,7 +220,9 @@ def one_transition(loop: DecodeLoop, layer: dict[str, dict], repeats: int,
     lost, in ms and as a share of one step (median over ``repeats``)."""
     side = torch.cuda.Stream()
     torch.cuda.synchronize()
-    base = statistics.median(s.elapsed_time(e) for s, e in loop.run(50))
+    warm = loop.run(50)
+    torch.cuda.synchronize()
+    base = statistics.median(s.elapsed_time(e) for s, e in warm)
     extra = []
     for _ in range(repeats):
         torch.cuda.synchronize()

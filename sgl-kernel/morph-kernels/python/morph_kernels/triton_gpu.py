@@ -120,42 +120,10 @@ def _prune(configs, named_args, **kwargs) -> list[triton.Config]:
     return candidate_configs(named_args["M_BUCKET"], kwargs.get("GROUP_SIZE"))
 
 
-_flush_by_device: dict[torch.device, torch.Tensor] = {}
-_BENCH_CALLS = 10
-
-
 def _bench(kernel_call, quantiles):
-    """Time one candidate as it runs when served: inside a CUDA graph (no launch gaps, which
-    dominate a few-microsecond decode kernel timed from Python) and with a cold L2 (a 256 MiB
-    write before every call, as another layer's weights would evict it). Two graphs, with and
-    without the kernel, differ by the kernel's time alone."""
-    device = torch.device("cuda", torch.cuda.current_device())
-    flush = _flush_by_device.get(device)
-    if flush is None:
-        flush = _flush_by_device[device] = torch.empty(256 << 20, dtype=torch.int8,
-                                                       device=device)
-    kernel_call()  # compiles the candidate outside the capture
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-
-    def replay_ms(with_kernel: bool) -> float:
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, stream=stream):
-            for _ in range(_BENCH_CALLS):
-                flush.zero_()
-                if with_kernel:
-                    kernel_call()
-        graph.replay()  # first replay uploads the graph
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        for _ in range(3):
-            graph.replay()
-        end.record()
-        end.synchronize()
-        return start.elapsed_time(end) / 3
-
-    ms = max(replay_ms(True) - replay_ms(False), 1e-6) / _BENCH_CALLS
-    return [ms] * len(quantiles) if quantiles else ms
+    # Shorter than Triton's default 25 ms warmup + 100 ms of repetitions: warmup pays it
+    # buckets x candidates x weight shapes times (11 x up to 13 x 4 per bit-width, Llama-3-8B).
+    return triton.testing.do_bench(kernel_call, warmup=5, rep=20, quantiles=quantiles)
 
 
 _AUTOTUNE = dict(
@@ -249,36 +217,30 @@ def _w4a16_kernel(
     pid_n = tl.program_id(1)
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    # Byte j of a packed row holds K columns 2j (low nibble) and 2j + 1 (high nibble). Rather
-    # than interleaving the nibbles back into K order in registers (a layout shuffle of the
-    # whole weight tile every K step, which made this kernel compute bound), the even and the
-    # odd K columns are two dots of depth BLOCK_K / 2 against the matching strided x columns.
-    offs_j = tl.arange(0, BLOCK_K // 2)
+    offs_k = tl.arange(0, BLOCK_K)
+    offs_kb = tl.arange(0, BLOCK_K // 2)
     mask_m = offs_m < M
     mask_n = offs_n < N
     # K is a multiple of GROUP_SIZE, hence of BLOCK_K, and so is every split: no K masks.
     k_start, k_end = _k_range(K, BLOCK_K, SPLIT_K)
-    x_even_ptrs = x_ptr + offs_m.to(tl.int64)[:, None] * K + (k_start + 2 * offs_j)[None, :]
-    q_ptrs = q_ptr + offs_n.to(tl.int64)[:, None] * (K // 2) + (k_start // 2 + offs_j)[None, :]
+    x_ptrs = x_ptr + offs_m.to(tl.int64)[:, None] * K + (k_start + offs_k)[None, :]
+    q_ptrs = q_ptr + offs_n.to(tl.int64)[:, None] * (K // 2) + (k_start // 2 + offs_kb)[None, :]
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k0 in range(k_start, k_end, BLOCK_K):
-        x_even = tl.load(x_even_ptrs, mask=mask_m[:, None], other=0.0)
-        x_odd = tl.load(x_even_ptrs + 1, mask=mask_m[:, None], other=0.0)
+        x = tl.load(x_ptrs, mask=mask_m[:, None], other=0.0)
         if inv_ptr is not None:
-            inv_even = tl.load(inv_ptr + k0 + 2 * offs_j).to(tl.float32)
-            inv_odd = tl.load(inv_ptr + k0 + 2 * offs_j + 1).to(tl.float32)
-            x_even = (x_even.to(tl.float32) * inv_even[None, :]).to(x_ptr.dtype.element_ty)
-            x_odd = (x_odd.to(tl.float32) * inv_odd[None, :]).to(x_ptr.dtype.element_ty)
+            inv = tl.load(inv_ptr + k0 + offs_k).to(tl.float32)
+            x = (x.to(tl.float32) * inv[None, :]).to(x_ptr.dtype.element_ty)
         packed = tl.load(q_ptrs, mask=mask_n[:, None], other=0)
+        # Byte j holds column 2j (low nibble) and 2j + 1 (high): join + reshape restores K order.
+        q = tl.reshape(tl.join(packed & 0xF, packed >> 4), (BLOCK_N, BLOCK_K))
         group = k0 // GROUP_SIZE
-        zeros = tl.load(z_ptr + group * N + offs_n, mask=mask_n, other=0).to(tl.float32)
+        zeros = tl.load(z_ptr + group * N + offs_n, mask=mask_n, other=0)
         scales = tl.load(s_ptr + group * N + offs_n, mask=mask_n, other=0.0).to(tl.float32)
         # Through fp32 (see the W8 kernel); rounded once, after the scale.
-        w_even = ((packed & 0xF).to(tl.float32) - zeros[:, None]) * scales[:, None]
-        w_odd = ((packed >> 4).to(tl.float32) - zeros[:, None]) * scales[:, None]
-        acc = tl.dot(x_even, tl.trans(w_even.to(x_ptr.dtype.element_ty)), acc)
-        acc = tl.dot(x_odd, tl.trans(w_odd.to(x_ptr.dtype.element_ty)), acc)
-        x_even_ptrs += BLOCK_K
+        w = (q.to(tl.int32) - zeros.to(tl.int32)[:, None]).to(tl.float32) * scales[:, None]
+        acc = tl.dot(x, tl.trans(w.to(x_ptr.dtype.element_ty)), acc)
+        x_ptrs += BLOCK_K
         q_ptrs += BLOCK_K // 2
     _store_output(acc, y_ptr, ws_ptr, lock_ptr, offs_m, offs_n, mask_m, mask_n, M, N, SPLIT_K)
 
