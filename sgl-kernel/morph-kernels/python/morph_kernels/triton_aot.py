@@ -43,7 +43,6 @@ def compile_kernel(
         fn = triton_gpu._w4a16_kernel
         types.update(q_ptr="*u8", z_ptr="*u8")
         constexprs["GROUP_SIZE"] = group_size
-        constexprs["BF16_BITS_DEQUANT"] = act_dtype == torch.bfloat16
         if input_scale:
             types["inv_ptr"] = f"*{act}"
         else:

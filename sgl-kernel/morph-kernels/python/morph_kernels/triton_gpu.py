@@ -41,7 +41,6 @@ leaves nothing to compile or tune while serving.
 
 from __future__ import annotations
 
-import os
 from typing import TYPE_CHECKING
 
 import torch
@@ -53,7 +52,6 @@ if TYPE_CHECKING:
     from morph_kernels import PreparedWeight
 
 ACT_DTYPES = (torch.bfloat16, torch.float16)
-_INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 # tl.dot needs at least 16 rows; smaller token counts run one masked 16-row tile.
 MIN_BLOCK_M = 16
 # Token counts above this share one configuration: tiles are already at their largest.
@@ -211,7 +209,7 @@ def _w8a16_kernel(
 @triton.jit(do_not_specialize=["M", "M_BUCKET"])
 def _w4a16_kernel(
     x_ptr, q_ptr, s_ptr, z_ptr, inv_ptr, y_ptr, ws_ptr, lock_ptr, M, N, K, M_BUCKET,
-    GROUP_SIZE: tl.constexpr, BF16_BITS_DEQUANT: tl.constexpr,
+    GROUP_SIZE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
 ):
     tl.static_assert(GROUP_SIZE % BLOCK_K == 0, "a K step must stay inside one group")
@@ -238,20 +236,10 @@ def _w4a16_kernel(
         q = tl.reshape(tl.join(packed & 0xF, packed >> 4), (BLOCK_N, BLOCK_K))
         group = k0 // GROUP_SIZE
         zeros = tl.load(z_ptr + group * N + offs_n, mask=mask_n, other=0)
-        scales = tl.load(s_ptr + group * N + offs_n, mask=mask_n, other=0.0)
-        if BF16_BITS_DEQUANT:
-            # 0x4300 | q is the bf16 bit pattern of 128 + q (the ulp at 128 is 1): no
-            # int -> float conversion, whose throughput bounds this kernel otherwise.
-            # (128 + q) - (128 + z) is exact and the product with the bf16 scale is rounded
-            # once, so the weights are bit-identical to the fp32 path below.
-            wq = (q.to(tl.uint16) | 0x4300).to(tl.bfloat16, bitcast=True)
-            wz = (zeros.to(tl.uint16) | 0x4300).to(tl.bfloat16, bitcast=True)
-            w = (wq - wz[:, None]) * scales[:, None]
-        else:
-            # Through fp32 (see the W8 kernel); rounded once, after the scale.
-            w = ((q.to(tl.int32) - zeros.to(tl.int32)[:, None]).to(tl.float32)
-                 * scales.to(tl.float32)[:, None]).to(x_ptr.dtype.element_ty)
-        acc = tl.dot(x, tl.trans(w), acc)
+        scales = tl.load(s_ptr + group * N + offs_n, mask=mask_n, other=0.0).to(tl.float32)
+        # Through fp32 (see the W8 kernel); rounded once, after the scale.
+        w = (q.to(tl.int32) - zeros.to(tl.int32)[:, None]).to(tl.float32) * scales[:, None]
+        acc = tl.dot(x, tl.trans(w.to(x_ptr.dtype.element_ty)), acc)
         x_ptrs += BLOCK_K
         q_ptrs += BLOCK_K // 2
     _store_output(acc, y_ptr, ws_ptr, lock_ptr, offs_m, offs_n, mask_m, mask_n, M, N, SPLIT_K)
@@ -323,10 +311,7 @@ def linear(
     else:
         tuned, plain = _w4a16_tuned, _w4a16_kernel
         weight_args = (t["qweight"], t["scales_t"], t["zeros_t"], t.get("input_scale_inv"))
-        # Triton's interpreter (the CPU tests) holds bf16 as raw bits and cannot do bf16
-        # arithmetic, so it runs the fp32 path; the GPU tests cover this one.
-        constexprs = {"GROUP_SIZE": w.group_size,
-                      "BF16_BITS_DEQUANT": x2d.dtype == torch.bfloat16 and not _INTERPRETED}
+        constexprs = {"GROUP_SIZE": w.group_size}
     args = (x2d, *weight_args, y, workspace, locks, tokens, w.out_features, w.in_features,
             m_bucket(tokens))
 
