@@ -21,7 +21,6 @@ import dataclasses
 import json
 import os
 import re
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -29,11 +28,9 @@ from pathlib import Path
 import httpx
 from transformers import AutoTokenizer
 
-from benchmark._server import ServerLaunch, running_server
+from benchmark.harness import build_engines, git_state, machine_info, running_server
 from benchmark.perplexity import DEFAULT_TEXT, server_perplexity
 from benchmark.throughput import (
-    git_state,
-    machine_info,
     prompt_windows,
     run_sglang,
     summarize,
@@ -50,15 +47,6 @@ MIXED_LAYERS = 8
 class Config:
     name: str
     server_args: tuple[str, ...]
-
-
-def build_engines(*flags: str) -> Path:
-    proc = subprocess.run(
-        [sys.executable, "-m", "sglang_morph.build_engines", *flags],
-        stdout=subprocess.PIPE, text=True, check=True,
-        env={**os.environ, "OMP_NUM_THREADS": "1"},  # faster search on 2 shared cores
-    )
-    return Path(proc.stdout.strip().splitlines()[-1])
 
 
 def configs(engines: Path, rtn_engines: Path, order: tuple[int, ...] | None) -> list[Config]:
@@ -154,9 +142,9 @@ def main(argv=None) -> int:
         log_path = RESULTS / "raw" / f"engines_quality_{cfg.name}.log"
         print(f"[engines_quality] {cfg.name}: {' '.join(cfg.server_args) or '(plain)'}",
               file=sys.stderr)
-        with running_server(ServerLaunch(cfg.server_args, log_path)) as url:
-            ppl = server_perplexity(url)
-            speed = measure_speed(url, token_ids, batch_sizes, args.prompt_tokens,
+        with running_server(cfg.server_args, log_path) as server:
+            ppl = server_perplexity(server.url)
+            speed = measure_speed(server.url, token_ids, batch_sizes, args.prompt_tokens,
                                   args.decode_tokens, args.repetitions)
         m = LOG_LINE.search(log_path.read_text())
         rows.append({"name": cfg.name, "server_args": list(cfg.server_args),

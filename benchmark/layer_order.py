@@ -42,7 +42,7 @@ from pathlib import Path
 
 from tqdm import tqdm
 
-from benchmark.throughput import git_state, machine_info
+from benchmark.harness import git_state, machine_info
 from sglang_morph.engines.hf_variants import (
     LayerRunner,
     LayerVariants,
@@ -54,9 +54,10 @@ from sglang_morph.engines.hf_variants import (
     read_token_ids,
 )
 from sglang_morph.engines.swap_order import front_to_back, load_swap_order
+from sglang_morph.repo_data import WIKITEXT2_TEST
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
-TEXT_PATH = REPO_ROOT.parent / "shared" / "data" / "text" / "wikitext2_test.txt"
+TEXT_PATH = WIKITEXT2_TEST
 DEFAULT_OUT = REPO_ROOT / "benchmark" / "results" / "layer_order"
 TABLE2_KS = (1, 2, 4, 8, 16, 30)
 TABLE3_KS = (0, 4, 8, 16)

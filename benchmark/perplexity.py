@@ -18,8 +18,7 @@ from pathlib import Path
 
 import requests
 
-SHARED_TEXT = Path(__file__).resolve().parents[2] / "shared" / "data" / "text"
-DEFAULT_TEXT = SHARED_TEXT / "wikitext2_test.txt"
+from sglang_morph.repo_data import WIKITEXT2_TEST as DEFAULT_TEXT
 
 
 @dataclasses.dataclass(frozen=True)

@@ -45,13 +45,10 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import importlib.metadata
 import json
 import os
-import platform
 import signal
 import statistics
-import subprocess
 import sys
 import time
 from collections.abc import Sequence
@@ -64,10 +61,11 @@ import torch
 from tqdm import tqdm
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from benchmark._server import REPO_ROOT, ServerLaunch, running_server
+from benchmark.harness import REPO_ROOT, git_state, machine_info, running_server
 from sglang_morph.models import default_model_path
+from sglang_morph.repo_data import WIKITEXT2_TEST
 
-TEXT_PATH = REPO_ROOT.parent / "shared" / "data" / "text" / "wikitext2_test.txt"
+TEXT_PATH = WIKITEXT2_TEST
 RESULTS_DIR = REPO_ROOT / "benchmark" / "results"
 RAW_DIR = RESULTS_DIR / "raw"  # git-ignored: server logs and smoke-test output
 DTYPES = ("bfloat16", "float16", "float32")
@@ -360,14 +358,12 @@ def run_transformers(
 def measure(
     config: ThroughputConfig, token_ids: list[int], model, pad_token_id: int
 ) -> list[Measurement]:
-    launch = ServerLaunch(
-        extra_args=("--model-path", str(config.model_path), "--dtype", config.dtype),
-        log_path=config.server_log,
-    )
+    server_args = ("--model-path", str(config.model_path), "--dtype", config.dtype)
     steps = len(ENGINES) * (1 + config.repetitions) * len(config.batch_sizes)
     measurements: list[Measurement] = []
     next_window = 0
-    with running_server(launch) as url, httpx.Client(timeout=None) as client, \
+    with running_server(server_args, config.server_log) as server, \
+            httpx.Client(timeout=None) as client, \
             tqdm(total=steps, desc="throughput", unit="run", file=sys.stderr) as bar:
         for batch_size in config.batch_sizes:
             for repetition in range(-1, config.repetitions):  # -1: the untimed warm-up
@@ -377,7 +373,7 @@ def measure(
                 decode_tokens = config.warmup_decode_tokens if warmup else config.decode_tokens
                 label = "warm-up" if warmup else f"rep {repetition + 1}/{config.repetitions}"
                 bar.set_postfix_str(f"sglang B={batch_size} {label}")
-                sglang = run_sglang(client, url, prompts, decode_tokens)
+                sglang = run_sglang(client, server.url, prompts, decode_tokens)
                 if not warmup:
                     measurements.append(Measurement(
                         "sglang", batch_size, repetition, sglang.timing,
@@ -390,35 +386,6 @@ def measure(
                     measurements.append(Measurement("transformers", batch_size, repetition, timing))
                 bar.update()
     return measurements
-
-
-def git_state() -> dict:
-    def git(*args: str) -> subprocess.CompletedProcess:
-        return subprocess.run(["git", *args], cwd=REPO_ROOT, capture_output=True, text=True)
-
-    head = git("rev-parse", "HEAD")
-    return {
-        "commit": head.stdout.strip() if head.returncode == 0 else None,  # None: no commit yet
-        "dirty": bool(git("status", "--porcelain").stdout.strip()),
-    }
-
-
-def machine_info() -> dict:
-    cpuinfo = Path("/proc/cpuinfo").read_text().splitlines()
-    cpu_model = next(
-        (line.split(":", 1)[1].strip() for line in cpuinfo if line.startswith("model name")),
-        platform.processor(),
-    )
-    return {
-        "platform": platform.platform(),
-        "cpu_model": cpu_model,
-        "cpu_cores": os.cpu_count(),
-        "torch_threads": torch.get_num_threads(),
-        "versions": {
-            name: importlib.metadata.version(name)
-            for name in ("torch", "sglang", "transformers", "sglang-morph")
-        },
-    }
 
 
 def to_json(

@@ -8,7 +8,7 @@ import sys
 
 import sglang as sgl
 
-from conftest import SHARED_DATA
+from conftest import DATA_DIR
 
 
 @sgl.function
@@ -37,7 +37,7 @@ def _sharegpt_file_from_corpus(path, n_conversations: int) -> None:
     """
     paragraphs = [
         p.strip()
-        for p in (SHARED_DATA / "text" / "wikitext2_train_head.txt").read_text().split("\n")
+        for p in (DATA_DIR / "text" / "wikitext2_train_head.txt").read_text().split("\n")
         if len(p.strip()) > 200
     ][: 2 * n_conversations]
     convs = [

@@ -16,7 +16,7 @@ import pytest
 import requests
 import torch
 
-from conftest import SHARED_DATA, running_server
+from conftest import DATA_DIR, running_server
 from sglang_morph.engines import hf_variants
 from sglang_morph.engines.manifest import EngineManifest
 
@@ -106,7 +106,7 @@ def tokenizer(default_model_path):
 
 @pytest.fixture(scope="module")
 def corpus_ids(tokenizer) -> list[int]:
-    return tokenizer((SHARED_DATA / "text" / "wikitext2_test.txt").read_text())[
+    return tokenizer((DATA_DIR / "text" / "wikitext2_test.txt").read_text())[
         "input_ids"]
 
 

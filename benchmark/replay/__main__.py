@@ -22,15 +22,16 @@ from typing import Any, Sequence
 
 import httpx
 
-from benchmark._server import ServerLaunch, running_server
+from benchmark.harness import build_engines, git_state, load_average, machine_info, running_server
 from benchmark.replay import metrics as M
 from benchmark.replay import report as R
 from benchmark.replay.client import replay
-from benchmark.replay.trace import SHARED_DATA, TRACES, TraceWindow, load_window, prompt_token_ids
+from benchmark.replay.trace import TRACES, TraceWindow, load_window, prompt_token_ids
+from sglang_morph.repo_data import WIKITEXT2_TRAIN_HEAD
 
 RESULTS = Path(__file__).resolve().parents[1] / "results"
 SWAP_ORDER = RESULTS / "swap_order.json"
-CORPUS = SHARED_DATA / "text" / "wikitext2_train_head.txt"
+CORPUS = WIKITEXT2_TRAIN_HEAD
 CONFIG_NAMES = ("fp", "w4", "mixed", "accuracy", "default", "performance")
 STATIC = ("fp", "w4", "mixed")
 
@@ -121,9 +122,7 @@ def perplexity(url: str, tokens: int) -> float:
 
 
 def git_and_machine() -> dict[str, Any]:
-    from benchmark.throughput import git_state, machine_info
-
-    return {"git": git_state(), "machine": machine_info()}
+    return {"git": git_state(), "machine": machine_info(), "load_average": load_average()}
 
 
 def load_inputs(window: TraceWindow):
@@ -141,8 +140,6 @@ def load_inputs(window: TraceWindow):
 
 
 def engines_dir() -> Path:
-    from benchmark.engines_quality import build_engines
-
     return build_engines("--bits", "8,4")  # cached after the first build
 
 
@@ -174,9 +171,9 @@ def run_driver(profile: Profile) -> dict[str, Any]:
         log_path = raw / f"{name}_transitions.jsonl"
         log_path.unlink(missing_ok=True)
         args = server_args(name, profile.budget, engines, profile.mixed_layers, log_path)
-        launch = ServerLaunch(args, raw / f"{name}_server.log")
         t0 = time.time()
-        with running_server(launch) as url:
+        with running_server(args, raw / f"{name}_server.log") as server:
+            url = server.url
             startup_s = time.time() - t0
             status0 = httpx.get(f"{url}/morph/status", timeout=60).json()
             res = run_one(url, name, requests, prompts, profile, log_path)
@@ -280,7 +277,8 @@ def run_sweep(profile: Profile, multipliers: Sequence[float]) -> dict[str, Any]:
         args = server_args(name, profile.budget, engines, profile.mixed_layers,
                            raw / f"sweep_{name}_transitions.jsonl")
         points = []
-        with running_server(ServerLaunch(args, raw / f"sweep_{name}_server.log")) as url:
+        with running_server(args, raw / f"sweep_{name}_server.log") as server:
+            url = server.url
             for k in multipliers:
                 scaled = [dataclasses.replace(r, arrival_s=r.arrival_s / k) for r in requests]
                 flush_and_restore(url)

@@ -2,7 +2,7 @@
 
 Reads the Azure LLM inference traces (``TIMESTAMP,ContextTokens,GeneratedTokens``) and BurstGPT
 (``Timestamp,...,Request tokens,Response tokens,...``) as they are stored in
-``../shared/data/traces``, cuts a time window, rescales time and lengths, and yields
+``data/traces``, cuts a time window, rescales time and lengths, and yields
 ``TraceRequest``s with arrival times relative to the start of the replay.
 """
 
@@ -13,8 +13,7 @@ from pathlib import Path
 
 import pandas as pd
 
-SHARED_DATA = Path(__file__).resolve().parents[3] / "shared" / "data"
-TRACES = SHARED_DATA / "traces"
+from sglang_morph.repo_data import TRACES_DIR as TRACES
 
 
 @dataclasses.dataclass(frozen=True)

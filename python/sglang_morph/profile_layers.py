@@ -67,9 +67,9 @@ from sglang_morph.engines.hf_variants import (
     sampled_windows,
 )
 from sglang_morph.engines.manifest import EngineManifest
+from sglang_morph.repo_data import WIKITEXT2_TRAIN_HEAD
 
-REPO_ROOT = Path(__file__).resolve().parents[2]
-TRAIN_TEXT_PATH = REPO_ROOT.parent / "shared" / "data" / "text" / "wikitext2_train_head.txt"
+TRAIN_TEXT_PATH = WIKITEXT2_TRAIN_HEAD
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,189 @@
+"""What the benchmarks and the tests share: SGLang servers, built engines, run records.
+
+- ``ServerProcess`` / ``start_server`` / ``running_server``: one ``scripts/serve.sh`` server on a
+  free port of 127.0.0.1, ready once ``GET /health`` answers 200. It runs in its own process
+  group (serve.sh execs launch_server, which spawns the scheduler and detokenizer), so stopping
+  signals the whole group: SIGTERM, then SIGKILL for whatever is left. A server that fails to
+  start is stopped before the error is raised; leaving a ``with running_server(...)`` block by
+  an exception or Ctrl-C stops it too.
+- ``build_engines(*flags)``: ``python -m sglang_morph.build_engines`` into its default cache
+  directory, which it reuses when model, recipe and calibration text are unchanged.
+- ``git_state()``, ``machine_info()``, ``load_average()``: what every results file records.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib.metadata
+import os
+import platform
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator, Mapping, Sequence
+from pathlib import Path
+
+import httpx
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+SERVE_SH = REPO_ROOT / "scripts" / "serve.sh"
+# serve.sh runs setup first; a cold start here took ~60 s, a first-ever setup a few minutes.
+START_TIMEOUT_S = 600.0
+STOP_TIMEOUT_S = 30.0
+HEALTH_POLL_INTERVAL_S = 1.0
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+class ServerProcess:
+    """One ``scripts/serve.sh`` process and its log; ``url`` is its base address.
+
+    ``extra_args`` go to serve.sh (never ``--port``: a free one is chosen); ``env`` is added to
+    this process's environment. Construction starts the process; ``wait_ready`` waits for it.
+    """
+
+    def __init__(self, extra_args: Sequence[str], log_path: Path,
+                 env: Mapping[str, str] | None = None, *,
+                 start_timeout_s: float = START_TIMEOUT_S,
+                 stop_timeout_s: float = STOP_TIMEOUT_S):
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.log_path = Path(log_path)
+        self.start_timeout_s = start_timeout_s
+        self.stop_timeout_s = stop_timeout_s
+        self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        self._log = open(self.log_path, "wb")
+        self.proc = subprocess.Popen(
+            ["bash", str(SERVE_SH), "--port", str(self.port), *extra_args],
+            stdout=self._log,
+            stderr=subprocess.STDOUT,
+            cwd=REPO_ROOT,
+            env={**os.environ, **(env or {})},
+            start_new_session=True,  # own process group, so stopping reaches the scheduler too
+        )
+
+    def wait_ready(self) -> None:
+        deadline = time.monotonic() + self.start_timeout_s
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"server exited with {self.proc.returncode} before it was "
+                                   f"ready; log: {self.log_path}\n{self.log_tail()}")
+            try:
+                if httpx.get(f"{self.url}/health", timeout=5.0).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass  # not listening yet
+            time.sleep(HEALTH_POLL_INTERVAL_S)
+        raise TimeoutError(f"server not ready after {self.start_timeout_s} s; "
+                           f"log: {self.log_path}\n{self.log_tail()}")
+
+    def log_text(self) -> str:
+        if not self._log.closed:
+            self._log.flush()
+        return self.log_path.read_text(errors="replace")
+
+    def log_tail(self, n_chars: int = 6000) -> str:
+        return self.log_text()[-n_chars:]
+
+    def stop(self) -> None:
+        """SIGTERM to the group, then SIGKILL to whatever is left: launch_server normally takes
+        its children down with it, and the SIGKILL makes sure no scheduler (gigabytes of KV
+        pool) outlives an interrupted run. Safe to call twice."""
+        if self._log.closed:
+            return
+        # Even when serve.sh itself has exited, its children may still be in the group.
+        _signal_group(self.proc.pid, signal.SIGTERM)
+        try:
+            self.proc.wait(timeout=self.stop_timeout_s)
+        except subprocess.TimeoutExpired:
+            pass
+        _signal_group(self.proc.pid, signal.SIGKILL)
+        self.proc.wait()
+        self._log.close()
+
+
+def _signal_group(pgid: int, sig: signal.Signals) -> None:
+    with contextlib.suppress(ProcessLookupError):  # the group is already gone
+        os.killpg(pgid, sig)
+
+
+def start_server(extra_args: Sequence[str], log_path: Path,
+                 env: Mapping[str, str] | None = None, **timeouts: float) -> ServerProcess:
+    """A ready server; if it does not become ready it is stopped and the error raised."""
+    server = ServerProcess(extra_args, log_path, env, **timeouts)
+    try:
+        server.wait_ready()
+    except BaseException:
+        server.stop()
+        raise
+    return server
+
+
+@contextlib.contextmanager
+def running_server(extra_args: Sequence[str], log_path: Path,
+                   env: Mapping[str, str] | None = None,
+                   **timeouts: float) -> Iterator[ServerProcess]:
+    """A ready server for one ``with`` block, stopped at its end."""
+    server = start_server(extra_args, log_path, env, **timeouts)
+    try:
+        yield server
+    finally:
+        server.stop()
+
+
+def build_engines(*flags: str, timeout_s: float = 1800.0) -> Path:
+    """Engines for the default model in the builder's default cache directory (reused when
+    model, recipe and calibration are unchanged); returns that directory."""
+    proc = subprocess.run(
+        [sys.executable, "-m", "sglang_morph.build_engines", *flags],
+        capture_output=True, text=True, timeout=timeout_s,
+        # One thread: the search's many small matmuls lose more to thread hand-offs than they
+        # gain on 2 cores, and idle servers still hold a little CPU.
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+    )
+    if proc.returncode != 0:
+        raise RuntimeError(f"build_engines {' '.join(flags)} failed with {proc.returncode}:\n"
+                           f"{proc.stderr[-4000:]}")
+    return Path(proc.stdout.strip().splitlines()[-1])
+
+
+def git_state() -> dict:
+    def git(*args: str) -> subprocess.CompletedProcess:
+        return subprocess.run(["git", *args], cwd=REPO_ROOT, capture_output=True, text=True)
+
+    head = git("rev-parse", "HEAD")
+    return {
+        "commit": head.stdout.strip() if head.returncode == 0 else None,  # None: no commit yet
+        "dirty": bool(git("status", "--porcelain").stdout.strip()),
+    }
+
+
+def machine_info() -> dict:
+    import torch  # only for its thread count; keeps this module light for the tests
+
+    cpuinfo = Path("/proc/cpuinfo").read_text().splitlines()
+    cpu_model = next(
+        (line.split(":", 1)[1].strip() for line in cpuinfo if line.startswith("model name")),
+        platform.processor(),
+    )
+    return {
+        "platform": platform.platform(),
+        "cpu_model": cpu_model,
+        "cpu_cores": os.cpu_count(),
+        "torch_threads": torch.get_num_threads(),
+        "versions": {
+            name: importlib.metadata.version(name)
+            for name in ("torch", "sglang", "transformers", "sglang-morph")
+        },
+    }
+
+
+def load_average() -> list[float]:
+    """1, 5 and 15-minute load averages: other work on the machine skews timings."""
+    return list(os.getloadavg())
