@@ -33,10 +33,12 @@ from sglang.srt.mem_cache.radix_cache import RadixCache, RadixKey
 from sglang.srt.mem_cache.unified_cache.component_type import ComponentType
 from sglang.srt.mem_cache.unified_radix_cache import UnifiedRadixCache
 from sglang.srt.model_executor.pool_configurator import MemoryPoolConfig
+from sglang_morph.executor.faults import FaultInjector, InjectedFault
 from sglang_morph.executor.kv_resizer import KVResizer, KVResizeRefused
 
 LAYERS, KV_HEADS, HEAD_DIM = 3, 3, 8
 CAPACITY_PAGES = 16
+CONTEXT_LEN = 256
 SHAPES = [(1, "rust"), (4, "rust"), (1, "python"), (4, "python")]
 
 
@@ -87,7 +89,11 @@ def make_scheduler(page_size: int = 1, core: str = "rust", capacity_pages: int =
             kv_events_config=None, tree_cache=tree, send_metrics_from_scheduler=None,
             max_running_requests=8, max_total_num_tokens=capacity, get_stats=None),
         running_batch=SimpleNamespace(reqs=[], out_cache_loc=None), last_batch=None,
-        chunked_req=None, enable_overlap=False, draft_worker=None, emitted_capacities=[])
+        chunked_req=None, enable_overlap=False, draft_worker=None, emitted_capacities=[],
+        # SGLang derives these from the capacity (TpModelWorker.get_worker_info).
+        model_config=SimpleNamespace(context_len=CONTEXT_LEN),
+        max_req_len=min(CONTEXT_LEN, capacity) - 1, max_req_input_len=min(CONTEXT_LEN, capacity) - 6,
+        beam_coordinator=SimpleNamespace(max_req_len=min(CONTEXT_LEN, capacity) - 1))
     scheduler.emit_metrics_constants = (
         lambda: scheduler.emitted_capacities.append(scheduler.max_total_num_tokens))
     return scheduler
@@ -166,7 +172,10 @@ def capacity_copies(s) -> set[int]:
             model_runner.max_total_num_tokens, model_runner.memory_pool_config.max_total_num_tokens,
             s.pool_stats_observer.max_total_num_tokens, s.load_inquirer.max_total_num_tokens,
             s.invariant_checker.max_total_num_tokens, s.kv_events_publisher.max_total_num_tokens,
-            s.emitted_capacities[-1]}
+            s.emitted_capacities[-1],
+            # The request-length limits (capacity < CONTEXT_LEN here): a prompt of up to
+            # capacity - 6 tokens is admitted, max_new_tokens is clipped at capacity - 1.
+            s.max_req_len + 1, s.max_req_input_len + 6, s.beam_coordinator.max_req_len + 1}
 
 
 def build_scenario(s):
@@ -354,3 +363,77 @@ def test_unsupported_prefix_cache_is_named():
         token_to_kv_pool_allocator=s.token_to_kv_pool_allocator, page_size=1))
     with pytest.raises(NotImplementedError, match="RadixCache"):
         KVResizer(s)
+
+
+def pool_snapshot(s) -> dict:
+    """Everything a failed resize must leave as it was (the free list as a set: its order is
+    the allocator's own business)."""
+    pool, allocator = s.token_to_kv_pool_allocator.get_kvcache(), s.token_to_kv_pool_allocator
+    return {"buffers": [buf.clone() for buf in (*pool.k_buffer, *pool.v_buffer)],
+            "ptrs": pool.k_data_ptrs.tolist(), "capacity": capacity_copies(s),
+            "free": sorted(allocator.get_all_free_pages().tolist()),
+            "emitted": list(s.emitted_capacities)}
+
+
+def assert_same_pool(before: dict, after: dict) -> None:
+    assert after["capacity"] == before["capacity"] and after["emitted"] == before["emitted"]
+    assert after["ptrs"] == before["ptrs"] and after["free"] == before["free"]
+    assert all(torch.equal(x, y) for x, y in zip(before["buffers"], after["buffers"]))
+
+
+@pytest.mark.parametrize("page_size", [1, 4])
+def test_failed_grow_leaves_the_pool_as_it_was(page_size):
+    s = make_scheduler(page_size)
+    faults = FaultInjector()
+    resizer = KVResizer(s, faults)
+    req = start_request(s, list(range(100, 100 + 3 * page_size)), decode_tokens=1)
+    s.running_batch.reqs = [req]
+    s.emitted_capacities.append(s.max_total_num_tokens)
+    before, req_kv = pool_snapshot(s), request_kv(s, req)
+    faults.arm("grow")
+
+    with pytest.raises(InjectedFault):
+        resizer.grow(5 * page_size)
+
+    assert_same_pool(before, pool_snapshot(s))
+    assert torch.equal(request_kv(s, req), req_kv)
+    resizer.check_integrity()
+    assert resizer.grow(5 * page_size).new_capacity_tokens == 21 * page_size  # disarmed now
+    assert capacity_copies(s) == {21 * page_size}
+    resizer.check_integrity()
+
+
+@pytest.mark.parametrize("page_size,core", SHAPES)
+def test_failed_shrink_after_moving_live_kv_keeps_the_old_capacity(page_size, core):
+    """The fault fires after cache eviction and the move of live KV below the boundary: the
+    pool keeps its capacity and every request reads the same KV through its holders (now at
+    the moved slots); only evicted cache is gone. A later shrink succeeds."""
+    s = make_scheduler(page_size, core)
+    faults = FaultInjector()
+    resizer = KVResizer(s, faults)
+    u, a, b, c, d = build_scenario(s)
+    s.emitted_capacities.append(s.max_total_num_tokens)
+    reference = {"b": request_kv(s, b), "d": request_kv(s, d)}
+    last_written = kv_rows(s, s.running_batch.out_cache_loc)
+    held = resizer.held_tokens
+    faults.arm("shrink")
+
+    with pytest.raises(InjectedFault):
+        resizer.shrink(6 * u)
+
+    assert capacity_copies(s) == {16 * u} and s.emitted_capacities == [16 * u]
+    assert all(buf.shape[0] == 17 * u for buf in s.token_to_kv_pool_allocator.get_kvcache().k_buffer)
+    assert resizer.held_tokens == held
+    assert torch.equal(request_kv(s, b), reference["b"])
+    assert torch.equal(request_kv(s, d), reference["d"])
+    assert torch.equal(kv_rows(s, s.running_batch.out_cache_loc), last_written)
+    resizer.check_integrity()
+    s.tree_cache.tree_core.sanity_check([], [])
+    # Live KV was moved below the boundary before the fault: it stays there.
+    rtt = s.req_to_token_pool.req_to_token
+    assert max(rtt[r.kv.req_pool_idx, : r.kv.kv_allocated_len].max().item() for r in (b, d)) < 11 * u
+
+    result = resizer.shrink(6 * u)
+    assert result.new_capacity_tokens == 10 * u and capacity_copies(s) == {10 * u}
+    assert torch.equal(request_kv(s, b), reference["b"])
+    resizer.check_integrity()

@@ -34,6 +34,13 @@ Call it between batches on the scheduler thread: after ``process_batch_result`` 
 built but not yet run must be passed as ``extra_batches`` (its ``out_cache_loc`` is where the
 next forward writes); otherwise its locks are unseen and shrink refuses.
 
+Both are all-or-nothing: a grow that fails puts the old buffers back; a shrink that fails after
+evicting and moving live KV leaves the pool at its old capacity (the moved KV stays where it was
+moved, every holder already points there, the pages above the boundary go back to the free
+list); only the evicted cache is gone. The old buffers stay referenced until a resize commits,
+so a resize holds the old and the new pool for a moment (on GPU, ``kv_vmm.VmmKVArena`` avoids
+the copy; it is not wired in yet).
+
 Capacity copies updated on every resize (paths verified in SGLang 0.5.23):
   - ``pool.size``, ``pool.mem_usage``, ``pool._kv_buffer_descs``, the pool's data pointers
     (``pool._init_data_ptrs_and_strides()``), ``allocator.size`` (and ``allocator.num_pages``
@@ -41,6 +48,10 @@ Capacity copies updated on every resize (paths verified in SGLang 0.5.23):
   - ``scheduler.tp_worker.model_runner.max_total_num_tokens`` and
     ``...model_runner.memory_pool_config.max_total_num_tokens``;
   - ``scheduler.max_total_num_tokens``;
+  - the request-length limits SGLang derives from the capacity in ``TpModelWorker.
+    get_worker_info``: ``scheduler.max_req_len = min(context_len, capacity) - 1`` (which
+    clips ``max_new_tokens``) and ``scheduler.max_req_input_len`` (the longest prompt admitted;
+    longer ones are aborted with HTTP 400), and the beam-search coordinator's ``max_req_len``;
   - ``max_total_num_tokens`` of ``scheduler.pool_stats_observer`` and
     ``scheduler.load_inquirer`` (frozen dataclasses: set in place with ``object.__setattr__``,
     as SGLang's own ``_sync_disaggregation_mode_to_subcomponents`` does, so every holder of
@@ -48,18 +59,25 @@ Capacity copies updated on every resize (paths verified in SGLang 0.5.23):
     ``scheduler.invariant_checker`` and ``scheduler.kv_events_publisher``;
   - the ``sglang:max_total_num_tokens`` metrics gauge, through
     ``scheduler.emit_metrics_constants()`` (a no-op without ``--enable-metrics``).
-Left alone: ``scheduler.max_req_len`` / ``max_req_input_len`` (and the tokenizer manager's
-copies in another process), which SGLang derives from ``min(context_len, capacity)``; admission
-reads the live ``max_total_num_tokens``.
+Left alone: ``max_running_requests``, which sized the request table at startup (at most half
+the startup capacity; it keeps that value); and the TokenizerManager's copy of
+``max_req_input_len`` in the HTTP process, which SGLang reads only for multimodal and
+joint-schema models (text prompts are checked against the context length there and against
+the scheduler's limit here).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import logging
 import time
 from typing import Any, Iterable
 
 import torch
+
+from sglang_morph.executor.faults import FaultInjector
+
+logger = logging.getLogger("sglang_morph")
 
 _GIB = 1 << 30
 # Scheduler components that keep their own copy of the capacity (each has that field in 0.5.23).
@@ -97,7 +115,7 @@ class KVResizer:
     free + cached (evictable + locked) + request-private tokens == capacity.
     """
 
-    def __init__(self, scheduler: Any):
+    def __init__(self, scheduler: Any, faults: FaultInjector | None = None):
         from sglang.srt.mem_cache.allocator import (
             PagedTokenToKVPoolAllocator,
             TokenToKVPoolAllocator,
@@ -141,10 +159,20 @@ class KVResizer:
                 f"allocator size {allocator.size} and scheduler capacity "
                 f"{scheduler.max_total_num_tokens} differ from the pool's {pool.size} tokens"
             )
+        self.context_len = scheduler.model_config.context_len
+        if scheduler.max_req_len != self._max_req_len(pool.size):
+            # Another derivation (e.g. an auxiliary KV cache with its own capacity): the limits
+            # would not follow the pool the way this resizer updates them.
+            raise NotImplementedError(
+                f"max_req_len {scheduler.max_req_len} is not min(context length "
+                f"{self.context_len}, capacity {pool.size}) - 1")
+        # What SGLang keeps between the longest request and the longest prompt (5 tokens).
+        self.input_len_margin = scheduler.max_req_len - scheduler.max_req_input_len
         self.scheduler = scheduler
         self.allocator = allocator
         self.pool = pool
         self.tree = tree
+        self.faults = faults or FaultInjector()
         self._full = ComponentType.FULL
         self.kv_bytes_per_token = sum(
             buf[0].numel() * buf.element_size() for buf in (*pool.k_buffer, *pool.v_buffer)
@@ -162,17 +190,24 @@ class KVResizer:
     # ---- grow ----
 
     def grow(self, add_tokens: int) -> KVResize:
-        """Add ``add_tokens`` rounded down to whole pages (0 is a no-op)."""
+        """Add ``add_tokens`` rounded down to whole pages (0 is a no-op). All or nothing."""
         started = time.perf_counter()
         if add_tokens < 0:
             raise ValueError(f"add_tokens must be >= 0, got {add_tokens}")
         old = self.capacity_tokens
         new = old + add_tokens // self.page_size * self.page_size
         if new != old:
-            self._resize_buffers(new)
-            new_pages = torch.arange(old // self.page_size + 1, new // self.page_size + 1,
-                                     dtype=torch.int64, device=self.allocator.device)
-            self.allocator.free_pages = torch.cat((self.allocator.free_pages, new_pages))
+            saved = self._pool_state()
+            try:
+                self._resize_buffers(new)
+                self.faults.check("grow")
+                new_pages = torch.arange(old // self.page_size + 1, new // self.page_size + 1,
+                                         dtype=torch.int64, device=self.allocator.device)
+                free_pages = torch.cat((self.allocator.free_pages, new_pages))
+            except BaseException:
+                self._restore_pool_state(saved)
+                raise
+            self.allocator.free_pages = free_pages
             self._publish_capacity(new)
         return KVResize(old, new, 0, 0, time.perf_counter() - started)
 
@@ -198,8 +233,23 @@ class KVResizer:
         new = old - remove
         self.allocator.merge_and_sort_free()
         evicted = self._evict_for_boundary(new, locked_nodes)
-        moved = self._move_live_below(new, locked_nodes, extra_batches)
-        self._resize_buffers(new)
+        # From here on the pool keeps its old capacity until the cut: every page above the new
+        # boundary is either free or moved below it (holders rewritten), so on a failure the
+        # pages above go back to the free list and the pool is whole at the old size.
+        free_before_move = self.allocator.free_pages
+        saved = self._pool_state()
+        moved = 0
+        try:
+            moved = self._move_live_below(new, locked_nodes, extra_batches)
+            self.faults.check("shrink")
+            self._resize_buffers(new)
+        except BaseException:
+            self._restore_pool_state(saved)
+            if self.allocator.free_pages is not free_before_move:  # the move was committed
+                above = torch.arange(new // self.page_size + 1, old // self.page_size + 1,
+                                     dtype=torch.int64, device=self.allocator.device)
+                self.allocator.free_pages = torch.cat((self.allocator.free_pages, above))
+            raise
         self._publish_capacity(new)
         return KVResize(old, new, moved, evicted, time.perf_counter() - started)
 
@@ -267,7 +317,11 @@ class KVResizer:
 
     def _move_live_below(self, new: int, locked_nodes: list, extra_batches: list) -> int:
         """Copy every live page above ``new`` into a free page below it, rewrite the holders of
-        their indices and drop free pages above it; returns the moved tokens."""
+        their indices and drop the pages above it from the free list; returns the moved tokens.
+
+        Everything that can fail (the K/V copies into free pages, the rewritten index tensors,
+        the check that no unlocked cache is left above) happens before the commit, which only
+        replaces the free list and copies the rewritten indices into the holders in place."""
         ps, first_row_out = self.page_size, new + self.page_size
         new_pages, old_pages = new // ps, self.capacity_tokens // ps
         free = self.allocator.free_pages
@@ -276,32 +330,29 @@ class KVResizer:
         src_pages = torch.nonzero(live_above).flatten() + new_pages + 1
         free_below = free[free <= new_pages]
         dst_pages = free_below[: src_pages.numel()]
-        self.allocator.free_pages = free_below[src_pages.numel():]
-        if src_pages.numel() == 0:
-            return 0
         offsets = torch.arange(ps, device=free.device)
         src = (src_pages[:, None] * ps + offsets).flatten()
         dst = (dst_pages[:, None] * ps + offsets).flatten()
+        # The destination pages are free: nothing reads them until the holders are rewritten.
         for k, v in zip(self.pool.k_buffer, self.pool.v_buffer):
             k[dst] = k[src]
             v[dst] = v[src]
         remap = torch.arange(self.capacity_tokens + ps, dtype=torch.int64, device=free.device)
         remap[src] = dst
-
-        def rewrite(indices: torch.Tensor) -> None:
-            out = indices >= first_row_out
-            if out.any():
-                indices[out] = remap[indices[out].long()].to(indices.dtype)
-
-        rewrite(self.scheduler.req_to_token_pool.req_to_token)
-        for value in self._locked_values(locked_nodes):
-            rewrite(value)
-        for batch in self._batches(extra_batches):
-            if isinstance(batch.out_cache_loc, torch.Tensor):
-                rewrite(batch.out_cache_loc)
-        left = int((self.tree.all_values_flatten() >= first_row_out).sum())
+        holders = [self.scheduler.req_to_token_pool.req_to_token,
+                   *self._locked_values(locked_nodes),
+                   *(batch.out_cache_loc for batch in self._batches(extra_batches)
+                     if isinstance(batch.out_cache_loc, torch.Tensor))]
+        rewritten = [remap[h.long()].to(h.dtype) if (h >= first_row_out).any() else None
+                     for h in holders]
+        locked_above = sum(int((v >= first_row_out).sum()) for v in self._locked_values(locked_nodes))
+        left = int((self.tree.all_values_flatten() >= first_row_out).sum()) - locked_above
         if left:
-            raise RuntimeError(f"KV shrink: {left} cached tokens still above the boundary")
+            raise RuntimeError(f"KV shrink: {left} unlocked cached tokens above the boundary")
+        self.allocator.free_pages = free_below[src_pages.numel():]
+        for holder, value in zip(holders, rewritten):
+            if value is not None:
+                holder.copy_(value)
         return src.numel()
 
     # ---- shared ----
@@ -317,12 +368,25 @@ class KVResizer:
             reqs.append(self.scheduler.chunked_req)
         return list({id(req): req for req in reqs}.values())
 
+    def _pool_state(self) -> tuple:
+        pool = self.pool
+        return (list(pool.k_buffer), list(pool.v_buffer), pool.size, pool._kv_buffer_descs,
+                pool.mem_usage)
+
+    def _restore_pool_state(self, state: tuple) -> None:
+        pool = self.pool
+        k_buffers, v_buffers, pool.size, pool._kv_buffer_descs, pool.mem_usage = state
+        pool.k_buffer[:], pool.v_buffer[:] = k_buffers, v_buffers
+        pool._init_data_ptrs_and_strides()
+
     def _resize_buffers(self, capacity_tokens: int) -> None:
         """Replace every layer's K/V buffers by ones with ``capacity_tokens + page_size`` rows,
-        keeping the leading rows; one layer at a time bounds the transient memory."""
+        keeping the leading rows. All new buffers are built before the pool's lists change, so
+        a failure (out of memory) leaves the pool as it was."""
         pool, rows = self.pool, capacity_tokens + self.page_size
         keep = min(rows, pool.k_buffer[0].shape[0])
-        for i, (k, v) in enumerate(zip(pool.k_buffer, pool.v_buffer)):
+        new_k_buffers, new_v_buffers = [], []
+        for k, v in zip(pool.k_buffer, pool.v_buffer):
             if k._base is not None and k._base is v._base:
                 # SGLang stores K and V as the halves of one allocation when their shapes match.
                 fused = torch.zeros((2, rows, *k.shape[1:]), dtype=k.dtype, device=k.device)
@@ -332,13 +396,19 @@ class KVResizer:
                 new_v = v.new_zeros((rows, *v.shape[1:]))
             new_k[:keep] = k[:keep]
             new_v[:keep] = v[:keep]
-            pool.k_buffer[i], pool.v_buffer[i] = new_k, new_v
+            new_k_buffers.append(new_k)
+            new_v_buffers.append(new_v)
+        pool.k_buffer[:], pool.v_buffer[:] = new_k_buffers, new_v_buffers
         pool.size = capacity_tokens
         pool._kv_buffer_descs = pool._build_kv_buffer_descs()
         pool._init_data_ptrs_and_strides()
         pool.mem_usage = sum(pool.get_kv_size_bytes()) / _GIB
 
+    def _max_req_len(self, capacity_tokens: int) -> int:
+        return min(self.context_len - 1, capacity_tokens - 1)
+
     def _publish_capacity(self, capacity_tokens: int) -> None:
+        """Set every copy of the capacity (plain assignments, after the pool is resized)."""
         scheduler, allocator = self.scheduler, self.allocator
         allocator.size = capacity_tokens
         if hasattr(allocator, "num_pages"):
@@ -348,9 +418,18 @@ class KVResizer:
         if model_runner.memory_pool_config is not None:
             model_runner.memory_pool_config.max_total_num_tokens = capacity_tokens
         scheduler.max_total_num_tokens = capacity_tokens
+        max_req_len = self._max_req_len(capacity_tokens)
+        scheduler.max_req_len = max_req_len
+        scheduler.max_req_input_len = max_req_len - self.input_len_margin
+        beam_coordinator = getattr(scheduler, "beam_coordinator", None)
+        if beam_coordinator is not None:
+            beam_coordinator.max_req_len = max_req_len
         for name in _CAPACITY_COMPONENTS:
             object.__setattr__(getattr(scheduler, name), "max_total_num_tokens", capacity_tokens)
-        scheduler.emit_metrics_constants()
+        try:
+            scheduler.emit_metrics_constants()
+        except Exception:  # a gauge that cannot be set is no reason to undo a resize
+            logger.exception("sglang-morph: could not publish the KV capacity to /metrics")
 
     def check_integrity(self, *, extra_batches: Iterable = ()) -> None:
         """Raise AssertionError, with the numbers, when an invariant of the class is broken."""
