@@ -25,17 +25,22 @@ DEFAULT = MODES["default"]
 
 
 def sig(t, usage=0.0, waiting=0, head_wait_s=0.0, retractions=0, cap=10_000, used=None,
-        reserved=0, head_need=None, waiting_need=0, gap=0.0):
+        reserved=0, head_need=None, waiting_need=0, gap=0.0, step_s=0.0, release=(),
+        running=None):
     """Synthetic signals; a waiting head needs the whole pool unless ``head_need`` says
-    otherwise, i.e. it waits for KV."""
+    otherwise, i.e. it waits for KV, and no running request's finish makes room for it unless
+    ``release`` ((steps to finish, KV tokens released), ...) says otherwise. Requests run
+    while KV is held, unless ``running`` says otherwise."""
     used = round(usage * cap) if used is None else used
+    running = int(used > 0) if running is None else running
     return PressureSignals(
         time_s=t, kv_usage=used / cap if cap else 0.0, kv_usage_ewma=used / cap if cap else 0.0,
         num_waiting_reqs=waiting, head_wait_s=head_wait_s, queue_delay_ewma_s=head_wait_s,
-        retractions_delta=retractions, num_running_reqs=1, kv_capacity_tokens=cap,
+        retractions_delta=retractions, num_running_reqs=running, kv_capacity_tokens=cap,
         kv_used_tokens=used, ttft_ewma_s=None, tpot_ewma_s=None, kv_reserved_tokens=reserved,
         head_need_tokens=(cap if waiting else 0) if head_need is None else head_need,
-        waiting_need_tokens=waiting_need, sample_gap_s=gap,
+        waiting_need_tokens=waiting_need, sample_gap_s=gap, step_s=step_s,
+        running_kv_release=tuple(sorted(release)),
     )
 
 
@@ -75,8 +80,8 @@ def test_kv_high_acts_only_after_persist_steps_consecutive():
     usages = [0.9, 0.9, 0.7, 0.9, 0.9]  # the 0.7 step breaks the streak
     assert all(c.decide(sig(0.1 * i, u), FULL8) is None for i, u in enumerate(usages))
     a = c.decide(sig(0.5, 0.9), FULL8)  # third consecutive high step
-    assert a == SwapLayers((0, 1), 4, a.reason) and not a.restore
-    assert "kv_usage 0.90 >= 0.85" in a.reason and "frees 2400 KV tokens" in a.reason
+    assert a == SwapLayers((0, 1), 8, a.reason) and not a.restore  # default: W8 first
+    assert "kv_usage 0.90 >= 0.85" in a.reason and "frees 1600 KV tokens" in a.reason
 
 
 def test_isolated_spikes_never_act():
@@ -85,23 +90,47 @@ def test_isolated_spikes_never_act():
     assert drive(c, FULL8, seq)[0] == []
 
 
-def test_queue_delay_trigger_needs_waiting_requests_and_age():
-    young = [sig(0.1 * i, 0.3, waiting=4, head_wait_s=0.05) for i in range(10)]
+def test_queue_delay_trigger_is_the_wait_for_kv_the_head_faces():
+    # Default: a head short of KV triggers once it will have waited 0.5 s before the running
+    # requests' finishes free enough KV (waited so far + steps to that finish x step length).
+    def blocked(t, waited, steps_to_room, step_s=0.1, **kw):
+        # 8000 held in a 10000 pool (usage 0.8, below the trigger); the head needs 2500, so 500
+        # must come back: the request that finishes in ``steps_to_room`` steps releases 600,
+        # another one 10 steps later.
+        return sig(t, used=8000, waiting=2, head_wait_s=waited, head_need=2500, step_s=step_s,
+                   release=((steps_to_room, 600), (steps_to_room + 10, 3000)), **kw)
+
+    assert blocked(0.0, 0.0, 3).head_kv_wait_s() == pytest.approx(0.3)
+    # Room comes in 3 steps (0.3 s): the head is admitted before 0.5 s, nothing moves, also
+    # while it waits and the finishing request counts down.
+    soon = [blocked(0.1 * i, 0.1 * i, 3 - i) for i in range(3)]
+    assert drive(ctl(), FULL8, soon)[0] == []
+    # Room comes only in 6 steps: the head would wait 0.6 s, so the first look acts.
+    late = drive(ctl(), FULL8, [blocked(0.0, 0.0, 6)])[0]
+    assert [(t, a.layers) for t, a in late] == [(0.0, (0, 1))]
+    assert "head short of KV would wait 0.60 s (waited 0.00 s) >= 0.5 s with 2 waiting" \
+        in late[0][1].reason
+    # Waited 0.45 s already, one step to go: 0.55 s.
+    assert len(drive(ctl(), FULL8, [blocked(0.0, 0.45, 1)])[0]) == 1
+    # Nothing running frees enough (the head needs more than the pool): act at once.
+    assert sig(0.0, used=8000, waiting=1, head_need=2500).head_kv_wait_s() == math.inf
+    assert len(drive(ctl(), FULL8, [sig(0.0, used=8000, waiting=1, head_need=2500)])[0]) == 1
+    # No step length known yet (first busy sample): only the wait so far counts.
+    unknown = [blocked(0.1 * i, 0.1 * i, 50, step_s=0.0) for i in range(6)]
+    assert [t for t, _ in drive(ctl(), FULL8, unknown)[0]] == [pytest.approx(0.5)]
+    # A waiting request that fits is not short of KV, however long it waited.
+    assert sig(0.0, used=100, waiting=1, head_need=100, head_wait_s=9.0).head_kv_wait_s() == 0.0
     nobody_waits = [sig(0.1 * i, 0.3, waiting=0, head_wait_s=0.5) for i in range(10)]
-    assert drive(ctl(), FULL8, young)[0] == []
     assert drive(ctl(), FULL8, nobody_waits)[0] == []
-    old = [sig(0.1 * i, 0.3, waiting=4, head_wait_s=0.15) for i in range(3)]
-    actions, _ = drive(ctl(), FULL8, old)
-    # A head blocked by KV that has waited past the threshold acts at once (the wait is the
-    # persistence), unlike kv_usage alone, which needs persist_steps samples.
-    assert [(t, a.layers) for t, a in actions] == [(pytest.approx(0.0), (0, 1))]
-    assert "head_wait 0.150 s + 0.000 s step >= 0.1 s with 4 waiting, blocked by KV" \
-        in actions[0][1].reason
-    # Just enqueued, but the scheduler's steps are 0.5 s apart: it will have waited that long.
-    slow_steps = [sig(0.5 * i, 0.3, waiting=4, head_wait_s=0.0, gap=0.5) for i in range(1, 3)]
-    assert drive(ctl(), FULL8, slow_steps)[0][0][0] == 0.5  # the first sample already acts
-    fast_steps = [sig(0.02 * i, 0.3, waiting=4, head_wait_s=0.0, gap=0.02) for i in range(1, 9)]
-    assert drive(ctl(), FULL8, fast_steps)[0] == []
+
+
+def test_queue_delay_threshold_is_per_mode():
+    # The same head (would wait 0.3 s for KV) triggers performance (0.1 s) only.
+    s = [sig(0.1 * i, used=8000, waiting=1, head_need=2500, step_s=0.1, release=((3, 600),))
+         for i in range(6)]
+    assert drive(ctl(get_mode("performance")), FULL8, s[:1])[0]
+    assert drive(ctl(get_mode("default")), FULL8, s)[0] == []
+    assert drive(ctl(get_mode("accuracy")), FULL8, s)[0] == []
 
 
 def test_queue_that_waits_for_compute_does_not_quantize():
@@ -134,7 +163,9 @@ def test_layers_follow_swap_order_and_never_leave_it():
     order = (5, 2, 7, 0)
     c = ctl(policy(cooldown_s=0.0), order=order)
     actions, bits = drive(c, FULL8, [sig(0.1 * i, 0.95) for i in range(40)])
-    assert [a.layers for _, a in actions] == [(5, 2), (7, 0)]
+    # W8 on every layer of the order before any goes on to W4.
+    assert [(a.layers, a.bits) for _, a in actions] == [
+        ((5, 2), 8), ((7, 0), 8), ((5, 2), 4), ((7, 0), 4)]
     assert bits == (4, 16, 4, 16, 16, 4, 16, 4)  # layers 1, 3, 4, 6 are not in the order
 
 
@@ -146,18 +177,18 @@ def test_layers_per_step_per_mode(mode, per_step):
 
 @pytest.mark.parametrize("waiting_need,layers", [
     (0, 2),         # nothing waits: layers_per_step
-    (1000, 2),      # room for 10300 at usage 0.85: 12118 - 10000 = 2118 -> 2 layers (2400)
-    (4000, 5),      # 13300 / 0.85 = 15647 -> 5647 missing -> 5 layers (6000)
-    (100_000, 8),   # more than any action may free: max_layers_per_step
+    (1000, 3),      # room for 10300 at usage 0.85: 12118 - 10000 = 2118 -> 3 W8 layers (2400)
+    (4000, 8),      # 13300 / 0.85 = 15647 -> 5647 missing -> 8 W8 layers (6400)
+    (100_000, 16),  # more than any action may free: max_layers_per_step
 ])
 def test_swap_size_covers_the_waiting_deficit(waiting_need, layers):
-    order = tuple(range(12))
+    order = tuple(range(20))
     # 9000 held + 300 reserved in a 10000 pool (usage 0.9: high without any queue).
     seq = [sig(0.1 * i, used=9000, reserved=300, waiting=3 if waiting_need else 0,
                head_wait_s=0.5, waiting_need=waiting_need) for i in range(3)]
     assert seq[0].kv_deficit_tokens() == (max(0, waiting_need - 700) if waiting_need else 0)
-    actions, _ = drive(ctl(order=order), (16,) * 12, seq)
-    assert actions[0][1].layers == order[:layers]
+    actions, _ = drive(ctl(order=order), (16,) * 20, seq)
+    assert actions[0][1].layers == order[:layers] and actions[0][1].bits == 8
 
 
 def test_accuracy_goes_to_8_everywhere_before_4():
@@ -175,7 +206,7 @@ def test_accuracy_skips_bit_widths_the_engines_lack():
 
 
 def test_max_quantized_layers_caps_new_quantization():
-    c = ctl(policy(cooldown_s=0.0), cap=3)
+    c = ctl(policy(cooldown_s=0.0, bits_sequence=(4,)), cap=3)
     actions, bits = drive(c, FULL8, [sig(0.1 * i, 0.99) for i in range(50)])
     assert [a.layers for _, a in actions] == [(0, 1), (2,)]
     assert sum(b < 16 for b in bits) == 3
@@ -200,37 +231,47 @@ def test_nothing_left_to_swap_returns_none():
 def swapped_controller(pol, order=(0, 1, 2, 3)):
     """A controller that has just quantized every layer of ``order`` (at t < 0)."""
     c = ctl(pol, order=order)
-    actions, bits = drive(c, (16,) * 4, [sig(-10 + 0.1 * i, 0.99) for i in range(40)])
+    actions, bits = drive(c, (16,) * 4, [sig(-10 + 0.1 * i, 1.0) for i in range(40)])
     assert all(b == 4 for b in bits)
     return c, bits
 
 
-def test_restore_waits_for_quiet_time_and_quiet_steps():
-    pol = policy(restore_quiet_s=5.0, restore_quiet_steps=10, cooldown_s=0.0)
-    # Dense steps: the time window binds (first quiet step at t=0).
-    c, bits = swapped_controller(pol)
-    actions, _ = drive(c, bits, [sig(0.1 * i, 0.1) for i in range(52)])
-    assert actions[0][0] == pytest.approx(5.0)
-    # Sparse steps: the step count binds (10th quiet step at t=18 although 5 s passed at t=6).
-    c, bits = swapped_controller(pol)
-    actions, _ = drive(c, bits, [sig(2.0 * i, 0.1) for i in range(12)])
-    assert actions[0][0] == pytest.approx(18.0)
-    # A non-quiet step (a waiting request) restarts the window.
-    c, bits = swapped_controller(pol)
-    seq = [sig(0.1 * i, 0.1, waiting=1 if i == 30 else 0) for i in range(90)]
-    assert drive(c, bits, seq)[0][0][0] == pytest.approx(8.1)
+def test_restore_waits_for_quiet_wall_time_whatever_the_sampling():
+    pol = policy(restore_quiet_s=5.0, cooldown_s=0.0)
+    busy = sig(0.0, 0.1, waiting=1, head_need=10)  # not quiet (a queue), not pressure
+
+    def first_restore(seq):
+        c, bits = swapped_controller(pol)  # pressure ended at t = -6.1
+        actions, _ = drive(c, bits, [busy] + seq)
+        return actions[0][0] if actions else None
+
+    # The window starts at the last step that was not quiet (t = 0), dense or sparse samples:
+    assert first_restore([sig(0.1 * i, 0.1) for i in range(1, 60)]) == pytest.approx(5.0)
+    # an idle scheduler under --sleep-on-idle steps once a second: still 5 s, not 10 samples.
+    assert first_restore([sig(1.0 * i, 0.1) for i in range(1, 12)]) == pytest.approx(5.0)
+    # A step that is not quiet (a waiting request) restarts the window.
+    seq = [sig(0.1 * i, 0.1, waiting=int(i == 30), head_need=10) for i in range(1, 90)]
+    assert first_restore(seq) == pytest.approx(8.0)
     # Usage between the quiet threshold (0.75) and the trigger (0.85) never counts as quiet.
+    assert first_restore([sig(0.1 * i, 0.8) for i in range(1, 200)]) is None
+    # The window also starts at the last transition: right after the swap at t = -8.3 the
+    # pressure (t = -6.1) is the later of the two; with no step after the swap, the swap is.
     c, bits = swapped_controller(pol)
-    assert drive(c, bits, [sig(0.1 * i, 0.8) for i in range(200)])[0] == []
+    c.note_transition(-1.0)
+    assert drive(c, bits, [sig(0.5 * i, 0.1) for i in range(20)])[0][0][0] == pytest.approx(4.0)
 
 
-@pytest.mark.parametrize("used,restored", [(3500, (3, 2)), (4000, (3,)), (4500, ())])
-def test_restore_limited_by_predicted_usage(used, restored):
+@pytest.mark.parametrize("used,reserved,restored", [
+    (3500, 0, (3, 2)), (4000, 0, (3,)), (4500, 0, ()),
+    # What the running requests still claim counts like what they hold.
+    (2000, 1500, (3, 2)), (2000, 2500, ()),
+])
+def test_restore_limited_by_predicted_usage(used, reserved, restored):
     # Each restore takes 1200 tokens back from a 10000-token pool; kv_usage_low is 0.5:
     # 3500/7600 = 0.46 fits two, 4000/8800 = 0.45 fits one (4000/7600 = 0.53 does not),
     # 4500/8800 = 0.51 fits none.
-    c, bits = swapped_controller(policy(restore_quiet_s=1.0, restore_quiet_steps=2))
-    actions, _ = drive(c, bits, [sig(0.5 * i, used=used) for i in range(4)])
+    c, bits = swapped_controller(policy(restore_quiet_s=1.0))
+    actions, _ = drive(c, bits, [sig(0.5 * i, used=used, reserved=reserved) for i in range(2)])
     assert tuple(a.layers for _, a in actions) == ((restored,) if restored else ())
     if restored:
         assert actions[0][1].restore and actions[0][1].bits == 16
@@ -309,14 +350,97 @@ def test_steady_load_converges(mode):
     assert 5_000 / srv.cap < get_mode(mode).kv_usage_high
 
 
-def test_slow_square_wave_swaps_and_restores_once_per_cycle():
-    srv = Server(ctl(policy(cooldown_s=0.0, restore_layers_per_step=8)))
-    for i in range(400):  # 4 cycles of 10 s burst / 10 s lull at 0.2 s per step
-        srv.step(0.2 * i, 12_000 if i % 100 < 50 else 500)
-    # Each burst takes 2 swaps of 2 layers (2400 tokens each); each lull one restore of all 4,
-    # a quiet window (5 s) after it began.
-    assert [a.restore for _, a in srv.actions] == [False, False, True] * 4
-    assert [round(t, 1) for t, a in srv.actions if a.restore] == [15.0, 35.0, 55.0, 75.0]
+def test_slow_square_wave_learns_the_lull_and_keeps_the_capacity():
+    # 4 cycles of 10 s burst / 10 s lull at 0.2 s per step. The first lull restores after the
+    # 5 s quiet window; the next burst needs that capacity again, so the lull (10.2 s from the
+    # last busy step to the next) is learned and later lulls hold the capacity for 1.5 x that:
+    # the later bursts find the grown pool and nothing moves any more.
+    c = ctl(policy(cooldown_s=0.0, restore_layers_per_step=8))
+    srv = Server(c)
+    for i in range(400):
+        srv.step(0.2 * i, 12_000 if i % 100 < 50 else 0)
+    assert [(round(t, 1), a.restore) for t, a in srv.actions] == [
+        (0.0, False), (0.6, False), (1.2, False), (14.8, True),
+        (20.0, False), (20.6, False), (21.2, False)]
+    assert c.restore_hold_s == pytest.approx(1.5 * 10.2)
+    # Capped by the mode: with restore_hold_max_s 8 s every lull restores again (at 8 s).
+    c = ctl(policy(cooldown_s=0.0, restore_layers_per_step=8, restore_hold_max_s=8.0))
+    srv = Server(c)
+    for i in range(400):
+        srv.step(0.2 * i, 12_000 if i % 100 < 50 else 0)
+    assert [round(t, 1) for t, a in srv.actions if a.restore] == [14.8, 37.8, 57.8, 77.8]
+
+
+def test_a_lull_counts_only_if_the_burst_after_it_needs_the_capacity():
+    # Long lulls ended by small loads that the full-precision pool would absorb are not bursts:
+    # the hold stays the quiet window.
+    c = ctl(policy(cooldown_s=0.0, restore_layers_per_step=8))
+    srv = Server(c)
+    for i in range(400):
+        srv.step(0.2 * i, 12_000 if i < 50 else (3_000 if i % 100 < 50 else 0))
+    assert c.restore_hold_s == DEFAULT.restore_quiet_s
+    assert [a.restore for _, a in srv.actions] == [False, False, False, True]
+
+
+class Decoding:
+    """Toy server with running requests that decode one token per step: each holds KV and
+    still claims KV for its remaining output; held KV beyond the pool retracts the request
+    with the most output left (its KV is freed and it waits)."""
+
+    def __init__(self, c, requests, capacity_tokens=10_000, blind=False):
+        self.c, self.cap, self.bits = c, capacity_tokens, (4, 4, 4, 4)
+        self.reqs = [list(r) for r in requests]  # [held, left]
+        self.blind = blind  # controller sees no reservations: held-only prediction
+        self.actions, self.retractions = [], 0
+
+    def step(self, t):
+        for r in self.reqs:
+            if r[1] > 0:
+                r[0], r[1] = r[0] + 1, r[1] - 1
+        self.reqs = [r for r in self.reqs if r[1] > 0]
+        retracted = 0
+        while sum(r[0] for r in self.reqs) > self.cap:
+            self.reqs.remove(max(self.reqs, key=lambda r: r[1]))
+            retracted += 1
+        self.retractions += retracted
+        held = sum(r[0] for r in self.reqs)
+        reserved = 0 if self.blind else sum(r[1] for r in self.reqs)
+        a = self.c.decide(sig(t, used=held, cap=self.cap, reserved=reserved,
+                              retractions=retracted), self.bits)
+        if a is not None:
+            self.cap += sum(COSTS.freed_tokens(self.bits[i], a.bits) for i in a.layers)
+            self.bits = apply(self.bits, a)
+            self.actions.append((t, a))
+
+
+def test_restore_counts_what_running_requests_still_claim_so_it_does_not_thrash():
+    # Four W4 layers grant 4 x 1200 tokens: the pool is 10000. Six running requests hold 400
+    # tokens each and will write 800 more each (7200 at the end), 0.1 s per token.
+    requests = [(400, 800)] * 6
+
+    def run(blind):
+        # A pool allowed to fill up before it counts as high, so the only alarm left is the
+        # retraction that a too-small pool causes.
+        pol = policy(kv_usage_high=1.0, kv_usage_quiet_margin=0.3)
+        c, _ = swapped_controller(pol)  # pressure ended at t = -6.1
+        srv = Decoding(c, requests, blind=blind)
+        for i in range(1000):
+            srv.step(0.1 * i)
+        return srv
+
+    # Held-only prediction (2400 held: 2400 / 5200 < 0.5) restores all four layers at once,
+    # the requests outgrow the 5200-token pool, one is retracted and the controller swaps
+    # again: thrash, and a request thrown back to the queue.
+    blind = run(blind=True)
+    assert [(a.restore, a.layers) for _, a in blind.actions][:2] == [
+        (True, (3, 2, 1, 0)), (False, (0, 1))]
+    assert "retraction" in blind.actions[1][1].reason and blind.retractions == 1
+    # Held + reserved (7200 of 10000 after any restore is >= 0.5 of the smaller pool): nothing
+    # moves until the requests finish at t = 80 s, then one restore brings every layer back.
+    aware = run(blind=False)
+    assert aware.retractions == 0
+    assert [(a.restore, a.layers) for _, a in aware.actions] == [(True, (3, 2, 1, 0))]
+    assert aware.actions[0][0] > 80.0
 
 
 # --------------------------------------------------------------------------- modes
@@ -342,7 +466,8 @@ def test_modes_are_ordered_from_cautious_to_eager():
     assert acc.kv_usage_high > dft.kv_usage_high > perf.kv_usage_high
     assert acc.queue_delay_high_s > dft.queue_delay_high_s > perf.queue_delay_high_s
     assert acc.layers_per_step < dft.layers_per_step < perf.layers_per_step
-    assert acc.bits_sequence == (8, 4) and dft.bits_sequence == perf.bits_sequence == (4,)
+    assert acc.bits_sequence == dft.bits_sequence == (8, 4) and perf.bits_sequence == (4,)
+    assert acc.restore_hold_max_s < dft.restore_hold_max_s < perf.restore_hold_max_s
     assert get_mode("default") is DEFAULT
 
 
@@ -522,3 +647,25 @@ def test_an_external_transition_restarts_cooldown_and_quiet_window():
     assert all(c.decide(s, bits) is None for s in quiet)  # only 4.8 s since the transition
     actions, _ = drive(c, bits, [sig(10.0 + 0.1 * i, 0.0) for i in range(20)])
     assert actions and actions[0][0] >= 4.95 + DEFAULT.restore_quiet_s
+
+
+def test_monitor_step_length_from_busy_scheduler_iterations():
+    m = PressureMonitor(ewma_alpha=0.5)
+
+    def obs(t, steps, running=1, release=()):
+        return m.observe(PressureSnapshot(t, 100, 10, 0, running, 0.0, 0,
+                                          scheduler_steps_total=steps,
+                                          running_kv_release=release))
+
+    assert obs(0.0, 0).step_s == 0.0  # nothing to compare with yet
+    assert obs(1.0, 10).step_s == pytest.approx(0.1)  # 10 iterations in 1 s
+    assert obs(2.0, 15).step_s == pytest.approx(0.15)  # EWMA of 0.1 and 0.2
+    # Idle stretches (a second per iteration with --sleep-on-idle) say nothing about a step.
+    assert obs(10.0, 20, running=0).step_s == pytest.approx(0.15)
+    assert obs(11.0, 21).step_s == pytest.approx(0.15)
+    # Running requests' releases come out nearest finish first.
+    assert obs(12.0, 31, release=((30, 5), (2, 7))).running_kv_release == ((2, 7), (30, 5))
+    with pytest.raises(ValueError, match="scheduler_steps_total decreased"):
+        obs(13.0, 3)
+    with pytest.raises(ValueError, match="running_kv_release"):
+        PressureSnapshot(0.0, 100, 10, 0, 1, 0.0, 0, running_kv_release=((-1, 5),))

@@ -8,6 +8,7 @@ next ``decide``. That keeps it drivable by a simulator and testable without SGLa
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 
 from sglang_morph.config import FULL_PRECISION_BITS
@@ -90,24 +91,35 @@ class LayerCosts:
 class MorphController:
     """Decides when to quantize which layers under pressure and when to restore them.
 
-    Rules:
-    - A step is *high* when ``kv_usage >= kv_usage_high``, or the oldest waiting request will
-      have waited ``>= queue_delay_high_s`` by the next step (its wait so far plus the last
-      step's length) and cannot be admitted for lack of KV (held + reserved +
-      its need > capacity; a queue that waits for compute is not helped by more KV, and
-      quantizing for it would cost quality for nothing), or a request was retracted since the
-      last step. Swapping needs ``persist_steps`` consecutive high steps; a retraction or a
-      KV-blocked head that will have waited ``queue_delay_high_s`` fills that window at once: neither
-      is a noisy gauge, both are work already delayed or thrown away (the wait threshold is
-      the persistence, in time rather than in scheduler steps, which are seconds apart on a
-      loaded CPU).
+    Rules (every time is the snapshots' clock, i.e. wall time, whatever the sampling rate):
+    - A step is *high* when ``kv_usage >= kv_usage_high``, or the oldest waiting request is
+      short of KV (held + reserved + its need > capacity) and will have waited
+      ``>= queue_delay_high_s`` before the running requests' finishes free enough KV for it
+      (``head_wait_s + head_kv_wait_s()``), or a request was retracted since the last step. A
+      queue that waits for compute is not helped by more KV, and quantizing for it would cost
+      quality for nothing; a queue that KV will let in soon enough is left to it. Swapping needs
+      ``persist_steps`` consecutive high steps; a retraction or a KV-short head past the delay
+      threshold fills that window at once: neither is a noisy gauge, both are work delayed or
+      thrown away (the delay threshold is the persistence, in time rather than in scheduler
+      steps, which are seconds apart on a loaded CPU).
     - A step is *quiet* when ``kv_usage < kv_usage_high - kv_usage_quiet_margin``, nothing
-      waits and nothing was retracted. Restoring needs ``restore_quiet_steps`` consecutive quiet
-      steps spanning ``restore_quiet_s``, and is cut to the longest prefix of candidates whose
-      predicted usage ``kv_used / (kv_capacity - tokens_needed_back)`` stays below
-      ``kv_usage_low``. Steps that are neither break both streaks.
-    - After any action both streaks restart and no action follows within ``cooldown_s``. Both
-      together with the gap between the high, quiet and low thresholds prevent oscillation.
+      waits and nothing was retracted. A restore needs the current step quiet, and
+      ``restore_quiet_s`` of quiet: since the later of the last transition (its own or one
+      noted by ``note_transition``) and the last step that was not quiet.
+    - Bursts after a lull: a *lull* is an idle spell (nothing running, nothing waiting) of at
+      least ``restore_quiet_s`` that ended with a burst needing more KV than the pool would
+      have with every layer restored (held + reserved + waiting needs above ``kv_usage_high``
+      of it). After such lulls a restore also needs the current quiet spell to last
+      ``RESTORE_HOLD_MARGIN`` x the longest of the last ``RECENT_LULLS`` lulls (at most
+      ``restore_hold_max_s``): bursts that keep coming that far apart find the grown pool
+      still there instead of waiting for it to grow again.
+    - A restore is cut to the longest prefix of candidates whose predicted usage, held +
+      reserved (what the running requests still claim for their remaining output) over
+      ``kv_capacity - tokens_needed_back``, stays below ``kv_usage_low``: the pool must not
+      shrink below what running requests will fill, or the restore is undone by the next
+      swap (thrash).
+    - After any action the high streak restarts and no action follows within ``cooldown_s``.
+      That and the gap between the high, quiet and low thresholds prevent oscillation.
     - An action moves ``layers_per_step`` layers, or more (up to ``max_layers_per_step``) when
       requests wait and admitting them all (held + reserved + the waiting requests' needs)
       at a usage of at most ``kv_usage_high`` takes more layers to free.
@@ -115,12 +127,16 @@ class MorphController:
       ``bits_sequence`` (limited to ``available_bits``) that some layer is still above; restores
       walk it backwards, straight to 16 bits, since an intermediate 8-bit stop would double the
       swaps and quiet windows before full quality is back.
-    - Layers outside ``swap_order`` never move. At most ``max_quantized_layers`` layers (all
-      layers counted, statically quantized ones included) are ever below 16 bits.
+    - Layers outside ``swap_order`` or in ``pinned`` never move. At most
+      ``max_quantized_layers`` layers (all layers counted, statically quantized ones included)
+      are ever below 16 bits.
 
     ``swap_order`` is checked for duplicates and negatives here and against the layer count at
     every ``decide`` (the count is the length of ``layer_bits``, which must not change).
     """
+
+    RECENT_LULLS = 4
+    RESTORE_HOLD_MARGIN = 1.5  # gaps between bursts vary; one a bit longer is still covered
 
     def __init__(
         self,
@@ -147,29 +163,41 @@ class MorphController:
         self._num_layers: int | None = None
         self._last_action_s: float | None = None
         self._pinned: frozenset[int] = frozenset()
-        self._reset_streaks()
+        self._last_busy_s: float | None = None  # the last step that was not quiet
+        self._last_active_s: float | None = None  # the last step with requests
+        self._idle_spell = False  # the previous step had no requests
+        # A lull that ended with a burst, kept once that burst turns out to need the capacity.
+        self._pending_lull_s: float | None = None
+        self._lulls_s: collections.deque[float] = collections.deque(maxlen=self.RECENT_LULLS)
+        self._high_steps = 0
 
     @property
     def policy(self) -> ModePolicy:
         return self._policy
 
-    def set_policy(self, policy: ModePolicy) -> None:
-        """Switch modes at runtime. Streaks restart (they were judged by the old thresholds);
-        the cooldown still counts from the last action, which the layers actually went through."""
-        self._policy = policy
-        self._reset_streaks()
+    @property
+    def restore_hold_s(self) -> float:
+        """How long the current quiet spell must last before a restore: the quiet window, or
+        the margin times the longest recent lull when that is longer (capped)."""
+        p = self._policy
+        longest = max(self._lulls_s, default=0.0) * self.RESTORE_HOLD_MARGIN
+        return min(max(p.restore_quiet_s, longest), p.restore_hold_max_s)
 
-    def _reset_streaks(self) -> None:
+    def set_policy(self, policy: ModePolicy) -> None:
+        """Switch modes at runtime. The high streak restarts (it was judged by the old
+        thresholds); the cooldown and the quiet window still count from what happened."""
+        self._policy = policy
         self._high_steps = 0
-        self._quiet_steps = 0
-        self._quiet_since_s: float | None = None
 
     def note_transition(self, time_s: float) -> None:
         """A transition the controller did not decide (``POST /morph/swap``) happened at
         ``time_s`` (the clock of ``PressureSignals.time_s``): the cooldown and the quiet window
         start again from it, as after an action of its own."""
+        self._after_action(time_s)
+
+    def _after_action(self, time_s: float) -> None:
         self._last_action_s = time_s
-        self._reset_streaks()
+        self._high_steps = 0
 
     def decide(self, signals: PressureSignals, layer_bits: tuple[int, ...],
                pinned: frozenset[int] = frozenset()) -> SwapLayers | None:
@@ -179,17 +207,15 @@ class MorphController:
         self._pinned = frozenset(pinned)
         p, s = self._policy, signals
         high_reasons = []
-        # A head the scheduler cannot admit now waits at least one more iteration (about the
-        # last sample gap when busy): on a loaded CPU that alone can be seconds, so the wait
-        # it will have reached by the next look is what is compared with the threshold.
-        expected_wait_s = s.head_wait_s + s.sample_gap_s
+        expected_wait_s = s.head_wait_s + s.head_kv_wait_s()
         kv_queue = s.head_blocked_by_kv and expected_wait_s >= p.queue_delay_high_s
         if s.kv_usage >= p.kv_usage_high:
             high_reasons.append(f"kv_usage {s.kv_usage:.2f} >= {p.kv_usage_high:.2f}")
         if kv_queue:
-            high_reasons.append(f"head_wait {s.head_wait_s:.3f} s + {s.sample_gap_s:.3f} s "
-                                f"step >= {p.queue_delay_high_s} s with {s.num_waiting_reqs} "
-                                f"waiting, blocked by KV")
+            high_reasons.append(
+                f"head short of KV would wait {expected_wait_s:.2f} s (waited "
+                f"{s.head_wait_s:.2f} s) >= {p.queue_delay_high_s} s with "
+                f"{s.num_waiting_reqs} waiting")
         if s.retractions_delta > 0:
             high_reasons.append(f"{s.retractions_delta} retraction(s)")
         quiet_threshold = p.kv_usage_high - p.kv_usage_quiet_margin
@@ -201,26 +227,52 @@ class MorphController:
                 self._high_steps = max(self._high_steps, p.persist_steps)
         else:
             self._high_steps = 0
-        if quiet:
-            self._quiet_steps += 1
-            if self._quiet_since_s is None:
-                self._quiet_since_s = s.time_s
-        else:
-            self._quiet_steps = 0
-            self._quiet_since_s = None
+        self._track_lulls(s, layer_bits, quiet, bool(high_reasons))
 
         if self._last_action_s is not None and s.time_s - self._last_action_s < p.cooldown_s:
             return None
         action = None
         if self._high_steps >= p.persist_steps:
             action = self._swap_down(s, layer_bits, "; ".join(high_reasons))
-        elif (self._quiet_steps >= p.restore_quiet_steps
-              and s.time_s - self._quiet_since_s >= p.restore_quiet_s):
+        elif quiet and self._quiet_for_s(s) >= p.restore_quiet_s \
+                and s.time_s - self._last_busy_s >= self.restore_hold_s:
             action = self._restore(s, layer_bits, quiet_threshold)
         if action is not None:
-            self._last_action_s = s.time_s
-            self._reset_streaks()
+            self._after_action(s.time_s)
         return action
+
+    def _quiet_for_s(self, s: PressureSignals) -> float:
+        """Quiet since the later of the last step that was not quiet and the last transition."""
+        start = self._last_busy_s
+        if self._last_action_s is not None:
+            start = max(start, self._last_action_s)
+        return s.time_s - start
+
+    def _track_lulls(self, s: PressureSignals, layer_bits: tuple[int, ...], quiet: bool,
+                     high: bool) -> None:
+        p = self._policy
+        if self._last_busy_s is None:  # the first step starts the quiet window and the lull
+            self._last_busy_s = self._last_active_s = s.time_s
+        if not quiet:
+            self._last_busy_s = s.time_s
+        idle = s.num_running_reqs == 0 and s.num_waiting_reqs == 0
+        if not idle:
+            if self._idle_spell and s.time_s - self._last_active_s >= p.restore_quiet_s:
+                self._pending_lull_s = s.time_s - self._last_active_s
+            self._last_active_s = s.time_s
+        self._idle_spell = idle
+        if self._pending_lull_s is not None and (high or self._needs_grown_pool(s, layer_bits)):
+            self._lulls_s.append(self._pending_lull_s)
+            self._pending_lull_s = None
+
+    def _needs_grown_pool(self, s: PressureSignals, layer_bits: tuple[int, ...]) -> bool:
+        """The load would be high in the pool left after restoring every layer this controller
+        may restore: held + reserved + waiting needs above ``kv_usage_high`` of it."""
+        granted = sum(self._costs.freed_tokens(FULL_PRECISION_BITS, layer_bits[i])
+                      for i in self._swap_order
+                      if layer_bits[i] < FULL_PRECISION_BITS and i not in self._pinned)
+        demand = s.kv_used_tokens + s.kv_reserved_tokens + s.waiting_need_tokens
+        return demand > self._policy.kv_usage_high * (s.kv_capacity_tokens - granted)
 
     def _check_layer_bits(self, layer_bits: tuple[int, ...]) -> None:
         n = len(layer_bits)
@@ -273,19 +325,23 @@ class MorphController:
         candidates = [i for i in reversed(self._swap_order)
                       if layer_bits[i] < FULL_PRECISION_BITS
                       and i not in self._pinned][: p.restore_layers_per_step]
-        chosen, needed_tokens, predicted = [], 0, s.kv_usage
+        # What the running requests will fill: what they hold and what they still claim.
+        claimed = s.kv_used_tokens + s.kv_reserved_tokens
+        chosen, needed_tokens, predicted = [], 0, claimed / max(1, s.kv_capacity_tokens)
         for i in candidates:
             need = needed_tokens - self._costs.freed_tokens(layer_bits[i], FULL_PRECISION_BITS)
             capacity_after = s.kv_capacity_tokens - need
-            if capacity_after <= 0 or s.kv_used_tokens / capacity_after >= p.kv_usage_low:
+            if capacity_after <= 0 or claimed / capacity_after >= p.kv_usage_low:
                 break  # a prefix only: restoring out of order would break last-in-first-out
             chosen.append(i)
-            needed_tokens, predicted = need, s.kv_used_tokens / capacity_after
+            needed_tokens, predicted = need, claimed / capacity_after
         if not chosen:
             return None
+        hold = self.restore_hold_s
+        held = f", hold {hold:.1f} s after recent lulls" if hold > p.restore_quiet_s else ""
         return SwapLayers(
             tuple(chosen), FULL_PRECISION_BITS,
-            f"quiet for {s.time_s - self._quiet_since_s:.1f} s / {self._quiet_steps} steps "
+            f"quiet for {self._quiet_for_s(s):.1f} s{held} "
             f"(kv_usage {s.kv_usage:.2f} < {quiet_threshold:.2f}, no queue); "
-            f"gives back {needed_tokens} KV tokens, predicted kv_usage {predicted:.2f} "
-            f"< {p.kv_usage_low:.2f}")
+            f"gives back {needed_tokens} KV tokens, predicted kv_usage (held + reserved) "
+            f"{predicted:.2f} < {p.kv_usage_low:.2f}")

@@ -22,7 +22,7 @@ def _check_non_negative(owner: str, **values: float) -> None:
 class PressureSnapshot:
     """Raw counters of one scheduler step.
 
-    Invariants (checked): every field >= 0 and ``kv_used_tokens <= kv_capacity_tokens``.
+    Invariants (checked): every number >= 0 and ``kv_used_tokens <= kv_capacity_tokens``.
     ``kv_used_tokens`` counts tokens held by live requests only: evictable prefix-cache pages
     are free capacity for this purpose, since the scheduler reclaims them on demand.
     """
@@ -40,10 +40,20 @@ class PressureSnapshot:
     kv_reserved_tokens: int = 0
     head_need_tokens: int = 0
     waiting_need_tokens: int = 0  # the same need summed over every waiting request
+    # Scheduler loop iterations since start (each runs at most one batch): with the time
+    # between two snapshots they give the length of one step, which turns "decode steps until
+    # a running request finishes" into seconds.
+    scheduler_steps_total: int = 0
+    # One (decode steps until it finishes, KV tokens its finish releases = held + reserved) per
+    # running request: when the KV a waiting request lacks comes back, if nothing is done.
+    running_kv_release: tuple[tuple[int, int], ...] = ()
 
     def __post_init__(self) -> None:
-        # Every field is a count, a time or a clock reading: none may be negative or NaN.
-        _check_non_negative("PressureSnapshot", **dataclasses.asdict(self))
+        # Every number is a count, a time or a clock reading: none may be negative or NaN.
+        numbers = {k: v for k, v in dataclasses.asdict(self).items() if k != "running_kv_release"}
+        _check_non_negative("PressureSnapshot", **numbers)
+        for steps, tokens in self.running_kv_release:
+            _check_non_negative("PressureSnapshot.running_kv_release", steps=steps, tokens=tokens)
         if self.kv_used_tokens > self.kv_capacity_tokens:
             raise ValueError(
                 f"PressureSnapshot: kv_used_tokens {self.kv_used_tokens} exceeds "
@@ -78,6 +88,10 @@ class PressureSignals:
     # Time since the previous observation. Under load that is one scheduler iteration, the
     # least a request not admitted now will wait before the scheduler looks again.
     sample_gap_s: float = 0.0
+    # Length of one busy scheduler step (EWMA over observations with running requests); 0.0
+    # until the first such observation.
+    step_s: float = 0.0
+    running_kv_release: tuple[tuple[int, int], ...] = ()  # as in the snapshot, fewest steps first
 
     def kv_deficit_tokens(self, max_usage: float = 1.0) -> int:
         """KV tokens missing to admit every waiting request next to the running ones (held +
@@ -95,6 +109,25 @@ class PressureSignals:
         return self.num_waiting_reqs > 0 and (
             self.kv_used_tokens + self.kv_reserved_tokens + self.head_need_tokens
             > self.kv_capacity_tokens)
+
+    def head_kv_wait_s(self) -> float:
+        """How much longer the oldest waiting request will wait for KV if nothing changes: the
+        running requests release their KV (held + reserved) as they finish, the nearest first;
+        it is admitted once the released tokens cover what it lacks. That many decode steps
+        times ``step_s``; at least one step while it is blocked (the scheduler looks again only
+        then); 0.0 when it is not blocked by KV or no step length is known yet; ``inf`` when
+        even every running request's finish does not make room (it needs more than the
+        pool)."""
+        if not self.head_blocked_by_kv:
+            return 0.0
+        lacking = (self.kv_used_tokens + self.kv_reserved_tokens + self.head_need_tokens
+                   - self.kv_capacity_tokens)
+        released = 0
+        for steps, tokens in self.running_kv_release:
+            released += tokens
+            if released >= lacking:
+                return max(1, steps) * self.step_s
+        return math.inf
 
 
 def _ewma(previous: float | None, sample: float, alpha: float) -> float:
@@ -120,6 +153,7 @@ class PressureMonitor:
         self._queue_delay_ewma_s: float | None = None
         self._ttft_ewma_s: float | None = None
         self._tpot_ewma_s: float | None = None
+        self._step_ewma_s: float | None = None
 
     def observe(self, snapshot: PressureSnapshot) -> PressureSignals:
         last = self._last
@@ -129,11 +163,10 @@ class PressureMonitor:
                     f"PressureMonitor: time went backwards ({last.time_s} -> {snapshot.time_s}); "
                     f"use a monotonic clock"
                 )
-            if snapshot.retractions_total < last.retractions_total:
-                raise ValueError(
-                    f"PressureMonitor: retractions_total decreased "
-                    f"({last.retractions_total} -> {snapshot.retractions_total})"
-                )
+            for counter in ("retractions_total", "scheduler_steps_total"):
+                if getattr(snapshot, counter) < getattr(last, counter):
+                    raise ValueError(f"PressureMonitor: {counter} decreased "
+                                     f"({getattr(last, counter)} -> {getattr(snapshot, counter)})")
         # The first snapshot has no predecessor: retractions before monitoring began are not news.
         retractions_delta = (
             0 if last is None else snapshot.retractions_total - last.retractions_total
@@ -143,6 +176,13 @@ class PressureMonitor:
         a = self.ewma_alpha
         self._kv_usage_ewma = _ewma(self._kv_usage_ewma, kv_usage, a)
         self._queue_delay_ewma_s = _ewma(self._queue_delay_ewma_s, snapshot.head_wait_s, a)
+        if last is not None and snapshot.num_running_reqs and last.num_running_reqs:
+            # Both ends busy: the loop ran batches in between, so the gap per iteration is the
+            # step length (idle iterations, a second apart with --sleep-on-idle, stay out).
+            steps = snapshot.scheduler_steps_total - last.scheduler_steps_total
+            if steps > 0:
+                self._step_ewma_s = _ewma(self._step_ewma_s,
+                                          (snapshot.time_s - last.time_s) / steps, a)
         self._last = snapshot
         return PressureSignals(
             time_s=snapshot.time_s,
@@ -161,6 +201,8 @@ class PressureMonitor:
             head_need_tokens=snapshot.head_need_tokens,
             waiting_need_tokens=snapshot.waiting_need_tokens,
             sample_gap_s=0.0 if last is None else snapshot.time_s - last.time_s,
+            step_s=self._step_ewma_s or 0.0,
+            running_kv_release=tuple(sorted(snapshot.running_kv_release)),
         )
 
     def record_request_latency(self, ttft_s: float | None, tpot_s: float | None) -> None:
