@@ -5,8 +5,10 @@ before any process is spawned, and never falls back silently.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
+import re
 import subprocess
 
 import pytest
@@ -22,9 +24,9 @@ from sglang_morph.plugin import MorphPluginError
 
 
 def write_manifest(engines_dir, hf_config, bits=(8,)):
-    """A manifest-consistent directory whose variant files are placeholders: startup validation
-
-    reads only the manifest, so the tensors themselves are not needed here.
+    """A manifest-consistent directory whose variant files are empty placeholders (with their
+    true sha256): the launcher's validation reads the manifest and checksums the files, it does
+    not parse the tensors.
     """
     engines_dir.mkdir(parents=True, exist_ok=True)
     layers = []
@@ -33,7 +35,7 @@ def write_manifest(engines_dir, hf_config, bits=(8,)):
         for b in bits:
             name = variant_file_name(i, b)
             (engines_dir / name).write_bytes(b"")
-            layer[b] = VariantInfo(b, f"w{b}", 1, file=name, sha256="0" * 64)
+            layer[b] = VariantInfo(b, f"w{b}", 1, file=name, sha256=hashlib.sha256(b"").hexdigest())
         layers.append(layer)
     EngineManifest({**model_identity(hf_config), "path": "test"}, {}, {}, tuple(layers)).save(
         engines_dir
@@ -103,6 +105,37 @@ def test_valid_flags_parse(parse, tmp_path, hf_config):
     assert cfg.engines_dir == str(engines) and cfg.precision_map.resolve(30) == (8,) * 30
 
 
+def test_corrupted_variant_file_is_named(parse, tmp_path, hf_config):
+    engines = write_manifest(tmp_path / "e", hf_config)
+    (engines / variant_file_name(3, 8)).write_bytes(b"not the built variant")
+    with pytest.raises(MorphPluginError, match=r"layer 3 8-bit variant layer_003\.w8\.safetensors: "
+                                               r"sha256 differs from the manifest's"):
+        parse("--morph-engines", str(engines))
+
+
+@pytest.mark.parametrize("flags,needle", [
+    (["--tp-size", "3"], "--tp-size 3 yet"),
+    (["--pp-size", "2"], "--pp-size 2 yet"),
+    (["--dp-size", "2"], "--dp-size 2 yet"),
+    (["--kv-cache-dtype", "fp8_e4m3"], "--kv-cache-dtype fp8_e4m3"),
+    (["--disable-radix-cache"], "--disable-radix-cache"),
+    (["--enable-hierarchical-cache"], "--enable-hierarchical-cache"),
+    (["--speculative-algorithm", "NGRAM"], "--speculative-algorithm"),
+])
+def test_unsupported_configurations_are_refused(parse, flags, needle):
+    with pytest.raises(MorphPluginError, match="sglang-morph: error: --enable-morph does not "
+                                               "support " + re.escape(needle)):
+        parse(*flags)
+
+
+def test_cuda_graphs_and_torch_compile_are_turned_off_with_one_line(parse, capfd):
+    args = parse("--device", "cuda", "--enable-torch-compile")
+    assert args.disable_cuda_graph and not args.enable_torch_compile
+    assert args.cuda_graph_backend_decode == args.cuda_graph_backend_prefill == "disabled"
+    lines = [line for line in capfd.readouterr().err.splitlines() if "turned off" in line]
+    assert len(lines) == 1 and "CUDA graphs and torch.compile" in lines[0], lines
+
+
 def test_launcher_exits_with_one_clear_line(tmp_path):
     proc = subprocess.run(
         ["bash", str(REPO_ROOT / "scripts" / "serve.sh"), "--enable-morph",
@@ -111,4 +144,15 @@ def test_launcher_exits_with_one_clear_line(tmp_path):
     )
     assert proc.returncode != 0
     assert "sglang-morph: error: --morph-engines" in proc.stderr
+    assert "Traceback" not in proc.stderr
+
+
+def test_launcher_refuses_an_unsupported_configuration_with_one_line():
+    proc = subprocess.run(
+        ["bash", str(REPO_ROOT / "scripts" / "serve.sh"), "--enable-morph", "--tp-size", "3",
+         "--port", "1"],
+        capture_output=True, text=True, timeout=300, env=dict(os.environ),
+    )
+    assert proc.returncode != 0
+    assert "sglang-morph: error: --enable-morph does not support --tp-size 3 yet" in proc.stderr
     assert "Traceback" not in proc.stderr

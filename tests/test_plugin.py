@@ -76,3 +76,27 @@ def test_hook_that_cannot_apply_stops_startup_naming_the_sglang_version(loaded_s
         assert not isinstance(exc.value, Exception)
     finally:
         registry._hooks.pop(target, None)
+
+
+def test_every_sglang_symbol_the_plugin_uses_exists_in_the_pinned_release(loaded_sglang):
+    from sglang_morph import sglang_symbols as sym
+
+    assert sym.missing_symbols(sym.ALL_SYMBOLS) == []
+    # Every hook target is in the list.
+    listed = {s.path for s in sym.ALL_SYMBOLS if s.use == "hook"}
+    assert {h.target for h in HOOKS} | {sym.HOOK_TOKENIZER_MANAGER_INIT} == listed
+
+
+def test_a_missing_symbol_stops_startup_with_one_line_naming_the_release(loaded_sglang):
+    from sglang_morph import sglang_symbols as sym
+
+    gone = (sym.Symbol("sglang.srt.managers.scheduler.Scheduler.no_such_attribute", "read", True),
+            sym.Symbol("sglang.srt.mem_cache.memory_pool.NoSuchPool", "read"),
+            sym.Symbol("sglang.srt.no_such_module.thing", "call"),
+            sym.Symbol("sglang.srt.managers.scheduler.Scheduler.pool_stats_observer", "read",
+                       True))
+    missing = sym.missing_symbols(gone)
+    assert missing == [s.path for s in gone[:3]]
+    message = sym.mismatch_message(missing)
+    assert "\n" not in message and f"sglang=={SGLANG_VERSION}" in message
+    assert all(path in message for path in missing)

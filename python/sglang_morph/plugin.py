@@ -4,7 +4,10 @@ SGLang calls ``load()`` in every process it starts (launcher, scheduler, detoken
 controller). We register hooks, apply them at once and verify that each one took: SGLang's
 ``HookRegistry`` only logs a hook it could not apply, which would leave a half-patched server
 that silently ignores ``--enable-morph``. A hook that did not apply ends the process with a
-message naming the SGLang release the plugin was written for.
+message naming the SGLang release the plugin was written for. With ``--enable-morph`` the
+launcher also checks, before spawning anything, every other SGLang symbol the plugin uses
+(``sglang_symbols``), refuses configurations the runtime does not support, and turns CUDA
+graphs and torch.compile off; each of these stops with one line.
 
 Without ``--enable-morph`` the hooks only add our CLI flags and carry a disabled ``MorphConfig``;
 SGLang's behaviour is unchanged.
@@ -13,13 +16,12 @@ SGLang's behaviour is unchanged.
 from __future__ import annotations
 
 import dataclasses
-import importlib.metadata
 import logging
 import sys
 from typing import Any, Callable
 
-from sglang_morph import SGLANG_VERSION
 from sglang_morph import config as morph_config
+from sglang_morph import sglang_symbols as sym
 
 logger = logging.getLogger("sglang_morph")
 
@@ -55,9 +57,13 @@ def _after_from_cli_args(server_args: Any, _cls: Any, args: Any) -> None:
 
     try:
         cfg = morph_config.MorphConfig.from_cli_namespace(args)
+        if cfg.enabled:
+            check_supported(server_args)
         hf_config = local_hf_config(server_args.model_path)
         if hf_config is not None:
-            plan_startup(cfg, hf_config)  # fail here, before any process is spawned
+            # Fail here, before any process is spawned (checksums too: the scheduler reads
+            # every variant at startup and would stop with a traceback).
+            plan_startup(cfg, hf_config, verify_checksums=True)
         if cfg.memory_budget_bytes is not None:
             _size_kv_for_budget(server_args, cfg, hf_config)
     except morph_config.MorphConfigError as e:
@@ -67,7 +73,76 @@ def _after_from_cli_args(server_args: Any, _cls: Any, args: Any) -> None:
         # Transitions rewrite weights and KV slot indices between two batches; with overlap
         # scheduling a launched batch's results would still hold the old ones.
         server_args.disable_overlap_schedule = True
+        _turn_off_graphs(server_args)
         _install_http_side()
+        missing = sym.missing_symbols(sym.ALL_SYMBOLS)
+        if missing:
+            raise MorphPluginError(sym.mismatch_message(missing))
+
+
+# Flags of parallel layouts the runtime does not morph yet (one rank's layers and KV only).
+_PARALLEL_FLAGS = ("tp_size", "pp_size", "dp_size", "attn_dp_size", "attn_cp_size", "dcp_size",
+                   "nnodes")
+# KV caches the resizer cannot grow or shrink (it supports the device radix cache only).
+_KV_CACHE_FLAGS = ("enable_hierarchical_cache", "enable_lmcache", "enable_hisparse",
+                   "enable_flexkv", "enable_unified_cache_external_linker",
+                   "enable_session_radix_cache", "disable_radix_cache")
+# KV dtypes stored unquantized (the resizer copies rows as they are).
+_PLAIN_KV_DTYPES = ("auto", "bfloat16", "bf16", "float16", "fp16", "half", "float32", "float")
+
+
+def check_supported(server_args: Any) -> None:
+    """Raise MorphConfigError (one line, naming the flag) for a configuration the morph runtime
+    does not support; called in the launcher, before anything is spawned."""
+    def flag(name: str) -> str:
+        return "--" + name.replace("_", "-")
+
+    for name in _PARALLEL_FLAGS:
+        value = getattr(server_args, name, 1)
+        if value is not None and value > 1:
+            raise morph_config.MorphConfigError(
+                f"--enable-morph does not support {flag(name)} {value} yet: layer swaps and KV "
+                f"resizing run on one rank; serve with one tensor/pipeline/data-parallel rank")
+    for name in _KV_CACHE_FLAGS:
+        if getattr(server_args, name, False):
+            raise morph_config.MorphConfigError(
+                f"--enable-morph does not support {flag(name)}: KV resizing works on SGLang's "
+                f"device radix cache only")
+    if getattr(server_args, "speculative_algorithm", None) is not None:
+        raise morph_config.MorphConfigError(
+            "--enable-morph does not support --speculative-algorithm: a draft model's KV pool "
+            "shares the slot indices a KV shrink rewrites")
+    if str(getattr(server_args, "disaggregation_mode", "null")) != "null":
+        raise morph_config.MorphConfigError(
+            "--enable-morph does not support --disaggregation-mode (prefill/decode "
+            "disaggregation)")
+    kv_dtype = str(getattr(server_args, "kv_cache_dtype", "auto"))
+    if kv_dtype not in _PLAIN_KV_DTYPES:
+        raise morph_config.MorphConfigError(
+            f"--enable-morph does not support --kv-cache-dtype {kv_dtype}: KV resizing needs an "
+            f"unquantized KV cache ({', '.join(_PLAIN_KV_DTYPES)})")
+
+
+def _turn_off_graphs(server_args: Any) -> None:
+    """CUDA graphs and torch.compile keep the weight and KV addresses they captured, which a
+    transition replaces: they would replay stale tensors. Off until graphs are re-captured per
+    transition (the GPU path's VmmKVArena keeps KV addresses stable, not the weights')."""
+    on = []
+    if str(getattr(server_args, "device", None)) != "cpu" and not server_args.disable_cuda_graph:
+        on.append("CUDA graphs")
+    if server_args.enable_torch_compile:
+        on.append("torch.compile")
+    server_args.disable_cuda_graph = True
+    server_args.disable_decode_cuda_graph = True
+    server_args.disable_prefill_cuda_graph = True
+    server_args.cuda_graph_backend_decode = "disabled"
+    server_args.cuda_graph_backend_prefill = "disabled"
+    server_args.cuda_graph_config = None  # a --cuda-graph-config JSON would override the above
+    server_args.enable_torch_compile = False
+    if on:
+        logger.warning("sglang-morph: %s turned off with --enable-morph (layer swaps and KV "
+                       "resizes replace tensors a captured graph would keep reading)",
+                       " and ".join(on))
 
 
 def _size_kv_for_budget(server_args: Any, cfg: morph_config.MorphConfig, hf_config: Any) -> None:
@@ -97,9 +172,8 @@ def _install_http_side() -> None:
     from sglang_morph.server.http import add_routes
 
     add_routes(app)
-    register_and_verify((Hook(
-        "sglang.srt.managers.tokenizer_manager.TokenizerManager.__init__",
-        _after_tokenizer_manager_init, "AFTER"),))
+    register_and_verify((Hook(sym.HOOK_TOKENIZER_MANAGER_INIT, _after_tokenizer_manager_init,
+                              "AFTER"),))
 
 
 def _after_tokenizer_manager_init(_result: None, tokenizer_manager: Any, *args: Any,
@@ -113,18 +187,22 @@ def _after_load_model(_result: None, runner: Any) -> None:
     cfg = morph_config.get(runner.server_args)
     if not cfg.enabled or cfg.engines_dir is None or runner.is_draft_worker:
         return
+    from sglang_morph.config import FULL_PRECISION_BITS
     from sglang_morph.engines.startup import plan_startup
-    from sglang_morph.executor.variants import LayerVariantInstaller
+    from sglang_morph.executor.variants import LayerVariantInstaller, StagedVariants
 
     try:
         plan = plan_startup(cfg, runner.model_config.hf_config.to_dict())
-    except morph_config.MorphConfigError as e:
-        raise MorphPluginError(f"sglang-morph: error: {e}") from e
-    installer = LayerVariantInstaller(runner.model, plan.manifest, plan.engines_dir,
-                                      act_dtype=runner.model_config.dtype)
+        # Every variant into host memory now (pinned on CUDA, so copies can be asynchronous):
+        # a transition never reads the engines directory while serving.
+        staged = StagedVariants(plan.manifest, plan.engines_dir,
+                                pin_memory=str(runner.device).startswith("cuda"))
+    except (morph_config.MorphConfigError, OSError, ValueError) as e:
+        raise MorphPluginError(f"sglang-morph: error: --morph-engines: {e}") from e
+    installer = LayerVariantInstaller(runner.model, staged, act_dtype=runner.model_config.dtype)
     bytes_before = sum(installer.layer_device_bytes(i) for i in range(len(plan.layer_bits)))
-    for i, bits in enumerate(plan.layer_bits):
-        installer.set_layer_bits(i, bits)
+    for bits in sorted(set(plan.layer_bits) - {FULL_PRECISION_BITS}):
+        installer.set_layers([i for i, b in enumerate(plan.layer_bits) if b == bits], bits)
     installer.check_integrity()
     warmed = installer.warmup(max_tokens=WARMUP_MAX_TOKENS)
     bytes_after = sum(installer.layer_device_bytes(i) for i in range(len(plan.layer_bits)))
@@ -143,12 +221,16 @@ def _after_scheduler_init(_result: None, scheduler: Any, *args: Any, **kwargs: A
     from sglang.utils import TypeBasedDispatcher
 
     from sglang_morph.executor.runtime import MorphRuntime
-    from sglang_morph.server.messages import MorphControlReq
+    from sglang_morph.server.messages import MORPH_REQUESTS
 
     model_config = scheduler.model_config
-    runtime = MorphRuntime(scheduler, cfg)
+    try:
+        runtime = MorphRuntime(scheduler, cfg)
+    except NotImplementedError as e:  # a KV pool or cache the resizer does not support
+        raise MorphPluginError(f"sglang-morph: error: --enable-morph does not support this "
+                               f"configuration: {e}") from e
     scheduler._request_dispatcher += TypeBasedDispatcher(
-        [(MorphControlReq, runtime.handle_control)])
+        [(req_type, runtime.handle_control) for req_type in MORPH_REQUESTS])
     scheduler.morph_runtime = runtime
     logger.info(
         "sglang-morph enabled in scheduler: %s, %d decoder layers, kv_capacity_tokens=%d, "
@@ -178,41 +260,15 @@ def _after_retract_decode(result: Any, *args: Any, **kwargs: Any) -> None:
 WARMUP_MAX_TOKENS = 256
 
 HOOKS: tuple[Hook, ...] = (
-    Hook("sglang.srt.server_args.ServerArgs.add_cli_args", _after_add_cli_args, "AFTER"),
-    Hook("sglang.srt.server_args.ServerArgs.from_cli_args", _after_from_cli_args, "AFTER"),
-    Hook(
-        "sglang.srt.managers.scheduler.Scheduler.__init__",
-        _after_scheduler_init,
-        "AFTER",
-        only_if_imported=_IN_SCHEDULER,
-    ),
-    Hook(
-        "sglang.srt.model_executor.model_runner.ModelRunner.load_model",
-        _after_load_model,
-        "AFTER",
-        only_if_imported=_IN_SCHEDULER,
-    ),
+    Hook(sym.HOOK_ADD_CLI_ARGS, _after_add_cli_args, "AFTER"),
+    Hook(sym.HOOK_FROM_CLI_ARGS, _after_from_cli_args, "AFTER"),
+    Hook(sym.HOOK_SCHEDULER_INIT, _after_scheduler_init, "AFTER", only_if_imported=_IN_SCHEDULER),
+    Hook(sym.HOOK_LOAD_MODEL, _after_load_model, "AFTER", only_if_imported=_IN_SCHEDULER),
     # Between two forward passes: the morph runtime samples pressure and applies its actions.
-    Hook(
-        "sglang.srt.managers.scheduler.Scheduler.get_next_batch_to_run",
-        _before_get_next_batch,
-        "BEFORE",
-        only_if_imported=_IN_SCHEDULER,
-    ),
-    Hook(
-        "sglang.srt.managers.schedule_batch.ScheduleBatch.retract_decode",
-        _after_retract_decode,
-        "AFTER",
-        only_if_imported=_IN_SCHEDULER,
-    ),
+    Hook(sym.HOOK_NEXT_BATCH, _before_get_next_batch, "BEFORE", only_if_imported=_IN_SCHEDULER),
+    Hook(sym.HOOK_RETRACT_DECODE, _after_retract_decode, "AFTER",
+         only_if_imported=_IN_SCHEDULER),
 )
-
-
-def _installed_sglang_version() -> str:
-    try:
-        return importlib.metadata.version("sglang")
-    except importlib.metadata.PackageNotFoundError:
-        return "not installed"
 
 
 def register_and_verify(hooks: tuple[Hook, ...]) -> list[str]:
@@ -230,12 +286,7 @@ def register_and_verify(hooks: tuple[Hook, ...]) -> list[str]:
     HookRegistry.apply_hooks()
     missing = [h.target for h in wanted if h.target not in HookRegistry._patched]
     if missing:
-        raise MorphPluginError(
-            f"sglang-morph: could not hook {', '.join(missing)}. sglang-morph is written for "
-            f"sglang=={SGLANG_VERSION} and found sglang {_installed_sglang_version()}. "
-            f"Install sglang=={SGLANG_VERSION}, or exclude this plugin with "
-            f"SGLANG_PLUGINS=<other plugins>."
-        )
+        raise MorphPluginError(sym.mismatch_message(missing, "hook"))
     return [h.target for h in wanted]
 
 

@@ -64,16 +64,34 @@ def read_variant(engines_dir: Path, info: "VariantInfo") -> dict[str, dict[str, 
     """
     from safetensors.torch import load_file
 
-    flat = load_file(str(Path(engines_dir) / info.file))
+    return split_variant_tensors(load_file(str(Path(engines_dir) / info.file)), info.file)
+
+
+def read_verified_variant(engines_dir: Path, info: "VariantInfo") -> dict[str, dict[str, Any]]:
+    """Like ``read_variant``, from bytes whose sha256 was checked against the manifest: the
+    tensors are parsed from the very bytes that were hashed, so a file replaced between the
+    check and the read cannot slip through. ValueError naming the file on a mismatch."""
+    from safetensors.torch import load
+
+    data = (Path(engines_dir) / info.file).read_bytes()
+    digest = hashlib.sha256(data).hexdigest()
+    if digest != info.sha256:
+        raise ValueError(f"{info.file}: sha256 {digest} does not match the manifest's "
+                         f"{info.sha256}; rebuild the engines")
+    return split_variant_tensors(load(data), info.file)
+
+
+def split_variant_tensors(flat: dict[str, Any], file_name: str) -> dict[str, dict[str, Any]]:
+    """``{"<linear>.<tensor>": t}`` -> ``{linear: {tensor: t}}`` for every one of LINEAR_NAMES."""
     out: dict[str, dict[str, Any]] = {name: {} for name in LINEAR_NAMES}
     for key, tensor in flat.items():
         linear, tensor_name = key.rsplit(".", 1)
         if linear not in out:
-            raise ValueError(f"{info.file}: unexpected tensor {key!r}")
+            raise ValueError(f"{file_name}: unexpected tensor {key!r}")
         out[linear][tensor_name] = tensor
     missing = [name for name, tensors in out.items() if not tensors]
     if missing:
-        raise ValueError(f"{info.file} has no tensors for {', '.join(missing)}")
+        raise ValueError(f"{file_name} has no tensors for {', '.join(missing)}")
     return out
 
 
@@ -183,7 +201,9 @@ class EngineManifest:
                 if v.file is None or not (Path(engines_dir) / v.file).is_file():
                     raise ValueError(f"layer {i} {bits}-bit variant file {v.file} is missing")
                 if verify_checksums and sha256_of_file(Path(engines_dir) / v.file) != v.sha256:
-                    raise ValueError(f"layer {i} {bits}-bit variant {v.file}: checksum mismatch")
+                    raise ValueError(f"layer {i} {bits}-bit variant {v.file}: sha256 differs "
+                                     f"from the manifest's (corrupted or replaced); rebuild "
+                                     f"the engines")
 
     def check_matches_model(self, hf_config: dict[str, Any]) -> None:
         """Raise ValueError naming the first difference when built for another model."""

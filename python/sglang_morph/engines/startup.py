@@ -22,10 +22,12 @@ class StartupPlan:
     layer_bits: tuple[int, ...]  # bits per decoder layer at startup
 
 
-def plan_startup(cfg: MorphConfig, hf_config: dict[str, Any]) -> StartupPlan | None:
+def plan_startup(cfg: MorphConfig, hf_config: dict[str, Any],
+                 verify_checksums: bool = False) -> StartupPlan | None:
     """The startup precision of every layer, or None when no engines are configured.
 
-    Raises MorphConfigError naming the flag and the problem.
+    Raises MorphConfigError naming the flag and the problem; with ``verify_checksums``, also
+    when a variant file's sha256 differs from the manifest's (read last: it reads every file).
     """
     if cfg.engines_dir is None:
         return None
@@ -47,6 +49,11 @@ def plan_startup(cfg: MorphConfig, hf_config: dict[str, Any]) -> StartupPlan | N
             f"--morph-precision-map asks for {missing}-bit layers, but {cfg.engines_dir} has "
             f"variants for {[b for b in manifest.bits_available if b != FULL_PRECISION_BITS]} bits"
         )
+    if verify_checksums:
+        try:
+            manifest.check_integrity(engines_dir, verify_checksums=True)
+        except (OSError, ValueError) as e:
+            raise MorphConfigError(f"--morph-engines {cfg.engines_dir}: {e}") from e
     return StartupPlan(manifest, engines_dir, layer_bits)
 
 

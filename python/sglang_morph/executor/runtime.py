@@ -5,11 +5,18 @@ between two forward passes: from the per-step hook (before ``get_next_batch_to_r
 controller's decisions and from the request dispatcher for ``/morph/*`` commands. On CUDA the
 device is synchronized first, so no in-flight forward reads a weight or KV buffer being replaced.
 
-A swap to fewer bits installs the variant layer by layer and then grows the KV pool by what the
-budget has free; a restore first takes KV back (evicting cache, moving live KV below the new
-boundary) and only then puts full-precision weights back. Either completes for all the layers
-it names or changes nothing it cannot undo: a restore that cannot get its memory back now is
-refused (409) and the layers stay quantized.
+A transition is all or nothing, on the API path and the controller's alike. A swap to fewer
+bits prepares every tensor of every layer it moves (from the variants staged in host memory at
+startup; the engines directory is never read while serving), then installs them and grows the
+KV pool by what the budget has free; a failed grow puts the layers back. A restore prepares,
+then takes KV back (evicting cache, moving live KV below the new boundary), then puts the
+full-precision weights back; if that fails, the KV pool grows back to its old capacity. A
+transition that is refused (409: the live KV does not fit the smaller pool) or fails (500) is
+logged and recorded in ``transitions`` with its reason, leaves layers, KV capacity and budget
+as they were, and the scheduler keeps serving.
+
+Layers an operator moved with ``POST /morph/swap`` are pinned: the controller leaves them where
+they are until a swap with ``"pin": false`` hands them back.
 """
 
 from __future__ import annotations
@@ -30,6 +37,7 @@ from sglang_morph.control.budget import MemoryBudget
 from sglang_morph.control.controller import LayerCosts, MorphController, SwapLayers
 from sglang_morph.control.policy import get_mode
 from sglang_morph.control.signals import PressureMonitor, PressureSignals, PressureSnapshot
+from sglang_morph.executor.faults import FaultInjector, InjectedFault
 from sglang_morph.executor.kv_resizer import KVResizer, KVResizeRefused
 
 logger = logging.getLogger("sglang_morph")
@@ -76,7 +84,9 @@ class MorphRequestError(ValueError):
 @dataclasses.dataclass(frozen=True)
 class Transition:
     time_unix_s: float
-    action: str  # "swap" (to fewer bits) or "restore" (to more bits)
+    # "swap" (to fewer bits) or "restore" (to more bits) when applied; "refused" or "failed"
+    # when nothing changed (``to_bits`` says which direction was asked for, ``error`` why).
+    action: str
     source: str  # "controller", "api" or "startup"
     layers: tuple[int, ...]
     from_bits: tuple[int, ...]
@@ -88,6 +98,7 @@ class Transition:
     kv_evicted_tokens: int
     duration_s: float
     reason: str
+    error: str = ""
 
     def to_json(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -122,7 +133,13 @@ class MorphRuntime:
         self.model = runner.model
         self.installer = getattr(runner, "morph_installer", None)
         self.num_layers = scheduler.model_config.num_hidden_layers
-        self.resizer = KVResizer(scheduler)
+        # Test-only fault points, armed from SGLANG_MORPH_FAULT once startup is done.
+        self.faults = FaultInjector()
+        self.resizer = KVResizer(scheduler, self.faults)
+        if self.installer is not None:
+            self.installer.faults = self.faults
+        # Layers an operator placed with POST /morph/swap: the controller does not move them.
+        self.pinned: set[int] = set()
         self.kv_bytes_per_token = self.resizer.kv_bytes_per_token
         weight_bytes = model_weight_bytes(self.model, self.installer)
         total = cfg.memory_budget_bytes or (
@@ -139,7 +156,9 @@ class MorphRuntime:
         kv_bytes = self.resizer.capacity_tokens * self.kv_bytes_per_token
         self.budget = MemoryBudget(total, weight_bytes, kv_bytes)
         self.transitions: collections.deque[Transition] = collections.deque(maxlen=RECENT_TRANSITIONS)
-        self.transitions_total = 0
+        self.transitions_total = 0  # applied ones; refused and failed ones are counted apart
+        self.refused_transitions_total = 0
+        self.failed_transitions_total = 0
         self.swap_order = self._swap_order()
         self.mode = cfg.mode
         self.monitor = PressureMonitor()
@@ -170,6 +189,9 @@ class MorphRuntime:
         self.kv_capacity_tokens_at_start = self.resizer.capacity_tokens
         self.check_integrity()
         self._publish_metrics()
+        self.faults.arm_from_env()
+        if self.faults.armed:
+            logger.warning("sglang-morph: test-only fault injection armed: %s", self.faults.armed)
 
     # ----- state -----------------------------------------------------------------------------
 
@@ -227,8 +249,10 @@ class MorphRuntime:
         return {
             "mode": self.mode,
             "controller": self.controller is not None,
-            "layers": [{"index": i, "bits": bits} for i, bits in enumerate(self.layer_bits)],
+            "layers": [{"index": i, "bits": bits, "pinned": i in self.pinned}
+                       for i, bits in enumerate(self.layer_bits)],
             "quantized_layers": sum(bits != FULL_PRECISION_BITS for bits in self.layer_bits),
+            "pinned_layers": sorted(self.pinned),
             "available_bits": list(self.available_bits),
             "swap_order": list(self.swap_order),
             "kv_capacity_tokens": self.resizer.capacity_tokens,
@@ -239,11 +263,16 @@ class MorphRuntime:
             "weight_bytes": b.weight_bytes,
             "kv_bytes": b.kv_bytes,
             "free_budget_bytes": b.free_bytes,
+            # Host memory the staged variants hold (pinned on CUDA), outside the budget.
+            "staged_variants_host_bytes": (self.installer.staged.host_bytes
+                                           if self.installer is not None else 0),
             "signals": dataclasses.asdict(self.last_signals) if self.last_signals else None,
             "retractions_total": retractions_total,
             "hook_calls_total": self.hook_calls_total,
             "hook_seconds_total": self.hook_seconds_total,
             "transitions_total": self.transitions_total,
+            "refused_transitions_total": self.refused_transitions_total,
+            "failed_transitions_total": self.failed_transitions_total,
             "transitions": [t.to_json() for t in self.transitions],
         }
 
@@ -277,13 +306,6 @@ class MorphRuntime:
             head_need = _admission_tokens(head, ratio)
             waiting_need = sum(_admission_tokens(r, ratio) for r in waiting)
         running = s.running_batch.reqs if s.running_batch is not None else []
-        # Per running request: decode steps until it finishes, and the KV (held + reserved)
-        # its finish gives back to admission.
-        release = []
-        for r in running:
-            future = _future_tokens(r, ratio)
-            release.append((math.ceil(future),
-                            int(len(r.origin_input_ids) + len(r.output_ids) + future)))
         snapshot = PressureSnapshot(
             time_s=now,
             kv_capacity_tokens=self.resizer.capacity_tokens,
@@ -295,12 +317,11 @@ class MorphRuntime:
             kv_reserved_tokens=int(sum(_future_tokens(r, ratio) for r in running)),
             head_need_tokens=int(head_need),
             waiting_need_tokens=int(waiting_need),
-            scheduler_steps_total=self.hook_calls_total,
-            running_kv_release=tuple(release),
         )
         self.last_signals = self.monitor.observe(snapshot)
         if self.controller is not None:
-            action = self.controller.decide(self.last_signals, self.layer_bits)
+            action = self.controller.decide(self.last_signals, self.layer_bits,
+                                            pinned=frozenset(self.pinned))
             if action is not None:
                 try:
                     self.apply(action, source="controller")
@@ -317,24 +338,21 @@ class MorphRuntime:
     # ----- commands --------------------------------------------------------------------------
 
     def handle_control(self, req: Any) -> Any:
-        """The scheduler's dispatcher entry for ``MorphControlReq`` (between batches)."""
-        from sglang_morph.server.messages import MorphControlReqOutput
+        """The scheduler's dispatcher entry for the /morph requests (between batches)."""
+        from sglang_morph.server.messages import MorphControlOutput, MorphModeReq, MorphSwapReq
 
         try:
-            payload = json.loads(req.payload_json)
-            if req.command == "swap":
-                self.apply(self.validate_swap(payload["layers"], payload["bits"]), source="api")
-            elif req.command == "mode":
-                self.set_mode(payload["mode"])
-            elif req.command != "status":
-                raise MorphRequestError(f"unknown morph command {req.command!r}")
+            if isinstance(req, MorphSwapReq):
+                self.swap_from_api(req.layers, req.bits, pin=req.pin)
+            elif isinstance(req, MorphModeReq):
+                self.set_mode(req.mode)
             code, body = 200, self.status()
         except MorphRequestError as e:
             code, body = e.status_code, {"error": str(e)}
         except Exception as e:  # the scheduler must keep serving; the caller gets the reason
-            logger.exception("sglang-morph: control command %s failed", req.command)
+            logger.exception("sglang-morph: control request %s failed", type(req).__name__)
             code, body = 500, {"error": f"{type(e).__name__}: {e}"}
-        return MorphControlReqOutput(rid=req.rid, status_code=code, body_json=json.dumps(body))
+        return MorphControlOutput(rid=req.rid, status_code=code, body=body)
 
     def set_mode(self, mode: str) -> None:
         try:
@@ -344,6 +362,19 @@ class MorphRuntime:
         self.mode = mode
         if self.controller is not None:
             self.controller.set_policy(policy)
+
+    def swap_from_api(self, layers: list[int], bits: int, pin: bool = True) -> Transition | None:
+        """An operator's swap: applied like the controller's, then the layers are pinned (or,
+        with ``pin=False``, handed back to the controller), and the controller's cooldown and
+        quiet window restart from it."""
+        transition = self.apply(self.validate_swap(layers, bits), source="api")
+        if pin:
+            self.pinned.update(layers)
+        else:
+            self.pinned.difference_update(layers)
+        if transition is not None and self.controller is not None:
+            self.controller.note_transition(time.monotonic())  # the snapshots' clock
+        return transition
 
     def validate_swap(self, layers: list[int], bits: int) -> SwapLayers:
         if self.installer is None:
@@ -364,86 +395,150 @@ class MorphRuntime:
                 f"(bits 16)")
         return SwapLayers(tuple(layers), bits, "POST /morph/swap")
 
-    def apply(self, action: SwapLayers, source: str) -> list[Transition]:
-        """Apply one action; a mixed request (some layers up, some down) is two transitions."""
+    # ----- transitions -----------------------------------------------------------------------
+
+    def apply(self, action: SwapLayers, source: str) -> Transition | None:
+        """Apply one action as one transition: every layer it moves and the KV resize, or
+        nothing. Layers already at ``action.bits`` are left out; None when none is left.
+
+        Raises ``MorphRequestError`` (409 refused, 500 failed) after logging the transition
+        and recording it in ``transitions``; layers, KV pool and budget are then as before.
+        """
         if self.installer is None:
             raise MorphRequestError("no layer variants: start the server with --morph-engines PATH")
         current = self.layer_bits
-        up = [i for i in action.layers if current[i] < action.bits]
-        down = [i for i in action.layers if current[i] > action.bits]
+        layers = [i for i in action.layers if current[i] != action.bits]
+        if not layers:
+            return None
+        restore = action.bits == FULL_PRECISION_BITS
+        if any((current[i] < action.bits) != restore for i in layers):
+            raise MorphRequestError(f"layers {layers} would move both up and down; a layer goes "
+                                    f"up only to full precision (bits 16)")
         if torch.cuda.is_available():
             torch.cuda.synchronize()  # no forward in flight reads what is replaced
-        out = []
-        if up:
-            out.append(self._restore(up, action.bits, source, action.reason))
-        if down:
-            out.append(self._swap_down(down, action.bits, source, action.reason))
-        return out
-
-    def _set_layers(self, layers: list[int], bits: int) -> int:
-        """Move ``layers`` to ``bits`` through the budget; returns the weight bytes freed."""
-        freed = 0
-        for i in layers:
-            t = self.installer.set_layer_bits(i, bits)
-            delta = t.device_bytes_after - t.device_bytes_before
-            self.budget = self.budget.moved(weight_delta_bytes=delta)
-            freed -= delta
-        return freed
-
-    def _swap_down(self, layers: list[int], bits: int, source: str, reason: str) -> Transition:
         started = time.perf_counter()
-        from_bits = tuple(self.layer_bits[i] for i in layers)
-        freed = self._set_layers(layers, bits)
         before = self.resizer.capacity_tokens
-        self._grow_kv_into_free()
-        return self._record(Transition(
-            time.time(), "swap", source, tuple(layers), from_bits, bits, freed, before,
-            self.resizer.capacity_tokens, 0, 0, time.perf_counter() - started, reason))
+        from_bits = tuple(current[i] for i in layers)
 
-    def _grow_kv_into_free(self) -> None:
-        before = self.resizer.capacity_tokens
-        resize = self.resizer.grow(self.budget.free_bytes // self.kv_bytes_per_token)
-        self.budget = self.budget.moved(
-            kv_delta_bytes=(resize.new_capacity_tokens - before) * self.kv_bytes_per_token)
+        def record(action_name: str, freed: int, moved: int, evicted: int,
+                   error: str = "") -> Transition:
+            return self._record(Transition(
+                time.time(), action_name, source, tuple(layers), from_bits, action.bits, freed,
+                before, self.resizer.capacity_tokens, moved, evicted,
+                time.perf_counter() - started, action.reason, error))
 
-    def _restore(self, layers: list[int], bits: int, source: str, reason: str) -> Transition:
-        started = time.perf_counter()
-        from_bits = tuple(self.layer_bits[i] for i in layers)
-        if bits != FULL_PRECISION_BITS:
-            raise MorphRequestError("a layer goes up only to full precision (bits 16)")
-        need_bytes = sum(self.installer.full_precision_bytes(i) - self.installer.layer_device_bytes(i)
-                         for i in layers)
-        before = self.resizer.capacity_tokens
-        shortfall = need_bytes - self.budget.free_bytes
+        try:
+            if restore:
+                freed, moved, evicted = self._restore(layers)
+            else:
+                freed, moved, evicted = self._swap_down(layers, action.bits)
+        except MorphRequestError as e:  # refused before anything changed
+            record("refused", 0, 0, 0, str(e))
+            raise
+        except Exception as e:
+            error = f"{type(e).__name__}: {e}"
+            logger.error("sglang-morph: %s of layers %s to %d bits (%s) failed and was undone: %s",
+                         "restore" if restore else "swap", layers, action.bits, source, error,
+                         exc_info=not isinstance(e, InjectedFault))
+            record("failed", 0, 0, 0, error)
+            self._check_after_failure()
+            raise MorphRequestError(f"{'restore' if restore else 'swap'} of layers {layers} "
+                                    f"failed and changed nothing: {error}", 500) from e
+        return record("restore" if restore else "swap", freed, moved, evicted)
+
+    def _swap_down(self, layers: list[int], bits: int) -> tuple[int, int, int]:
+        """Install ``bits``-bit variants, then grow KV into the freed bytes; (freed, 0, 0)."""
+        move = self.installer.prepare(layers, bits)
+        weights_moved = self.budget.moved(weight_delta_bytes=move.weight_delta_bytes)
+        grow_tokens = self._whole_pages(weights_moved.free_bytes // self.kv_bytes_per_token)
+        after = weights_moved.moved(kv_delta_bytes=grow_tokens * self.kv_bytes_per_token)
+        applied = self.installer.apply(move)
+        try:
+            self.resizer.grow(grow_tokens)
+        except BaseException:
+            self.installer.revert(applied)
+            raise
+        self.budget = after
+        return -move.weight_delta_bytes, 0, 0
+
+    def _restore(self, layers: list[int]) -> tuple[int, int, int]:
+        """Take back the KV the full-precision weights need, then install them; if they cannot
+        be installed, the KV pool grows back. Returns (freed (< 0), moved, evicted tokens)."""
+        move = self.installer.prepare(layers, FULL_PRECISION_BITS)
+        shortfall = move.weight_delta_bytes - self.budget.free_bytes
+        tokens = (self._whole_pages(-(-shortfall // self.kv_bytes_per_token), up=True)
+                  if shortfall > 0 else 0)
+        after_shrink = self.budget.moved(kv_delta_bytes=-tokens * self.kv_bytes_per_token)
+        after = after_shrink.moved(weight_delta_bytes=move.weight_delta_bytes)
         moved = evicted = 0
-        if shortfall > 0:
-            page = self.resizer.page_size
-            tokens = math.ceil(shortfall / self.kv_bytes_per_token / page) * page
+        if tokens:
             try:
                 resize = self.resizer.shrink(tokens)
             except KVResizeRefused as e:  # the resizer refused and changed nothing
                 raise MorphRequestError(
                     f"cannot restore layers {layers} now: the KV pool must give back {tokens} "
                     f"tokens ({e})", status_code=409) from e
-            self.budget = self.budget.moved(
-                kv_delta_bytes=(resize.new_capacity_tokens - before) * self.kv_bytes_per_token)
             moved, evicted = resize.moved_tokens, resize.evicted_tokens
-        freed = self._set_layers(layers, bits)
-        # The shrink rounds up to whole pages: what it took beyond the need goes back to KV.
-        self._grow_kv_into_free()
-        return self._record(Transition(
-            time.time(), "restore", source, tuple(layers), from_bits, bits, freed, before,
-            self.resizer.capacity_tokens, moved, evicted, time.perf_counter() - started, reason))
+        try:
+            self.installer.apply(move)
+        except BaseException:
+            if tokens:
+                self._give_kv_back(tokens, after_shrink)
+            raise
+        self.budget = after
+        return -move.weight_delta_bytes, moved, evicted
+
+    def _give_kv_back(self, tokens: int, budget_without_them: MemoryBudget) -> None:
+        """After a restore failed past its shrink: grow the pool back by ``tokens``."""
+        try:
+            with self.faults.suppressed():
+                self.resizer.grow(tokens)
+        except Exception:
+            # Both the restore and the grow failed: the pool stays smaller (consistently so),
+            # and the budget says what is true.
+            self.budget = budget_without_them
+            logger.critical("sglang-morph: could not give %d KV tokens back after a failed "
+                            "restore; the KV pool stays at %d tokens", tokens,
+                            self.resizer.capacity_tokens, exc_info=True)
+            raise
+
+    def _whole_pages(self, tokens: int, up: bool = False) -> int:
+        page = self.resizer.page_size
+        return (-(-tokens // page) if up else tokens // page) * page
+
+    def _grow_kv_into_free(self) -> None:
+        """Startup: what the budget has free (a static precision map freed it) becomes KV."""
+        tokens = self._whole_pages(self.budget.free_bytes // self.kv_bytes_per_token)
+        after = self.budget.moved(kv_delta_bytes=tokens * self.kv_bytes_per_token)
+        self.resizer.grow(tokens)
+        self.budget = after
+
+    def _check_after_failure(self) -> None:
+        """A failed transition must have changed nothing: check at once, and say so loudly if
+        it did (the scheduler keeps serving either way)."""
+        try:
+            self.check_integrity()
+        except Exception:
+            logger.critical("sglang-morph: state is inconsistent after a failed transition",
+                            exc_info=True)
 
     def _record(self, t: Transition) -> Transition:
         self.transitions.append(t)
-        self.transitions_total += 1
-        self._resized_since_check = True
-        logger.info(
-            "sglang-morph: %s layers %s %s -> %d bits (%s); freed %d bytes; KV %d -> %d tokens "
-            "(%d moved); %.3f s", t.action, list(t.layers), list(t.from_bits), t.to_bits,
-            t.source, t.freed_bytes, t.kv_capacity_tokens_before, t.kv_capacity_tokens_after,
-            t.kv_moved_tokens, t.duration_s)
+        if t.action in ("swap", "restore"):
+            self.transitions_total += 1
+            self._resized_since_check = True
+            logger.info(
+                "sglang-morph: %s layers %s %s -> %d bits (%s); freed %d bytes; KV %d -> %d "
+                "tokens (%d moved); %.3f s", t.action, list(t.layers), list(t.from_bits),
+                t.to_bits, t.source, t.freed_bytes, t.kv_capacity_tokens_before,
+                t.kv_capacity_tokens_after, t.kv_moved_tokens, t.duration_s)
+        else:
+            if t.action == "refused":
+                self.refused_transitions_total += 1
+            else:
+                self.failed_transitions_total += 1
+            logger.warning("sglang-morph: %s: layers %s -> %d bits (%s): %s", t.action,
+                           list(t.layers), t.to_bits, t.source, t.error)
         if self._log is not None:
             self._log.write(json.dumps(t.to_json()) + "\n")
         if self._metrics is not None:

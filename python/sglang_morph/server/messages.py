@@ -1,24 +1,43 @@
 """IPC messages between the HTTP process (TokenizerManager) and the scheduler process.
 
-SGLang's IPC encodes msgspec structs with msgpack and only decodes types it was told about, so
-both processes register these with ``hook_custom_types`` when this module is imported (the
-plugin imports it in every process). Payloads are JSON text: the scheduler answers with an HTTP
-status and body that the route returns unchanged.
+One typed msgspec message per command; the scheduler answers every one with a
+``MorphControlOutput`` (the HTTP status and the JSON body the route returns unchanged). SGLang's
+IPC encodes msgspec structs with msgpack and only decodes types it was told about, so both
+processes register these with ``hook_custom_types`` when this module is imported (the plugin
+imports it in every process).
 """
 
 from __future__ import annotations
 
+from typing import Any
+
 from sglang.srt.managers.io_struct import BaseReq, hook_custom_types
 
 
-class MorphControlReq(BaseReq, kw_only=True):
-    command: str  # "status" | "swap" | "mode"
-    payload_json: str = "{}"
+class MorphStatusReq(BaseReq, kw_only=True):
+    """``GET /morph/status``."""
 
 
-class MorphControlReqOutput(BaseReq, kw_only=True):
+class MorphSwapReq(BaseReq, kw_only=True):
+    """``POST /morph/swap``: serve ``layers`` at ``bits`` (16 restores). ``pin``: the
+    controller leaves these layers where the operator put them (False hands them back)."""
+
+    layers: list[int]
+    bits: int
+    pin: bool = True
+
+
+class MorphModeReq(BaseReq, kw_only=True):
+    """``POST /morph/mode``: the controller's policy from now on."""
+
+    mode: str
+
+
+class MorphControlOutput(BaseReq, kw_only=True):
     status_code: int
-    body_json: str
+    body: dict[str, Any]
 
 
-hook_custom_types(MorphControlReq, MorphControlReqOutput)
+MORPH_REQUESTS = (MorphStatusReq, MorphSwapReq, MorphModeReq)
+
+hook_custom_types(*MORPH_REQUESTS, MorphControlOutput)

@@ -1,0 +1,234 @@
+"""Every SGLang symbol sglang-morph hooks, patches, calls or reads outside SGLang's public API.
+
+SGLang has no stable internal API: a release may rename any of these. The plugin is written
+for one release (``sglang_morph.SGLANG_VERSION``), and ``check_symbols`` verifies at startup
+that each symbol below exists, so a server on another release stops with one line naming the
+missing symbols and the release to install, instead of failing mid-transition.
+
+A symbol is a dotted path: a module, then attributes. ``instance=True`` marks an attribute SGLang
+sets on instances (``self.x = ...``), which no import can show: it is checked by reading the
+class (its dataclass / msgspec fields, its class attributes, and the ``self.x =`` assignments
+in the source of every class of its MRO). Runtime classes that differ per launch (the tree
+core is Rust or Python) are listed by the interface they implement.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import importlib
+import inspect
+import re
+from typing import Any
+
+from sglang_morph import SGLANG_VERSION
+
+
+@dataclasses.dataclass(frozen=True)
+class Symbol:
+    path: str
+    use: str  # "hook", "call", "read" or "write": what the plugin does with it
+    instance: bool = False
+
+
+def _group(owner: str, use: str, names: str, instance: bool = True) -> tuple[Symbol, ...]:
+    return tuple(Symbol(f"{owner}.{name}", use, instance) for name in names.split())
+
+
+_SCHEDULER = "sglang.srt.managers.scheduler.Scheduler"
+_RUNNER = "sglang.srt.model_executor.model_runner.ModelRunner"
+_BATCH = "sglang.srt.managers.schedule_batch"
+_MEM = "sglang.srt.mem_cache"
+_COMPONENTS = "sglang.srt.managers.scheduler_components"
+_TOKENIZER_MANAGER = "sglang.srt.managers.tokenizer_manager.TokenizerManager"
+_SERVER_ARGS = "sglang.srt.server_args.ServerArgs"
+
+# Hook targets (plugin.HOOKS and the HTTP side's hook name these constants).
+HOOK_ADD_CLI_ARGS = f"{_SERVER_ARGS}.add_cli_args"
+HOOK_FROM_CLI_ARGS = f"{_SERVER_ARGS}.from_cli_args"
+HOOK_SCHEDULER_INIT = f"{_SCHEDULER}.__init__"
+HOOK_LOAD_MODEL = f"{_RUNNER}.load_model"
+HOOK_NEXT_BATCH = f"{_SCHEDULER}.get_next_batch_to_run"
+HOOK_RETRACT_DECODE = f"{_BATCH}.ScheduleBatch.retract_decode"
+HOOK_TOKENIZER_MANAGER_INIT = f"{_TOKENIZER_MANAGER}.__init__"
+
+# Used in the launcher / HTTP process (checked there, before any process is spawned).
+HTTP_SYMBOLS: tuple[Symbol, ...] = (
+    *(Symbol(t, "hook") for t in (HOOK_ADD_CLI_ARGS, HOOK_FROM_CLI_ARGS,
+                                  HOOK_TOKENIZER_MANAGER_INIT)),
+    Symbol("sglang.srt.plugins.hook_registry.HookRegistry.register", "call"),
+    Symbol("sglang.srt.plugins.hook_registry.HookRegistry.apply_hooks", "call"),
+    Symbol("sglang.srt.plugins.hook_registry.HookRegistry._patched", "read"),
+    Symbol("sglang.srt.plugins.hook_registry.HookType", "read"),
+    # ServerArgs fields the launcher hook reads or sets before resolution.
+    *_group(_SERVER_ARGS, "read", "model_path dtype kv_cache_dtype tp_size pp_size dp_size "
+            "attn_dp_size attn_cp_size dcp_size nnodes speculative_algorithm "
+            "disaggregation_mode enable_hierarchical_cache disable_radix_cache enable_lmcache "
+            "enable_hisparse enable_flexkv enable_unified_cache_external_linker "
+            "enable_session_radix_cache device"),
+    *_group(_SERVER_ARGS, "write", "max_total_tokens disable_overlap_schedule "
+            "disable_cuda_graph disable_decode_cuda_graph disable_prefill_cuda_graph "
+            "cuda_graph_backend_decode cuda_graph_backend_prefill cuda_graph_config "
+            "enable_torch_compile"),
+    Symbol("sglang.srt.entrypoints.http_server.app", "write"),
+    Symbol("sglang.srt.entrypoints.http_server.get_global_state", "call"),
+    Symbol("sglang.srt.entrypoints.http_server._GlobalState.tokenizer_manager", "read", True),
+    Symbol("sglang.srt.utils.auth.AuthLevel.ADMIN_OPTIONAL", "read"),
+    Symbol("sglang.srt.utils.auth.auth_level", "call"),
+    Symbol("sglang.srt.managers.io_struct.BaseReq", "read"),
+    Symbol("sglang.srt.managers.io_struct.hook_custom_types", "call"),
+    Symbol("sglang.utils.TypeBasedDispatcher", "call"),
+    *_group(_TOKENIZER_MANAGER, "call", "_async_dispatch_to_scheduler auto_create_handle_loop",
+            instance=False),
+    Symbol(f"{_TOKENIZER_MANAGER}._result_dispatcher", "write", True),
+)
+
+# Used in the scheduler process.
+SCHEDULER_SYMBOLS: tuple[Symbol, ...] = (
+    *(Symbol(t, "hook") for t in (HOOK_SCHEDULER_INIT, HOOK_LOAD_MODEL, HOOK_NEXT_BATCH,
+                                  HOOK_RETRACT_DECODE)),
+    Symbol(f"{_SCHEDULER}.emit_metrics_constants", "call"),
+    *_group(_SCHEDULER, "read", "server_args model_config tp_worker waiting_queue "
+            "running_batch last_batch chunked_req new_token_ratio_tracker "
+            "token_to_kv_pool_allocator req_to_token_pool tree_cache enable_overlap "
+            "draft_worker metrics_reporter pool_stats_observer load_inquirer "
+            "invariant_checker kv_events_publisher"),
+    *_group(_SCHEDULER, "write", "_request_dispatcher max_total_num_tokens max_req_len "
+            "max_req_input_len beam_coordinator"),
+    Symbol("sglang.srt.managers.tp_worker.TpModelWorker.model_runner", "read"),
+    *_group(_RUNNER, "read", "model server_args model_config is_draft_worker"),
+    *_group(_RUNNER, "write", "max_total_num_tokens memory_pool_config"),
+    Symbol("sglang.srt.model_executor.pool_configurator.MemoryPoolConfig.max_total_num_tokens",
+           "write", True),
+    *_group("sglang.srt.configs.model_config.ModelConfig", "read",
+            "context_len num_hidden_layers hf_config dtype"),
+    Symbol(f"{_COMPONENTS}.new_token_ratio_tracker.NewTokenRatioTracker.current", "read", True),
+    Symbol(f"{_COMPONENTS}.metrics_reporter.SchedulerMetricsReporter.enable_metrics", "read",
+           True),
+    # Components that keep their own copy of the KV capacity (kv_resizer._CAPACITY_COMPONENTS).
+    *(Symbol(f"{_COMPONENTS}.{module}.{cls}.max_total_num_tokens", "write", True)
+      for module, cls in (("pool_stats_observer", "SchedulerPoolStatsObserver"),
+                          ("load_inquirer", "SchedulerLoadInquirer"),
+                          ("invariant_checker", "SchedulerInvariantChecker"),
+                          ("kv_events_publisher", "SchedulerKvEventsPublisher"))),
+    Symbol("sglang.srt.beam_search.coordinator.BeamCoordinator.max_req_len", "write", True),
+    # Requests and batches (pressure signals, the holders a KV shrink rewrites).
+    Symbol("sglang.srt.managers.schedule_policy.CLIP_MAX_NEW_TOKENS", "read"),
+    *_group(f"{_BATCH}.ScheduleBatch", "read", "reqs out_cache_loc"),
+    *_group(f"{_BATCH}.Req", "read", "origin_input_ids output_ids sampling_params time_stats "
+            "lock kv"),
+    *_group(f"{_BATCH}.ReqKvInfo", "read",
+            "holds_kv req_pool_idx cache_protected_len kv_allocated_len"),
+    *_group("sglang.srt.sampling.sampling_params.SamplingParams", "read",
+            "max_new_tokens ignore_eos"),
+    Symbol("sglang.srt.observability.req_time_stats.SchedulerReqTimeStats."
+           "wait_queue_entry_time", "read", True),
+    Symbol(f"{_MEM}.base_prefix_cache.TreeLock.node", "read", True),
+    Symbol(f"{_MEM}.base_prefix_cache.EvictParams", "call"),
+    # The KV pool, its allocators and the radix cache (executor/kv_resizer.py).
+    Symbol(f"{_MEM}.memory_pool.ReqToTokenPool.req_to_token", "write", True),
+    *_group(f"{_MEM}.memory_pool.MHATokenToKVPool", "write",
+            "k_buffer v_buffer size mem_usage _kv_buffer_descs"),
+    *_group(f"{_MEM}.memory_pool.MHATokenToKVPool", "read",
+            "page_size kv_cache_layout is_quantized_kv_cache post_capture_active"),
+    *_group(f"{_MEM}.memory_pool.MHATokenToKVPool", "call",
+            "_build_kv_buffer_descs _init_data_ptrs_and_strides get_kv_size_bytes",
+            instance=False),
+    *(s for cls in ("TokenToKVPoolAllocator", "PagedTokenToKVPoolAllocator") for s in (
+        *_group(f"{_MEM}.allocator.{cls}", "write", "free_pages size"),
+        *_group(f"{_MEM}.allocator.{cls}", "read", "page_size device free_group"),
+        *_group(f"{_MEM}.allocator.{cls}", "call", "get_kvcache available_size "
+                "merge_and_sort_free get_all_free_pages", instance=False))),
+    Symbol(f"{_MEM}.allocator.PagedTokenToKVPoolAllocator.num_pages", "write", True),
+    *_group(f"{_MEM}.unified_radix_cache.UnifiedRadixCache", "read",
+            "tree_components cache_controller linker tree_core"),
+    *_group(f"{_MEM}.unified_radix_cache.UnifiedRadixCache", "call", "evictable_size "
+            "protected_size all_values_flatten evict session_records", instance=False),
+    Symbol(f"{_MEM}.unified_cache.component_type.ComponentType.FULL", "read"),
+    *_group(f"{_MEM}.unified_cache.unified_tree_core_interface.UnifiedTreeCoreInterface",
+            "call", "collect_path_info get_component_device_value", instance=False),
+    # Decoder linears (executor/variants.py swaps their quant_method and weight).
+    Symbol("sglang.srt.layers.linear.LinearBase.quant_method", "write", True),
+)
+
+ALL_SYMBOLS = HTTP_SYMBOLS + SCHEDULER_SYMBOLS
+
+
+def _resolve(path: str) -> Any:
+    """The object at a dotted path (longest importable module, then attributes); raises
+    ImportError or AttributeError."""
+    parts = path.split(".")
+    for split in range(len(parts), 0, -1):
+        try:
+            obj = importlib.import_module(".".join(parts[:split]))
+        except ImportError:
+            if split == 1:
+                raise
+            continue
+        for name in parts[split:]:
+            obj = getattr(obj, name)
+        return obj
+    raise ImportError(path)
+
+
+_SELF_ATTR = r"self\.([A-Za-z_]\w*)"
+# ``self.x = ...``, ``self.x: T = ...``, ``self.x += ...``, ``self.x, self.y = ...``
+_ASSIGNED = re.compile(_SELF_ATTR + r"\s*(?::[^=\n]+)?(?:,[^=\n]*)?[-+*/|&]?=(?!=)")
+# ``(self.x, self.y, _) = ...`` over several lines
+_TUPLE_TARGET = re.compile(r"\(([\w\s.,]*)\)\s*=(?!=)")
+
+
+@functools.lru_cache(maxsize=None)
+def _assigned_in_source(cls: type) -> frozenset[str]:
+    """Attribute names a class's own source assigns on ``self``."""
+    try:
+        source = inspect.getsource(cls)
+    except (OSError, TypeError):
+        return frozenset()
+    names = set(_ASSIGNED.findall(source))
+    for target in _TUPLE_TARGET.findall(source):
+        names.update(re.findall(_SELF_ATTR, target))
+    return frozenset(names)
+
+
+def _has_instance_attribute(cls: type, name: str) -> bool:
+    if hasattr(cls, name):  # class attribute, property, method, msgspec/slots descriptor
+        return True
+    if dataclasses.is_dataclass(cls) and name in {f.name for f in dataclasses.fields(cls)}:
+        return True
+    if name in getattr(cls, "__struct_fields__", ()):
+        return True
+    return any(name in _assigned_in_source(c) for c in cls.__mro__ if c is not object)
+
+
+def missing_symbols(symbols: tuple[Symbol, ...]) -> list[str]:
+    """The paths of ``symbols`` that do not exist in the installed SGLang."""
+    missing = []
+    for symbol in symbols:
+        try:
+            if symbol.instance:
+                owner_path, name = symbol.path.rsplit(".", 1)
+                if not _has_instance_attribute(_resolve(owner_path), name):
+                    missing.append(symbol.path)
+            else:
+                _resolve(symbol.path)
+        except (ImportError, AttributeError):
+            missing.append(symbol.path)
+    return missing
+
+
+def installed_sglang_version() -> str:
+    import importlib.metadata
+
+    try:
+        return importlib.metadata.version("sglang")
+    except importlib.metadata.PackageNotFoundError:
+        return "not installed"
+
+
+def mismatch_message(missing: list[str], what: str = "find") -> str:
+    """The one line a server on the wrong SGLang release stops with."""
+    return (f"sglang-morph: could not {what} {', '.join(missing)}. sglang-morph is written for "
+            f"sglang=={SGLANG_VERSION} and found sglang {installed_sglang_version()}. Install "
+            f"sglang=={SGLANG_VERSION}, or exclude this plugin with "
+            f"SGLANG_PLUGINS=<other plugins>.")
