@@ -306,6 +306,13 @@ class MorphRuntime:
             head_need = _admission_tokens(head, ratio)
             waiting_need = sum(_admission_tokens(r, ratio) for r in waiting)
         running = s.running_batch.reqs if s.running_batch is not None else []
+        # Per running request: decode steps until it finishes, and the KV (held + reserved)
+        # its finish gives back to admission.
+        release = []
+        for r in running:
+            future = _future_tokens(r, ratio)
+            release.append((math.ceil(future),
+                            int(len(r.origin_input_ids) + len(r.output_ids) + future)))
         snapshot = PressureSnapshot(
             time_s=now,
             kv_capacity_tokens=self.resizer.capacity_tokens,
@@ -317,6 +324,8 @@ class MorphRuntime:
             kv_reserved_tokens=int(sum(_future_tokens(r, ratio) for r in running)),
             head_need_tokens=int(head_need),
             waiting_need_tokens=int(waiting_need),
+            scheduler_steps_total=self.hook_calls_total,
+            running_kv_release=tuple(release),
         )
         self.last_signals = self.monitor.observe(snapshot)
         if self.controller is not None:
