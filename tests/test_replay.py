@@ -75,11 +75,16 @@ def test_summary_percentiles_slo_and_quantized_share():
     recs = [record(i, 100.0 + i, ttft=0.5 * i, n=5, gap=0.1) for i in range(10)]
     failed = RequestRecord(10, 111.0, error="HTTP 500: boom")
     res = ReplayResult("x", 100.0, 130.0, recs + [failed], [])
-    # Layers were quantized from 104.2 to 107.0: tokens arriving in that span count.
-    steps = M.quantized_steps([
-        {"time_unix_s": 104.2, "layers": [3, 4], "to_bits": 4},
-        {"time_unix_s": 107.0, "layers": [3, 4], "to_bits": 16}], num_layers=8)
-    assert steps == [(0.0, 0), (104.2, 2), (107.0, 0)]
+    # Layers were quantized from 104.2 to 107.0 (W8, then one at W4 from 105.5); tokens
+    # arriving in that span count. A refused restore at 106.0 changed nothing.
+    steps = M.precision_steps([
+        {"time_unix_s": 104.2, "action": "swap", "layers": [3, 4], "to_bits": 8},
+        {"time_unix_s": 105.5, "action": "swap", "layers": [4], "to_bits": 4},
+        {"time_unix_s": 106.0, "action": "refused", "layers": [3, 4], "to_bits": 16},
+        {"time_unix_s": 107.0, "action": "restore", "layers": [3, 4], "to_bits": 16}],
+        num_layers=5)
+    assert steps == [(0.0, (16,) * 5), (104.2, (16, 16, 16, 8, 8)),
+                     (105.5, (16, 16, 16, 8, 4)), (107.0, (16,) * 5)]
     s = M.summarize(res, M.Slo(ttft_s=2.0), steps)
     ttfts = [0.5 * i for i in range(10)]
     assert s["ttft_s"]["p95"] == pytest.approx(np.percentile(ttfts, 95))
@@ -90,7 +95,9 @@ def test_summary_percentiles_slo_and_quantized_share():
     tokens_in = sum(1 for r in recs for t, _ in r.chunks if 104.2 <= t < 107.0)
     assert 0 < tokens_in < 50
     assert s["quantized_token_share"] == pytest.approx(tokens_in / 50)
-    assert s["max_quantized_layers"] == 2
+    w4_in = sum(1 for r in recs for t, _ in r.chunks if 105.5 <= t < 107.0)
+    assert 0 < w4_in < tokens_in and s["w4_token_share"] == pytest.approx(w4_in / 50)
+    assert s["max_quantized_layers"] == 2 and s["max_w4_layers"] == 1
     end = max(r.chunks[-1][0] for r in recs)
     assert s["throughput_tokens_per_s"] == pytest.approx(50 / (end - 100.0))
     assert s["goodput_requests_per_s"] == pytest.approx(5 / (end - 100.0))

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import bisect
 import dataclasses
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import numpy as np
 
@@ -34,32 +34,45 @@ def percentiles(values: Sequence[float]) -> dict[str, float | None]:
     return {f"p{p}": float(np.percentile(arr, p)) for p in PERCENTILES} | {"mean": float(arr.mean())}
 
 
-def quantized_steps(transitions: list[dict[str, Any]], num_layers: int) -> list[tuple[float, int]]:
-    """(time, quantized layers from then on) after each transition of a ``--morph-log``."""
+def precision_steps(transitions: list[dict[str, Any]], num_layers: int
+                    ) -> list[tuple[float, tuple[int, ...]]]:
+    """(time, every layer's bits from then on) after each applied transition of a
+    ``--morph-log``; refused or failed transitions changed nothing and are skipped."""
     bits = [FULL_PRECISION_BITS] * num_layers
-    steps = [(0.0, 0)]
+    steps = [(0.0, tuple(bits))]
     for t in sorted(transitions, key=lambda t: t["time_unix_s"]):
+        if t["action"] not in ("swap", "restore"):
+            continue
         for layer in t["layers"]:
             bits[layer] = t["to_bits"]
-        steps.append((t["time_unix_s"], sum(b < FULL_PRECISION_BITS for b in bits)))
+        steps.append((t["time_unix_s"], tuple(bits)))
     return steps
 
 
-def quantized_token_share(result: ReplayResult, steps: list[tuple[float, int]]) -> float:
-    """Output tokens that arrived while any layer was below 16 bits / all output tokens.
+def token_share(result: ReplayResult, steps: list[tuple[float, tuple[int, ...]]],
+                served_while: Callable[[tuple[int, ...]], bool]) -> float:
+    """Output tokens that arrived while ``served_while(layer bits)`` held / all output tokens.
 
     A chunk's tokens are attributed to its arrival time; a token is produced one streaming
     hop earlier, a few milliseconds at most, far below the spacing of transitions."""
     times = [s[0] for s in steps]
-    quantized = total = 0
+    matching = total = 0
     for rec in result.records:
         prev = 0
         for t, n in rec.chunks:
             total += n - prev
-            if steps[bisect.bisect_right(times, t) - 1][1] > 0:
-                quantized += n - prev
+            if served_while(steps[bisect.bisect_right(times, t) - 1][1]):
+                matching += n - prev
             prev = n
-    return quantized / total if total else 0.0
+    return matching / total if total else 0.0
+
+
+def any_quantized(bits: tuple[int, ...]) -> bool:
+    return min(bits) < FULL_PRECISION_BITS
+
+
+def any_w4(bits: tuple[int, ...]) -> bool:
+    return min(bits) <= 4
 
 
 class _TokenIds:
@@ -88,7 +101,8 @@ def agreement(outputs: dict[int, list[int]], reference: dict[int, list[int]]
             "rouge_l_f1": float(np.mean(rouge))}
 
 
-def summarize(result: ReplayResult, slo: Slo, steps: list[tuple[float, int]]) -> dict[str, Any]:
+def summarize(result: ReplayResult, slo: Slo,
+              steps: list[tuple[float, tuple[int, ...]]]) -> dict[str, Any]:
     recs = result.records
     ok = [r for r in recs if r.ok]
     ttft = [r.ttft_s for r in ok]
@@ -119,8 +133,12 @@ def summarize(result: ReplayResult, slo: Slo, steps: list[tuple[float, int]]) ->
         "goodput_requests_per_s": len(good) / span_s,
         "goodput_tokens_per_s": sum(r.chunks[-1][1] for r in good) / span_s,
         "retractions": retractions,
-        "quantized_token_share": quantized_token_share(result, steps),
-        "max_quantized_layers": max((n for _, n in steps), default=0),
+        # Output tokens served while any layer was below 16 bits, and while any was at W4.
+        "quantized_token_share": token_share(result, steps, any_quantized),
+        "w4_token_share": token_share(result, steps, any_w4),
+        "max_quantized_layers": max(sum(b < FULL_PRECISION_BITS for b in bits)
+                                    for _, bits in steps),
+        "max_w4_layers": max(sum(b <= 4 for b in bits) for _, bits in steps),
         "max_kv_capacity_tokens": max((s["kv_capacity_tokens"] for s in samples), default=None),
         "max_waiting_requests": max((s["num_waiting_reqs"] for s in samples), default=None),
     }

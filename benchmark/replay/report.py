@@ -33,8 +33,8 @@ def markdown_table(report: dict[str, Any]) -> str:
         "",
         "| config | TTFT p50 / p95 / p99 s | TPOT p50 / p95 s | E2E p50 / p95 s | queue p95 s "
         "| SLO viol. | tok/s | goodput req/s | retractions | max KV tokens | quantized tokens "
-        "| exact match | ROUGE-L | ppl |",
-        "|---|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "(W4) | max quantized layers (W4) | exact match | ROUGE-L | ppl |",
+        "|---|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for name, c in report["configs"].items():
         m, q = c["metrics"], c.get("quality", {})
@@ -45,7 +45,9 @@ def markdown_table(report: dict[str, Any]) -> str:
             f"| {_fmt(m['queue_time_s']['p95'])} | {_pct(m['slo_violation_rate'])} "
             f"| {_fmt(m['throughput_tokens_per_s'], 1)} | {_fmt(m['goodput_requests_per_s'])} "
             f"| {m['retractions']} | {m['max_kv_capacity_tokens']} "
-            f"| {_pct(m['quantized_token_share'])} | {_pct(q.get('exact_match_rate'))} "
+            f"| {_pct(m['quantized_token_share'])} ({_pct(m['w4_token_share'])}) "
+            f"| {m['max_quantized_layers']} ({m['max_w4_layers']}) "
+            f"| {_pct(q.get('exact_match_rate'))} "
             f"| {_fmt(q.get('rouge_l_f1'), 3)} | {_fmt(q.get('perplexity'))} |")
     return "\n".join(rows) + "\n"
 
