@@ -88,11 +88,12 @@ def read_log(path: Path) -> list[dict[str, Any]]:
 
 
 def flush_and_restore(url: str) -> None:
-    """Back to the start state between sweep points: all layers at 16 bits, empty cache."""
+    """Back to the start state between sweep points: all layers at 16 bits and still the
+    controller's (``"pin": false``: an operator's swap would otherwise pin them), empty cache."""
     status = httpx.get(f"{url}/morph/status", timeout=60).json()
     quantized = [layer["index"] for layer in status["layers"] if layer["bits"] != 16]
     if quantized:
-        httpx.post(f"{url}/morph/swap", json={"layers": quantized, "bits": 16},
+        httpx.post(f"{url}/morph/swap", json={"layers": quantized, "bits": 16, "pin": False},
                    timeout=120).raise_for_status()
     httpx.post(f"{url}/flush_cache", timeout=60)
 
