@@ -260,6 +260,8 @@ class MorphController:
             if self._idle_spell and s.time_s - self._last_active_s >= p.restore_quiet_s:
                 self._pending_lull_s = s.time_s - self._last_active_s
             self._last_active_s = s.time_s
+        elif not self._idle_spell:
+            self._pending_lull_s = None  # the burst after it ended without needing the pool
         self._idle_spell = idle
         if self._pending_lull_s is not None and (high or self._needs_grown_pool(s, layer_bits)):
             self._lulls_s.append(self._pending_lull_s)
