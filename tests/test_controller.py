@@ -278,7 +278,8 @@ def test_restore_limited_by_predicted_usage(used, reserved, restored):
 
 
 def test_restore_order_is_reverse_swap_order_and_goes_straight_to_16():
-    c, bits = swapped_controller(policy(MODES["accuracy"], cooldown_s=0.0, restore_layers_per_step=2), order=(2, 0, 3, 1))
+    pol = policy(MODES["accuracy"], cooldown_s=0.0, restore_layers_per_step=2)
+    c, bits = swapped_controller(pol, order=(2, 0, 3, 1))
     actions, bits = drive(c, bits, [sig(0.5 * i, 0.0) for i in range(100)])
     assert [(a.layers, a.bits) for _, a in actions] == [((1, 3), 16), ((0, 2), 16)]
     assert bits == (16,) * 4

@@ -22,7 +22,8 @@ from typing import Any, Sequence
 
 import httpx
 
-from benchmark.harness import build_engines, git_state, load_average, machine_info, running_server
+from benchmark.harness import (REPO_ROOT, build_engines, git_state, load_average, machine_info,
+                               running_server)
 from benchmark.replay import metrics as M
 from benchmark.replay import report as R
 from benchmark.replay.client import replay
@@ -79,6 +80,12 @@ def server_args(name: str, budget: str, engines: Path | None, mixed_layers: int,
         return static + ("--morph-precision-map", ",".join(f"{i}:4" for i in order))
     return base + ("--morph-engines", str(engines), "--morph-swap-order", str(SWAP_ORDER),
                    "--morph-mode", name)
+
+
+def repo_path(path: Path) -> str:
+    """A path inside the checkout relative to its root (results do not name the checkout)."""
+    path = Path(path).resolve()
+    return str(path.relative_to(REPO_ROOT)) if path.is_relative_to(REPO_ROOT) else str(path)
 
 
 def read_log(path: Path) -> list[dict[str, Any]]:
@@ -151,7 +158,7 @@ def run_driver(profile: Profile) -> dict[str, Any]:
     raw.mkdir(parents=True, exist_ok=True)
     report: dict[str, Any] = {
         "settings": {
-            "trace": dataclasses.asdict(profile.window) | {"path": str(profile.window.path)},
+            "trace": dataclasses.asdict(profile.window) | {"path": repo_path(profile.window.path)},
             "requests": len(requests),
             "replay_duration_s": profile.window.replay_duration_s,
             "offered_requests_per_s": len(requests) / profile.window.replay_duration_s,
@@ -161,7 +168,7 @@ def run_driver(profile: Profile) -> dict[str, Any]:
             "slo": dataclasses.asdict(profile.slo),
             "mixed_layers": profile.mixed_layers,
             "engines": str(engines) if engines else None,
-            "swap_order": str(SWAP_ORDER.relative_to(RESULTS.parent.parent)),
+            "swap_order": repo_path(SWAP_ORDER),
             "prompt_corpus": str(CORPUS.name),
             "sampling": "greedy, ignore_eos, max_new_tokens = the request's output length",
         } | git_and_machine(),
@@ -269,7 +276,7 @@ def run_sweep(profile: Profile, multipliers: Sequence[float]) -> dict[str, Any]:
     raw.mkdir(parents=True, exist_ok=True)
     base_rate = len(requests) / profile.window.replay_duration_s
     sweep: dict[str, Any] = {"settings": {"trace": dataclasses.asdict(profile.window)
-                                          | {"path": str(profile.window.path)},
+                                          | {"path": repo_path(profile.window.path)},
                                           "memory_budget": profile.budget,
                                           "slo": dataclasses.asdict(profile.slo),
                                           "base_requests_per_s": base_rate} | git_and_machine(),
