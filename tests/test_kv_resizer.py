@@ -335,6 +335,43 @@ def test_grow_then_shrink_returns_to_the_original_pool(page_size, core):
     resizer.check_integrity()
 
 
+@pytest.mark.parametrize("page_size,core", [(1, "rust"), (4, "python")])
+def test_second_shrink_ignores_stale_rows_of_finished_requests(page_size, core):
+    """A finished request's row in req_to_token keeps the indices it had (SGLang does not clear
+    it), so after grow + shrink it may point above the current capacity. A later shrink that
+    moves a live request must rewrite only what it can and still succeed (this raised an
+    IndexError in the controller's second restore of a burst)."""
+    s = make_scheduler(page_size, core)
+    resizer = KVResizer(s)
+    u = page_size
+    filler = start_request(s, list(range(100, 100 + 14 * u)))
+    resizer.grow(8 * u)
+    gone = start_request(s, list(range(200, 200 + 6 * u)), decode_tokens=1)  # reaches 20u+
+    rtt = s.req_to_token_pool.req_to_token
+    stale_row = gone.kv.req_pool_idx
+    assert rtt[stale_row].max().item() > 20 * u
+    finish_request(s, gone)
+    finish_request(s, filler)
+    s.tree_cache.evict(EvictParams(num_tokens=s.tree_cache.evictable_size()))
+    assert resizer.shrink(8 * u).new_capacity_tokens == 16 * u
+    assert rtt[stale_row].max().item() > 17 * u  # stale, past the shrunk pool
+    # A live request on the top pages of the shrunk pool.
+    s.token_to_kv_pool_allocator.merge_and_sort_free()
+    held = s.token_to_kv_pool_allocator.alloc(11 * u)  # pushes the next request up
+    live = start_request(s, list(range(300, 300 + 4 * u)), decode_tokens=1)
+    s.running_batch.reqs = [live]
+    live_kv = request_kv(s, live)
+    assert rtt[live.kv.req_pool_idx, : live.kv.kv_allocated_len].max().item() >= 13 * u
+
+    s.token_to_kv_pool_allocator.free(held)  # room below the boundary
+    result = resizer.shrink(4 * u)
+
+    assert result.new_capacity_tokens == 12 * u and result.moved_tokens > 0
+    assert torch.equal(request_kv(s, live), live_kv)
+    assert rtt[live.kv.req_pool_idx, : live.kv.kv_allocated_len].max().item() < 13 * u
+    resizer.check_integrity()
+
+
 def test_check_integrity_catches_a_corrupted_free_list():
     s = make_scheduler()
     resizer = KVResizer(s)

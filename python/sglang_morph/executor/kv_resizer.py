@@ -343,7 +343,7 @@ class KVResizer:
                    *self._locked_values(locked_nodes),
                    *(batch.out_cache_loc for batch in self._batches(extra_batches)
                      if isinstance(batch.out_cache_loc, torch.Tensor))]
-        rewritten = [remap[h.long()].to(h.dtype) if (h >= first_row_out).any() else None
+        rewritten = [_remapped(h, remap) if (h >= first_row_out).any() else None
                      for h in holders]
         locked_above = sum(int((v >= first_row_out).sum()) for v in self._locked_values(locked_nodes))
         left = int((self.tree.all_values_flatten() >= first_row_out).sum()) - locked_above
@@ -461,3 +461,13 @@ class KVResizer:
         assert total == capacity, (
             f"free {free_tokens} + evictable {evictable} + locked {locked} + request-private "
             f"{private_tokens} = {total} tokens, capacity {capacity}")
+
+
+def _remapped(indices: torch.Tensor, remap: torch.Tensor) -> torch.Tensor:
+    """``remap[indices]``, leaving indices past the remap as they are: ``req_to_token`` keeps
+    the stale rows of finished requests, which may point above a capacity shrunk since (nothing
+    reads them until the slot is reused and overwritten)."""
+    idx = indices.long()
+    beyond = idx >= remap.numel()
+    out = torch.where(beyond, idx, remap[idx.clamp(max=remap.numel() - 1)])
+    return out.to(indices.dtype)
