@@ -396,3 +396,173 @@ def test_operator_swaps_are_pinned_until_handed_back(staged):
     runtime._next_sample_s = 0.0
     runtime.on_step()
     assert controller.pinned[-1] == frozenset({0})
+
+
+# ----- a live server -------------------------------------------------------------------------
+
+SWAPPED = [17, 14, 13, 15, 12, 25, 16, 26]  # the first 8 of the LIS profile order
+FAULTS = "down:1,grow:1,shrink:1,up:1"
+
+
+@pytest.fixture(scope="module")
+def fault_server(server_factory, engines_awq, tmp_path_factory):
+    """float32, 650 MB budget, the default-mode controller on, every fault step armed once,
+    serving from a copy of the engines that the tests damage after startup."""
+    engines = shutil.copytree(engines_awq, tmp_path_factory.mktemp("engines") / "engines")
+    srv = server_factory("--dtype", "float32", "--enable-morph", "--morph-engines", str(engines),
+                         "--morph-memory-budget", "650MB", env={"SGLANG_MORPH_FAULT": FAULTS})
+    srv.engines = engines
+    return srv
+
+
+@pytest.fixture(scope="module")
+def corpus_ids(default_model_path):
+    from conftest import DATA_DIR
+    from sglang_morph.engines import hf_variants
+
+    tokenizer = hf_variants.load_tokenizer(default_model_path)
+    return tokenizer((DATA_DIR / "text" / "wikitext2_test.txt").read_text())["input_ids"]
+
+
+def _status(srv) -> dict:
+    import requests
+
+    r = requests.get(f"{srv.url}/morph/status", timeout=60)
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+def _state(srv) -> dict:
+    """/morph/status without the history a failed transition adds to it and without the KV
+    that requests in flight hold at this moment."""
+    return {k: v for k, v in _status(srv).items() if k not in _HISTORY | {"kv_used_tokens"}}
+
+
+def _swap(srv, layers, bits, **extra):
+    import requests
+
+    return requests.post(f"{srv.url}/morph/swap", json={"layers": layers, "bits": bits, **extra},
+                         timeout=600)
+
+
+def _generate(srv, ids, n_new=24) -> list[int]:
+    import requests
+
+    r = requests.post(f"{srv.url}/generate", timeout=600, json={
+        "input_ids": ids, "sampling_params": {"temperature": 0, "max_new_tokens": n_new,
+                                              "ignore_eos": True}})
+    assert r.status_code == 200, r.text
+    return r.json()["output_ids"]
+
+
+def _stream(srv, ids, n_new):
+    """A streamed greedy request in a thread; returns the thread and its result list."""
+    import threading
+
+    out: list = []
+    thread = threading.Thread(target=lambda: out.append(_generate(srv, ids, n_new)), daemon=True)
+    thread.start()
+    return thread, out
+
+
+def test_server_fault_in_each_step_changes_nothing_and_keeps_serving(fault_server, corpus_ids):
+    srv = fault_server
+    prompts = [corpus_ids[600 * k: 600 * k + 40] for k in range(3)]
+    long_prompt = corpus_ids[5000:5064]
+    full = [_generate(srv, p) for p in prompts]
+    long_full = _generate(srv, long_prompt, 160)
+    start = _state(srv)
+    assert start["quantized_layers"] == 0 and start["controller"] is True
+
+    # Swap: the first attempt fails installing the variants, the second growing KV; a request
+    # streams across both and is untouched.
+    thread, streamed = _stream(srv, long_prompt, 160)
+    for step in ("down", "grow"):
+        r = _swap(srv, SWAPPED, 4)
+        assert r.status_code == 500 and f"'{step}'" in r.json()["error"], r.text
+        assert _state(srv) == start
+        last = _status(srv)["transitions"][-1]
+        assert (last["action"], last["source"], last["layers"]) == ("failed", "api", SWAPPED)
+    thread.join(600)
+    assert streamed == [long_full]
+    assert [_generate(srv, p) for p in prompts] == full
+
+    r = _swap(srv, SWAPPED, 4)
+    assert r.status_code == 200, r.text
+    swapped = _state(srv)
+    assert swapped["kv_capacity_tokens"] > start["kv_capacity_tokens"]
+    quantized = [_generate(srv, p) for p in prompts]
+    assert quantized != full
+    long_quantized = _generate(srv, long_prompt, 160)
+
+    # Restore: the first attempt fails shrinking KV, the second putting weights back (after
+    # the shrink: the KV is given back). A request streams across both.
+    thread, streamed = _stream(srv, long_prompt, 160)
+    for step in ("shrink", "up"):
+        r = _swap(srv, SWAPPED, 16)
+        assert r.status_code == 500 and f"'{step}'" in r.json()["error"], r.text
+        assert _state(srv) == swapped
+    thread.join(600)
+    assert streamed == [long_quantized]
+    assert [_generate(srv, p) for p in prompts] == quantized
+
+    r = _swap(srv, SWAPPED, 16)
+    assert r.status_code == 200, r.text
+    restored = _state(srv)
+    assert restored["pinned_layers"] == sorted(SWAPPED)  # the operator's layers, now at 16
+    assert [x["bits"] for x in restored["layers"]] == [16] * 30
+    pin_fields = {"layers", "pinned_layers"}
+    assert ({k: v for k, v in restored.items() if k not in pin_fields}
+            == {k: v for k, v in start.items() if k not in pin_fields})
+    assert [_generate(srv, p) for p in prompts] == full
+    s = _status(srv)
+    assert s["failed_transitions_total"] == 4 and s["refused_transitions_total"] == 0
+    log = srv.log_text()
+    assert log.count("checked after the failed transition: layers, KV pool and budget are "
+                     "consistent") == 4
+    assert "inconsistent" not in log and "Traceback" not in log
+    _swap(srv, SWAPPED, 16, pin=False)
+
+
+def test_server_variant_files_removed_or_corrupted_after_startup_do_not_matter(fault_server,
+                                                                               corpus_ids):
+    """Variants are staged at startup: a swap after their files were deleted or overwritten
+    serves exactly what a swap served before."""
+    srv = fault_server
+    prompts = [corpus_ids[600 * k: 600 * k + 40] for k in range(3)]
+    assert _swap(srv, SWAPPED, 4).status_code == 200
+    before = [_generate(srv, p) for p in prompts]
+    assert _swap(srv, SWAPPED, 16).status_code == 200
+    for k, layer in enumerate(SWAPPED):
+        path = srv.engines / variant_file_name(layer, 4)
+        if k % 2:
+            path.unlink()
+        else:
+            path.write_bytes(b"\0" * path.stat().st_size)
+    r = _swap(srv, SWAPPED, 4)
+    assert r.status_code == 200, r.text
+    assert [_generate(srv, p) for p in prompts] == before
+    assert _swap(srv, SWAPPED, 16, pin=False).status_code == 200
+
+
+def test_server_operator_swap_survives_a_quiet_controller_until_handed_back(fault_server):
+    import time
+
+    srv = fault_server
+    r = _swap(srv, SWAPPED, 4)
+    assert r.status_code == 200 and r.json()["pinned_layers"] == sorted(SWAPPED)
+    assert [x["pinned"] for x in r.json()["layers"]] == [i in SWAPPED for i in range(30)]
+    time.sleep(10.0)  # quiet: the controller restores unpinned layers after 5 s of quiet
+    s = _status(srv)
+    assert s["quantized_layers"] == 8 and s["transitions"][-1]["source"] == "api", \
+        s["transitions"][-1]
+    # Handed back (no move): the controller restores them once the server is quiet.
+    r = _swap(srv, SWAPPED, 4, pin=False)
+    assert r.status_code == 200 and r.json()["pinned_layers"] == []
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline and _status(srv)["quantized_layers"]:
+        time.sleep(1.0)
+    s = _status(srv)
+    assert s["quantized_layers"] == 0, s["transitions"][-3:]
+    assert s["transitions"][-1]["source"] == "controller"
+    assert s["kv_capacity_tokens"] == s["kv_capacity_tokens_at_start"]

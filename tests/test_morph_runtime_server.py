@@ -38,6 +38,7 @@ def server(server_factory, engines_awq, tmp_path_factory):
         "--api-key", API_KEY, "--admin-api-key", ADMIN_KEY,
     )
     srv.transitions_log = log
+    srv.engines = engines_awq
     return srv
 
 
@@ -127,6 +128,14 @@ def test_status_shape_and_budget(server):
     assert s["kv_capacity_tokens"] == s["kv_capacity_tokens_at_start"] > 1000
     assert s["weight_bytes"] + s["kv_bytes"] <= s["memory_budget_bytes"] == 650_000_000
     assert s["free_budget_bytes"] < s["kv_bytes_per_token"]  # the launcher filled the budget
+    # Every W8 and W4 variant of all 30 layers staged in host memory at startup, as stored,
+    # except that q/k/v and gate/up keep one copy of the AWQ input scale they share.
+    manifest = EngineManifest.load(server.engines)
+    variants = [manifest.variant(i, b) for i in range(30) for b in (8, 4)]
+    shared_scales = sum(3 * manifest.model["hidden_size"] * 2 for v in variants if v.awq)
+    assert s["staged_variants_host_bytes"] == sum(v.device_bytes for v in variants) - shared_scales
+    assert s["pinned_layers"] == [] and not any(layer["pinned"] for layer in s["layers"])
+    assert s["failed_transitions_total"] == s["refused_transitions_total"] == 0
 
 
 def test_bad_requests_get_4xx_and_change_nothing(server):
@@ -139,6 +148,7 @@ def test_bad_requests_get_4xx_and_change_nothing(server):
         ({"layers": [], "bits": 4}, "non-empty list"),
         ({"layers": [1], "bits": "4"}, "'bits' must be an integer"),
         ({"layers": [1], "bits": 4, "extra": 1}, "unknown fields"),
+        ({"layers": [1], "bits": 4, "pin": "no"}, "'pin' must be true or false"),
     ]
     for body, needle in cases:
         r = requests.post(f"{server.url}/morph/swap", json=body, headers=ADMIN, timeout=60)
@@ -206,6 +216,34 @@ def test_swap_grows_kv_by_freed_bytes_and_restore_returns_exactly(server, corpus
     logged = [json.loads(line) for line in lines[-2:]]
     assert [x["action"] for x in logged] == ["swap", "restore"]
     assert logged[0]["layers"] == SWAPPED
+
+
+def test_long_prompt_is_admitted_only_while_the_pool_is_grown(server, corpus_ids,
+                                                            default_model_path, engines_awq):
+    """SGLang refuses a prompt longer than the KV capacity (HTTP 400); after a swap grew the
+    pool, the same prompt is served (its tokens equal transformers with the same W4 layers),
+    and after the restore it is refused again."""
+    start = status(server)["kv_capacity_tokens"]
+    ids = prompt_ids(corpus_ids, 50, start + 600)
+
+    def ask() -> requests.Response:
+        return requests.post(f"{server.url}/generate", headers=USER, timeout=600, json={
+            "input_ids": ids, "sampling_params": {"temperature": 0, "max_new_tokens": 8,
+                                                  "ignore_eos": True}})
+
+    r = ask()
+    assert r.status_code == 400, r.text
+    assert f"exceeds the maximum allowed length ({start - 6} tokens)" in r.text
+    assert swap(server, SWAPPED, 4).status_code == 200
+    assert status(server)["kv_capacity_tokens"] - 6 > len(ids)
+    r = ask()
+    assert r.status_code == 200, r.text
+    expected = transformers_schedule(default_model_path, engines_awq, ids, 8, quantized_until=8)
+    assert r.json()["output_ids"] == expected
+    assert swap(server, SWAPPED, 16).status_code == 200
+    assert status(server)["kv_capacity_tokens"] == start
+    r = ask()
+    assert r.status_code == 400 and f"({start - 6} tokens)" in r.text, r.text
 
 
 def test_long_stream_keeps_going_across_swap_and_restore(server, corpus_ids):
@@ -294,6 +332,9 @@ def test_restore_refused_while_live_kv_exceeds_the_smaller_pool(server, corpus_i
         assert r.status_code == 409, r.text
         after = status(server)
         assert after["kv_capacity_tokens"] == grown
+        refused = after["transitions"][-1]
+        assert refused["action"] == "refused" and "give back" in refused["error"]
+        assert refused["kv_capacity_tokens_after"] == grown
         assert [x["bits"] for x in after["layers"]] == [4 if i in SWAPPED else 16
                                                         for i in range(30)]
     finally:

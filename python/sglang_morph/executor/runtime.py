@@ -530,6 +530,9 @@ class MorphRuntime:
         except Exception:
             logger.critical("sglang-morph: state is inconsistent after a failed transition",
                             exc_info=True)
+        else:
+            logger.info("sglang-morph: checked after the failed transition: layers, KV pool "
+                        "and budget are consistent")
 
     def _record(self, t: Transition) -> Transition:
         self.transitions.append(t)
