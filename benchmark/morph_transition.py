@@ -102,12 +102,15 @@ def main() -> None:
         "kv_bytes_per_token": start["kv_bytes_per_token"],
         "memory_budget_bytes": start["memory_budget_bytes"],
         "kv_capacity_tokens_at_start": start["kv_capacity_tokens"],
+        # Every built variant is read, checked and kept in host memory at startup.
+        "staged_variants_host_bytes": start["staged_variants_host_bytes"],
         "rounds": rounds,
     }
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=1) + "\n")
     summary = {k: result[k] for k in ("decoder_linear_bytes_served", "kv_bytes_per_token",
-                                      "kv_capacity_tokens_at_start")}
+                                      "kv_capacity_tokens_at_start",
+                                      "staged_variants_host_bytes")}
     summary["rounds"] = [
         {"kv": [r["kv_capacity_tokens_before"], r["kv_capacity_tokens_swapped"],
                 r["kv_capacity_tokens_restored"]],
