@@ -36,6 +36,15 @@ if ! (command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1); t
   # (SGLANG_MORPH_SLEEP_ON_IDLE=0 keeps SGLang's busy loop, e.g. to measure per-step overhead).
   has_flag --sleep-on-idle "$@" || [[ "${SGLANG_MORPH_SLEEP_ON_IDLE:-1}" == 0 ]] \
     || args+=(--sleep-on-idle)
+  # Several ranks (--tp-size/--pp-size/--dp-size) need a core list each; SGLang would give
+  # each rank a NUMA node and refuse more ranks than nodes. Ranks may share cores.
+  if [[ -z "${SGLANG_CPU_OMP_THREADS_BIND:-}" ]]; then
+    bind="$("$PY" -m sglang_morph.parallel.binding "$@")"
+    if [[ -n "$bind" ]]; then
+      export SGLANG_CPU_OMP_THREADS_BIND="$bind"
+      echo "serve.sh: SGLANG_CPU_OMP_THREADS_BIND=$bind (one core list per rank)" >&2
+    fi
+  fi
 fi
 
 exec "$PY" -m sglang.launch_server "${args[@]}"

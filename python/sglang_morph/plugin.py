@@ -296,6 +296,8 @@ def load() -> None:
     from sglang_morph.server import messages
 
     del messages
+    # Multi-rank SGLang on CPU (TP, PP, DP, nodes), with or without --enable-morph.
+    from sglang_morph.parallel.hooks import HOOKS as PARALLEL_HOOKS
 
-    applied = register_and_verify(HOOKS)
+    applied = register_and_verify(HOOKS + PARALLEL_HOOKS)
     logger.debug("sglang-morph hooks applied: %s", applied)

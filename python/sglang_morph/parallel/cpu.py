@@ -1,0 +1,76 @@
+"""Hooks that let SGLang run with several ranks (TP, PP, DP, several nodes) on a CPU.
+
+Both act only in a CPU process (``sglang.srt.utils.is_cpu()``: ``SGLANG_USE_CPU_ENGINE=1`` on
+x86-64 or arm64), with or without ``--enable-morph``; on CUDA they call SGLang unchanged.
+
+- **Process groups without GPU communicators.** ``init_model_parallel_group`` turns PyNccl on
+  for every group unless the platform says otherwise, and PyPI's torch ships libnccl, so on a
+  CPU the TP/PP groups try to build a PyNccl communicator on device ``cpu`` and fail ("Expected
+  a cuda device"). SGLang's collectives already send CPU tensors through torch.distributed on
+  the groups' gloo backend; the hook only builds the groups without PyNccl, MSCCL++, custom or
+  symmetric-memory all-reduce, which need a GPU.
+- **One thread count per rank.** SGLang binds each rank's OpenMP threads to its
+  ``SGLANG_CPU_OMP_THREADS_BIND`` entry only with the Intel AMX backend or on arm64; elsewhere
+  every rank would run as many threads as the machine has cores, and N ranks would fight over
+  them. After SGLang picked the rank's entry, the hook pins the process to those cores and sets
+  torch's thread count to their number. Single-rank servers are left as they are.
+"""
+
+from __future__ import annotations
+
+import inspect
+import logging
+import os
+from typing import Any, Callable
+
+from sglang_morph.parallel.binding import parse_core_list
+
+logger = logging.getLogger("sglang_morph.parallel")
+
+HOOK_INIT_GROUP = "sglang.srt.distributed.parallel_state.init_model_parallel_group"
+HOOK_THREADS_BINDING = "sglang.srt.utils.numa_utils.init_threads_binding"
+
+# Communicators that need a GPU; each is a keyword of init_model_parallel_group.
+_GPU_COMMUNICATORS = ("use_pynccl", "use_custom_allreduce", "use_mscclpp",
+                      "use_torch_symm_mem_allreduce")
+
+
+def on_cpu() -> bool:
+    """SGLang's own test for its CPU engine (SGLANG_USE_CPU_ENGINE=1 on x86-64 or arm64)."""
+    from sglang.srt.utils import is_cpu
+
+    return is_cpu()
+
+
+def _sglang_binds_threads() -> bool:
+    """SGLang binds OpenMP threads itself (sgl_kernel.init_cpu_threads_env) on these CPUs."""
+    from sglang.srt.utils import cpu_has_amx_support, is_host_cpu_arm64
+
+    return cpu_has_amx_support() or is_host_cpu_arm64()
+
+
+def around_init_model_parallel_group(original: Callable[..., Any], *args: Any,
+                                      **kwargs: Any) -> Any:
+    if not on_cpu():
+        return original(*args, **kwargs)
+    # Bind against the signature so a flag SGLang passes positionally is overridden too.
+    bound = inspect.signature(original).bind(*args, **kwargs)
+    for name in _GPU_COMMUNICATORS:
+        bound.arguments[name] = False
+    group = original(*bound.args, **bound.kwargs)
+    logger.debug("sglang-morph: CPU group %s (ranks %s) over torch.distributed/gloo",
+                 group.unique_name, group.ranks)
+    return group
+
+
+def after_init_threads_binding(local_omp_cpuid: Any, *args: Any, **kwargs: Any) -> None:
+    world_size = kwargs.get("world_size", 1)
+    if world_size <= 1 or _sglang_binds_threads():
+        return
+    cores = parse_core_list(str(local_omp_cpuid))
+    os.sched_setaffinity(0, cores)
+    import torch
+
+    torch.set_num_threads(len(cores))
+    logger.info("sglang-morph: rank %s of %d on CPU cores %s, %d torch threads",
+                kwargs.get("numa_index"), world_size, local_omp_cpuid, len(cores))
