@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Everything the GPU issue measures, in one device call (the device keeps nothing between calls):
-#   bash benchmark/gpu/run_all.sh [tests] [kernels] [kv_vmm] [transition] [probe]   (default: all)
-# Results: $OUT/{kernels,transition,kv_vmm}.json and $OUT/run.log (plus the probe's two logs);
+#   bash benchmark/gpu/run_all.sh [tests] [kernels] [kv_vmm] [transition] [probe] [w4_variants]
+#   (default: all but w4_variants, the W4 roofline investigation)
+# Results: $OUT/{kernels,transition,kv_vmm,w4_variants}.json and $OUT/run.log (plus the probe's two logs);
 # here, `python -m benchmark.gpu.render DIR` turns the JSON into benchmark/results/gpu/*.md.
 # Set MORPH_COMMIT to the commit being measured (the device's copy of the tree has no .git).
 set -uo pipefail
@@ -19,6 +20,7 @@ for s in "${steps[@]}"; do
     tests) timeout 300 python3 -m pytest -q -p no:cacheprovider --noconftest -rs \
              tests/test_kv_vmm_gpu.py tests/test_morph_kernels.py -k "gpu or Gpu or vmm" ;;
     kernels) timeout 400 python3 -m benchmark.gpu.kernels ;;
+    w4_variants) timeout 400 python3 -m benchmark.gpu.w4_variants ;;
     kv_vmm) timeout 120 python3 -m benchmark.gpu.kv_vmm ;;
     transition) timeout 300 python3 -m benchmark.gpu.transition ;;
     probe) mkdir -p /tmp/probe_tok && cp .gpu_carry/tokenizer/* /tmp/probe_tok/ \
