@@ -465,6 +465,23 @@ def _stream(srv, ids, n_new):
     return thread, out
 
 
+def _fail_each_step_while_streaming(srv, bits, steps, state, stream, greedy):
+    """One failed swap of SWAPPED to ``bits`` per armed fault step, while a long request streams:
+    each returns 500 naming the step, is recorded as failed and leaves ``state``; the stream and
+    the greedy prompts then give exactly their expected tokens."""
+    (long_prompt, long_expected), (prompts, expected) = stream, greedy
+    thread, streamed = _stream(srv, long_prompt, len(long_expected))
+    for step in steps:
+        r = _swap(srv, SWAPPED, bits)
+        assert r.status_code == 500 and f"'{step}'" in r.json()["error"], r.text
+        assert _state(srv) == state
+        last = _status(srv)["transitions"][-1]
+        assert (last["action"], last["source"], last["layers"]) == ("failed", "api", SWAPPED)
+    thread.join(600)
+    assert streamed == [long_expected]
+    assert [_generate(srv, p) for p in prompts] == expected
+
+
 def test_server_fault_in_each_step_changes_nothing_and_keeps_serving(fault_server, corpus_ids):
     srv = fault_server
     prompts = [corpus_ids[600 * k: 600 * k + 40] for k in range(3)]
@@ -476,16 +493,8 @@ def test_server_fault_in_each_step_changes_nothing_and_keeps_serving(fault_serve
 
     # Swap: the first attempt fails installing the variants, the second growing KV; a request
     # streams across both and is untouched.
-    thread, streamed = _stream(srv, long_prompt, 160)
-    for step in ("down", "grow"):
-        r = _swap(srv, SWAPPED, 4)
-        assert r.status_code == 500 and f"'{step}'" in r.json()["error"], r.text
-        assert _state(srv) == start
-        last = _status(srv)["transitions"][-1]
-        assert (last["action"], last["source"], last["layers"]) == ("failed", "api", SWAPPED)
-    thread.join(600)
-    assert streamed == [long_full]
-    assert [_generate(srv, p) for p in prompts] == full
+    _fail_each_step_while_streaming(srv, 4, ("down", "grow"), start, (long_prompt, long_full),
+                                    (prompts, full))
 
     r = _swap(srv, SWAPPED, 4)
     assert r.status_code == 200, r.text
@@ -497,14 +506,8 @@ def test_server_fault_in_each_step_changes_nothing_and_keeps_serving(fault_serve
 
     # Restore: the first attempt fails shrinking KV, the second putting weights back (after
     # the shrink: the KV is given back). A request streams across both.
-    thread, streamed = _stream(srv, long_prompt, 160)
-    for step in ("shrink", "up"):
-        r = _swap(srv, SWAPPED, 16)
-        assert r.status_code == 500 and f"'{step}'" in r.json()["error"], r.text
-        assert _state(srv) == swapped
-    thread.join(600)
-    assert streamed == [long_quantized]
-    assert [_generate(srv, p) for p in prompts] == quantized
+    _fail_each_step_while_streaming(srv, 16, ("shrink", "up"), swapped,
+                                    (long_prompt, long_quantized), (prompts, quantized))
 
     r = _swap(srv, SWAPPED, 16)
     assert r.status_code == 200, r.text
