@@ -32,6 +32,9 @@ _CPU_INT4_OUT_MULTIPLE = 16  # morph_kernels.cpu.INT4PACK_OUT_MULTIPLE
 _CPU_INT8_IN_MULTIPLE = 16  # morph_kernels.cpu.INT8PACK_IN_MULTIPLE
 _BF16_BYTES = 2  # formats.SCALE_DTYPE
 _UINT8_BYTES = 1
+# SGLang's SGLANG_ROPE_CACHE_SAFETY_MARGIN and SGLANG_ROPE_CACHE_ALIGN defaults (environ.py)
+_ROPE_MARGIN = 256
+_ROPE_ALIGN = 128
 
 
 def _round_up(value: int, multiple: int) -> int:
@@ -170,9 +173,16 @@ class ModelSpec:
 
     @property
     def rotary_cache_bytes(self) -> int:
-        """SGLang's cos/sin table (one per model, shared by all layers): ``[max positions,
-        head_dim]`` cast to the model dtype on CPU (``rotary_embedding/base.py``)."""
-        return self.max_position_embeddings * self.head_dim * self.dtype_bytes
+        """SGLang's cos/sin table (one per model, shared by all layers), ``[rows, head_dim]`` in
+        the model dtype on CPU (``rotary_embedding/base.py``). ``ModelRunner`` pre-expands it
+        past the context length (``reserve_rope_cache_for_long_sequences``: context + a
+        256-position margin, aligned to 128, then ``_ensure_cos_sin_cache_length``'s own
+        alignment), so 8192 positions hold 8448 rows."""
+        rows = self.max_position_embeddings
+        reserve = _round_up(rows + _ROPE_MARGIN, _ROPE_ALIGN)
+        if reserve - 1 >= rows:
+            rows = (reserve - 1 + _ROPE_ALIGN) // _ROPE_ALIGN * _ROPE_ALIGN
+        return rows * self.head_dim * self.dtype_bytes
 
     def stage_static_bytes(self, first: bool, last: bool) -> int:
         """Bytes a pipeline stage holds besides its decoder layers: the embedding on the first
