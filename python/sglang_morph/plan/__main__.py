@@ -208,8 +208,15 @@ def build_problem(args):
         raise CliError("--max-omega must be in (0, 1] (share of the all-W4 quality loss)")
     if args.theta < 0:
         raise CliError("--theta must be >= 0")
+    try:
+        bits = tuple(sorted({int(b) for b in args.bits.split(",")}, reverse=True))
+    except ValueError:
+        raise CliError(f"--bits {args.bits!r}: expected bit-widths like 16,8,4") from None
+    if not bits or not set(bits) <= set(BITS):
+        raise CliError(f"--bits {args.bits!r}: choose from {BITS}")
+    keep = [BITS.index(b) for b in bits]
     problem = PlanningProblem(model, memory, Cluster(args.cluster_name, tuple(devices)), workload,
-                              BITS, omega, theta_s=0.0, max_omega=args.max_omega)
+                              bits, omega[:, keep], theta_s=0.0, max_omega=args.max_omega)
     from sglang_morph.plan.search import reference_time_s
 
     problem = dataclasses.replace(problem, theta_s=args.theta * reference_time_s(problem))
@@ -319,6 +326,7 @@ def main(argv=None) -> int:
     p.add_argument("--prompt", type=int, default=128)
     p.add_argument("--output", type=int, default=32)
     p.add_argument("--page-size", type=int, default=1)
+    p.add_argument("--bits", default="16,8,4", help="bit-widths the plan may use")
     p.add_argument("--theta", type=float, default=0.1,
                    help="seconds of the reference time one all-W4 quality loss is worth")
     p.add_argument("--max-omega", type=float, default=0.5,
