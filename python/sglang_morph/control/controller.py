@@ -102,17 +102,21 @@ class MorphController:
       threshold fills that window at once: neither is a noisy gauge, both are work delayed or
       thrown away (the delay threshold is the persistence, in time rather than in scheduler
       steps, which are seconds apart on a loaded CPU).
-    - A step is *quiet* when ``kv_usage < kv_usage_high - kv_usage_quiet_margin``, nothing
-      waits and nothing was retracted. A restore needs the current step quiet, and
-      ``restore_quiet_s`` of quiet: since the later of the last transition (its own or one
-      noted by ``note_transition``) and the last step that was not quiet.
-    - Bursts after a lull: a *lull* is an idle spell (nothing running, nothing waiting) of at
-      least ``restore_quiet_s`` that ended with a burst needing more KV than the pool would
-      have with every layer restored (held + reserved + waiting needs above ``kv_usage_high``
-      of it). After such lulls a restore also needs the current quiet spell to last
-      ``RESTORE_HOLD_MARGIN`` x the longest of the last ``RECENT_LULLS`` lulls (at most
-      ``restore_hold_max_s``): bursts that keep coming that far apart find the grown pool
-      still there instead of waiting for it to grow again.
+    - A step is *calm* when it is not high, ``kv_usage < kv_usage_high -
+      kv_usage_quiet_margin`` and no waiting request is short of KV; *quiet* when it is calm
+      and nothing waits at all. A restore needs the current step quiet, and
+      ``restore_quiet_s`` of calm: since the later of the last transition (its own or one
+      noted by ``note_transition``) and the last step that was not calm. A request waiting a
+      step for compute does not restart the window (under light load one arrives every few
+      steps, and the window would never end while requests trickle in).
+    - Bursts after a lull: a step *needs the grown pool* when it is high or its load (held +
+      reserved + waiting needs) is above ``kv_usage_high`` of the pool that every layer this
+      controller may restore would leave. A *lull* is the time between two such steps when it
+      is at least ``restore_quiet_s`` (long enough to restore in): the gap between two bursts,
+      whether idle or with light traffic. After lulls a restore also needs the current calm
+      spell to last ``RESTORE_HOLD_MARGIN`` x the longest of the last ``RECENT_LULLS`` lulls
+      (at most ``restore_hold_max_s``): bursts that keep coming that far apart find the grown
+      pool still there instead of waiting for it to grow again.
     - A restore is cut to the longest prefix of candidates whose predicted usage, held +
       reserved (what the running requests still claim for their remaining output) over
       ``kv_capacity - tokens_needed_back``, stays below ``kv_usage_low``: the pool must not
@@ -163,11 +167,9 @@ class MorphController:
         self._num_layers: int | None = None
         self._last_action_s: float | None = None
         self._pinned: frozenset[int] = frozenset()
-        self._last_busy_s: float | None = None  # the last step that was not quiet
-        self._last_active_s: float | None = None  # the last step with requests
-        self._idle_spell = False  # the previous step had no requests
-        # A lull that ended with a burst, kept once that burst turns out to need the capacity.
-        self._pending_lull_s: float | None = None
+        self._last_busy_s: float | None = None  # the last step that was not calm
+        # The last step whose load needed more KV than the fully restored pool has.
+        self._last_need_s: float | None = None
         self._lulls_s: collections.deque[float] = collections.deque(maxlen=self.RECENT_LULLS)
         self._high_steps = 0
 
@@ -219,7 +221,13 @@ class MorphController:
         if s.retractions_delta > 0:
             high_reasons.append(f"{s.retractions_delta} retraction(s)")
         quiet_threshold = p.kv_usage_high - p.kv_usage_quiet_margin
-        quiet = not high_reasons and s.num_waiting_reqs == 0 and s.kv_usage < quiet_threshold
+        # Calm: no pressure and none building (usage under the quiet threshold, no request
+        # short of KV). A request that waits one step for compute is not pressure: under light
+        # load one arrives every few steps, and counting it would never let a quiet window
+        # finish while requests trickle in. The restore itself still needs an empty queue.
+        calm = (not high_reasons and s.kv_usage < quiet_threshold
+                and not s.head_blocked_by_kv)
+        quiet = calm and s.num_waiting_reqs == 0
 
         if high_reasons:
             self._high_steps += 1
@@ -227,7 +235,7 @@ class MorphController:
                 self._high_steps = max(self._high_steps, p.persist_steps)
         else:
             self._high_steps = 0
-        self._track_lulls(s, layer_bits, quiet, bool(high_reasons))
+        self._track_lulls(s, layer_bits, calm, bool(high_reasons))
 
         if self._last_action_s is not None and s.time_s - self._last_action_s < p.cooldown_s:
             return None
@@ -242,30 +250,26 @@ class MorphController:
         return action
 
     def _quiet_for_s(self, s: PressureSignals) -> float:
-        """Quiet since the later of the last step that was not quiet and the last transition."""
+        """Calm since the later of the last step that was not calm and the last transition."""
         start = self._last_busy_s
         if self._last_action_s is not None:
             start = max(start, self._last_action_s)
         return s.time_s - start
 
-    def _track_lulls(self, s: PressureSignals, layer_bits: tuple[int, ...], quiet: bool,
+    def _track_lulls(self, s: PressureSignals, layer_bits: tuple[int, ...], calm: bool,
                      high: bool) -> None:
-        p = self._policy
-        if self._last_busy_s is None:  # the first step starts the quiet window and the lull
-            self._last_busy_s = self._last_active_s = s.time_s
-        if not quiet:
+        if self._last_busy_s is None:  # the first step starts the quiet window
             self._last_busy_s = s.time_s
-        idle = s.num_running_reqs == 0 and s.num_waiting_reqs == 0
-        if not idle:
-            if self._idle_spell and s.time_s - self._last_active_s >= p.restore_quiet_s:
-                self._pending_lull_s = s.time_s - self._last_active_s
-            self._last_active_s = s.time_s
-        elif not self._idle_spell:
-            self._pending_lull_s = None  # the burst after it ended without needing the pool
-        self._idle_spell = idle
-        if self._pending_lull_s is not None and (high or self._needs_grown_pool(s, layer_bits)):
-            self._lulls_s.append(self._pending_lull_s)
-            self._pending_lull_s = None
+        if not calm:
+            self._last_busy_s = s.time_s
+        if high or self._needs_grown_pool(s, layer_bits):
+            # A spell long enough to restore in, in which the load would have fit the fully
+            # restored pool, ends here with load that needs the grown one: a lull between two
+            # bursts. (No lull before the first burst: start-up idle says nothing of bursts.)
+            if self._last_need_s is not None \
+                    and s.time_s - self._last_need_s >= self._policy.restore_quiet_s:
+                self._lulls_s.append(s.time_s - self._last_need_s)
+            self._last_need_s = s.time_s
 
     def _needs_grown_pool(self, s: PressureSignals, layer_bits: tuple[int, ...]) -> bool:
         """The load would be high in the pool left after restoring every layer this controller
