@@ -227,6 +227,18 @@ def test_grow_adds_whole_pages_keeps_kv_and_updates_every_capacity_copy():
     assert everything.max().item() == 84 + 3  # the new top slot is handed out
 
 
+def test_grow_reopens_admission_that_ran_out_of_kv():
+    # SGLang marks the running batch full when an admission attempt runs out of KV and tries
+    # again only when a request leaves it; the grown pool must reopen admission at once.
+    s = make_scheduler(page_size=4)
+    resizer = KVResizer(s)
+    s.running_batch.batch_is_full = True
+    resizer.grow(3)  # less than a page: nothing grew, nothing reopens
+    assert s.running_batch.batch_is_full is True
+    resizer.grow(8)
+    assert s.running_batch.batch_is_full is False
+
+
 @pytest.mark.parametrize("page_size,core", SHAPES)
 def test_shrink_evicts_cache_then_moves_live_kv_below_the_boundary(page_size, core):
     s = make_scheduler(page_size, core)

@@ -115,6 +115,7 @@ SCHEDULER_SYMBOLS: tuple[Symbol, ...] = (
     # Requests and batches (pressure signals, the holders a KV shrink rewrites).
     Symbol("sglang.srt.managers.schedule_policy.CLIP_MAX_NEW_TOKENS", "read"),
     *_group(f"{_BATCH}.ScheduleBatch", "read", "reqs out_cache_loc"),
+    Symbol(f"{_BATCH}.ScheduleBatch.batch_is_full", "write", True),
     *_group(f"{_BATCH}.Req", "read", "origin_input_ids output_ids sampling_params time_stats "
             "lock kv"),
     *_group(f"{_BATCH}.ReqKvInfo", "read",

@@ -209,6 +209,10 @@ class KVResizer:
                 raise
             self.allocator.free_pages = free_pages
             self._publish_capacity(new)
+            # Once an admission attempt ran out of KV, SGLang marks the running batch full and
+            # tries again only when a request leaves it: without this, requests that the new
+            # capacity could admit now wait for the next finish (seconds under load).
+            self.scheduler.running_batch.batch_is_full = False
         return KVResize(old, new, 0, 0, time.perf_counter() - started)
 
     # ---- shrink ----
