@@ -262,10 +262,12 @@ def test_long_stream_keeps_going_across_swap_and_restore(server, corpus_ids):
     assert [layer["bits"] for layer in status(server)["layers"]] == [16] * 30
 
 
-def transformers_schedule(model_path, engines, ids, n_new, quantized_until: int) -> list[int]:
+def transformers_schedule(model_path, engines, ids, n_new, quantized_until: int,
+                          quantized_from: int = 0) -> list[int]:
     """Greedy tokens from transformers (float32) when ``SWAPPED`` are W4 for the forwards that
-    produce tokens ``0..quantized_until-1`` and full precision afterwards, with one KV cache
-    throughout: what a state-preserving restore at that token must produce."""
+    produce tokens ``quantized_from..quantized_until-1`` and full precision for the others, with
+    one KV cache throughout: what a state-preserving swap and restore at those tokens must
+    produce."""
     model = hf_variants.load_model(model_path)
     w4 = hf_variants.LayerVariants(model, engines, EngineManifest.load(engines), 4,
                                    progress=False)
@@ -274,7 +276,7 @@ def transformers_schedule(model_path, engines, ids, n_new, quantized_until: int)
     x = torch.tensor([ids])
     with torch.inference_mode():
         for t in range(n_new):
-            w4.set_quantized(SWAPPED if t < quantized_until else ())
+            w4.set_quantized(SWAPPED if quantized_from <= t < quantized_until else ())
             res = model(input_ids=x, past_key_values=past, use_cache=True)
             past = res.past_key_values
             token = int(res.logits[0, -1].argmax())

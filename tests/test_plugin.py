@@ -84,7 +84,10 @@ def test_every_sglang_symbol_the_plugin_uses_exists_in_the_pinned_release(loaded
     assert sym.missing_symbols(sym.ALL_SYMBOLS) == []
     # Every hook target is in the list.
     listed = {s.path for s in sym.ALL_SYMBOLS if s.use == "hook"}
-    assert {h.target for h in HOOKS} | {sym.HOOK_TOKENIZER_MANAGER_INIT} == listed
+    from sglang_morph.server.provenance import http_hooks
+
+    http_side = {sym.HOOK_TOKENIZER_MANAGER_INIT} | {target for target, _, _ in http_hooks()}
+    assert {h.target for h in HOOKS} | http_side == listed
 
 
 def test_a_missing_symbol_stops_startup_with_one_line_naming_the_release(loaded_sglang):

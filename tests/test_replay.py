@@ -14,6 +14,7 @@ from benchmark.replay import metrics as M
 from benchmark.replay.client import ReplayResult, RequestRecord
 from benchmark.replay.trace import TRACES, TraceWindow, load_window, prompt_token_ids, read_trace
 from conftest import REPO_ROOT
+from sglang_morph.server.provenance import check_provenance
 
 CODE = TRACES / "azure_llm_2023_code.csv"
 BURSTGPT = TRACES / "burstgpt_first400.csv"
@@ -86,6 +87,7 @@ def test_summary_percentiles_slo_and_quantized_share():
     assert steps == [(0.0, (16,) * 5), (104.2, (16, 16, 16, 8, 8)),
                      (105.5, (16, 16, 16, 8, 4)), (107.0, (16,) * 5)]
     s = M.summarize(res, M.Slo(ttft_s=2.0), steps)
+    assert s["share_source"] == "log"  # these records carry no provenance
     ttfts = [0.5 * i for i in range(10)]
     assert s["ttft_s"]["p95"] == pytest.approx(np.percentile(ttfts, 95))
     assert s["tpot_s"]["p50"] == pytest.approx(0.1)
@@ -103,6 +105,53 @@ def test_summary_percentiles_slo_and_quantized_share():
     assert s["goodput_requests_per_s"] == pytest.approx(5 / (end - 100.0))
     with_tpot = M.summarize(res, M.Slo(ttft_s=2.0, tpot_s=0.05), steps)
     assert with_tpot["slo_violation_rate"] == 1.0  # every TPOT is 0.1 s
+
+
+def precision(*segments):
+    """A ``morph_precision`` object from (start, end, {bits: [layers]}) triples."""
+    segs = [{"start": a, "end": b, "quantized_layers": q} for a, b, q in segments]
+    n = segs[-1]["end"]
+    quantized = sum(b - a for a, b, q in segments if q)
+    return {"quantized_token_share": quantized / n, "quantized_tokens": quantized,
+            "output_tokens": n, "segments": segs}
+
+
+def test_quantized_share_comes_from_provenance_and_is_checked_against_the_log():
+    # Layer 3 at W4 from 104.2 to 107.0; request 0 streams a token every 0.5 s from 103.0, so
+    # by arrival time its tokens 3-7 (104.5-106.5) were quantized; request 1 comes later.
+    steps = M.precision_steps([
+        {"time_unix_s": 104.2, "action": "swap", "layers": [3], "to_bits": 4},
+        {"time_unix_s": 107.0, "action": "restore", "layers": [3], "to_bits": 16}], num_layers=5)
+    across, later = record(0, 100.0, ttft=3.0, n=10, gap=0.5), record(1, 120.0, 0.5, 10, 0.1)
+    later.precision = precision((0, 10, {}))
+    res = ReplayResult("x", 100.0, 130.0, [across, later], [])
+    w4 = {"4": [3]}
+    cases = [
+        # (the server's segments for request 0, quantized tokens by it, disagreeing requests)
+        (precision((0, 3, {}), (3, 8, w4), (8, 10, {})), 5, 0),  # exactly the log's
+        # A token sampled before the swap and arriving after it: one off at one boundary.
+        (precision((0, 4, {}), (4, 8, w4), (8, 10, {})), 4, 0),
+        (precision((0, 2, {}), (2, 9, w4), (9, 10, {})), 7, 0),  # one off at each of two
+        (precision((0, 10, w4)), 10, 1),  # 5 off with two transitions: they disagree
+    ]
+    for segs, quantized, disagreements in cases:
+        across.precision = segs
+        s = M.summarize(res, M.Slo(), steps)
+        assert s["share_source"] == "provenance"
+        assert s["quantized_token_share"] == s["w4_token_share"] == quantized / 20
+        assert s["quantized_token_share_log"] == s["w4_token_share_log"] == 5 / 20
+        assert s["provenance_compared"] == 2
+        assert s["provenance_disagreements"] == disagreements
+        assert s["provenance_max_difference_tokens"] == abs(quantized - 5)
+    # W8 is quantized but not W4.
+    across.precision = precision((0, 3, {}), (3, 8, {"8": [3]}), (8, 10, {}))
+    s = M.summarize(res, M.Slo(), steps)
+    assert s["quantized_token_share"] == 5 / 20 and s["w4_token_share"] == 0.0
+    # A server that reports no provenance: the log's inference, nothing compared.
+    later.precision = None
+    s = M.summarize(res, M.Slo(), steps)
+    assert s["share_source"] == "log" and s["quantized_token_share"] == 5 / 20
+    assert s["provenance_disagreements"] is None
 
 
 def test_agreement_exact_and_rouge_on_token_ids():
@@ -142,6 +191,20 @@ def test_quick_replay_end_to_end(tmp_path):
     fp = report["configs"]["fp"]
     assert fp["quality"]["exact_match_rate"] == 1.0 and fp["quality"]["perplexity"] > 1
     assert fp["metrics"]["max_quantized_layers"] == 0
+    # Every request's provenance came with its last chunk and covers its output. Full
+    # precision all along: share 0, one segment with nothing quantized, agreeing with the log
+    # (morph default's count under its transitions is reported, not asserted: a client that
+    # lags on this loaded CPU may legitimately put tokens on the wrong side of a boundary).
+    for name, c in report["configs"].items():
+        assert c["metrics"]["share_source"] == "provenance", name
+        assert c["metrics"]["provenance_compared"] == n
+        for r in c["records"]:
+            check_provenance(r["precision"])
+            assert r["precision"]["output_tokens"] == r["max_new_tokens"]
+    assert fp["metrics"]["quantized_token_share"] == 0.0
+    assert fp["metrics"]["provenance_disagreements"] == 0
+    assert all(r["precision"]["segments"] == [
+        {"start": 0, "end": r["max_new_tokens"], "quantized_layers": {}}] for r in fp["records"])
     assert report["settings"]["git"]["commit"]
     for f in ("replay.md", "cdf.png", "timeline_fp.png", "timeline_default.png"):
         assert (out / f).stat().st_size > 0, f

@@ -1,5 +1,6 @@
 """Open-loop replay against a running server: every request is sent at its trace arrival time
-whether or not earlier ones have finished, and streamed so each token's arrival is timed.
+whether or not earlier ones have finished, and streamed so each token's arrival is timed. The
+last chunk brings the server's precision provenance of the request's tokens.
 
 Alongside, a poller samples ``GET /morph/status`` (KV capacity and use, waiting requests,
 quantized layers, retractions) for the timelines. Times are wall-clock (``time.time()``), the
@@ -37,6 +38,9 @@ class RequestRecord:
     queue_time_s: float | None = None  # SGLang's own: waiting queue to first forward
     num_retractions: int = 0
     finish_reason: str | None = None
+    # The server's precision provenance of the output (meta_info.morph_precision of the last
+    # chunk): segments of output tokens with the layers quantized while they were produced.
+    precision: dict[str, Any] | None = None
     error: str | None = None
 
     @property
@@ -102,6 +106,7 @@ async def _one(client: httpx.AsyncClient, url: str, req: TraceRequest, ids: list
                 if meta.get("queue_time") is not None:
                     rec.queue_time_s = meta["queue_time"]
                 rec.num_retractions = meta.get("num_retractions", rec.num_retractions)
+                rec.precision = meta.get("morph_precision", rec.precision)
                 if meta.get("finish_reason"):
                     rec.finish_reason = meta["finish_reason"].get("type")
     except httpx.HTTPError as e:

@@ -10,7 +10,7 @@ from typing import Any, Callable, Sequence
 
 import numpy as np
 
-from benchmark.replay.client import ReplayResult
+from benchmark.replay.client import ReplayResult, RequestRecord
 from sglang_morph.config import FULL_PRECISION_BITS
 
 PERCENTILES = (50, 95, 99)
@@ -49,22 +49,57 @@ def precision_steps(transitions: list[dict[str, Any]], num_layers: int
     return steps
 
 
-def token_share(result: ReplayResult, steps: list[tuple[float, tuple[int, ...]]],
-                served_while: Callable[[tuple[int, ...]], bool]) -> float:
-    """Output tokens that arrived while ``served_while(layer bits)`` held / all output tokens.
-
-    A chunk's tokens are attributed to its arrival time; a token is produced one streaming
-    hop earlier, a few milliseconds at most, far below the spacing of transitions."""
+def log_tokens(rec: RequestRecord, steps: list[tuple[float, tuple[int, ...]]],
+               served_while: Callable[[tuple[int, ...]], bool]) -> int:
+    """Output tokens of ``rec`` that arrived while ``served_while(layer bits)`` held, by the
+    transitions log. A chunk's tokens are attributed to its arrival time."""
     times = [s[0] for s in steps]
-    matching = total = 0
-    for rec in result.records:
-        prev = 0
-        for t, n in rec.chunks:
-            total += n - prev
-            if served_while(steps[bisect.bisect_right(times, t) - 1][1]):
-                matching += n - prev
-            prev = n
-    return matching / total if total else 0.0
+    matching = prev = 0
+    for t, n in rec.chunks:
+        if served_while(steps[bisect.bisect_right(times, t) - 1][1]):
+            matching += n - prev
+        prev = n
+    return matching
+
+
+def provenance_tokens(precision: dict[str, Any],
+                      served_while: Callable[[tuple[int, ...]], bool]) -> int:
+    """Output tokens the server says were produced while ``served_while`` held: the segments of
+    its ``morph_precision`` (each segment's quantized layers as ``{bits: [layers]}``)."""
+    return sum(seg["end"] - seg["start"] for seg in precision["segments"]
+               if served_while(tuple(int(b) for b, layers in seg["quantized_layers"].items()
+                                     for _ in layers) or (FULL_PRECISION_BITS,)))
+
+
+def transitions_during(rec: RequestRecord, steps: list[tuple[float, tuple[int, ...]]]) -> int:
+    return sum(rec.sent_unix_s <= t <= rec.chunks[-1][0] for t, _ in steps[1:])
+
+
+def token_shares(result: ReplayResult, steps: list[tuple[float, tuple[int, ...]]],
+                 served_while: Callable[[tuple[int, ...]], bool]) -> dict[str, Any]:
+    """The share of output tokens served while ``served_while`` held, from the servers'
+    provenance (when every completed request has one) and from the transitions log, and how
+    many requests the two disagree on.
+
+    Agreement is within one token per transition during the request: the log attributes a
+    token to its chunk's arrival, while the server attributes it to the forward pass that
+    sampled it. A token sampled just before a transition reaches the client a streaming hop
+    later, possibly after the transition's log time, and so lands on the wrong side of that
+    boundary; one pass is in flight per boundary (a client that falls further behind, so
+    that the server coalesces its chunks, can put more tokens on the wrong side)."""
+    ok = [r for r in result.records if r.ok]
+    total = sum(r.chunks[-1][1] for r in ok)
+    by_log = {r.index: log_tokens(r, steps, served_while) for r in ok}
+    out: dict[str, Any] = {"log": sum(by_log.values()) / total if total else 0.0}
+    if not ok or any(r.precision is None for r in ok):
+        out.update(provenance=None, compared=0, disagreements=None, max_difference_tokens=None)
+        return out
+    by_server = {r.index: provenance_tokens(r.precision, served_while) for r in ok}
+    diffs = {r.index: abs(by_server[r.index] - by_log[r.index]) for r in ok}
+    out.update(provenance=sum(by_server.values()) / total if total else 0.0, compared=len(ok),
+               disagreements=sum(diffs[r.index] > transitions_during(r, steps) for r in ok),
+               max_difference_tokens=max(diffs.values()))
+    return out
 
 
 def any_quantized(bits: tuple[int, ...]) -> bool:
@@ -73,6 +108,10 @@ def any_quantized(bits: tuple[int, ...]) -> bool:
 
 def any_w4(bits: tuple[int, ...]) -> bool:
     return min(bits) <= 4
+
+
+def _preferred(shares: dict[str, Any]) -> float:
+    return shares["log"] if shares["provenance"] is None else shares["provenance"]
 
 
 class _TokenIds:
@@ -116,6 +155,8 @@ def summarize(result: ReplayResult, slo: Slo,
     samples = result.status_samples
     retractions = (samples[-1]["retractions_total"] - samples[0]["retractions_total"]
                    if len(samples) >= 2 else sum(r.num_retractions for r in recs))
+    quantized = token_shares(result, steps, any_quantized)
+    w4 = token_shares(result, steps, any_w4)
     return {
         "requests": len(recs),
         "completed": len(ok),
@@ -133,9 +174,17 @@ def summarize(result: ReplayResult, slo: Slo,
         "goodput_requests_per_s": len(good) / span_s,
         "goodput_tokens_per_s": sum(r.chunks[-1][1] for r in good) / span_s,
         "retractions": retractions,
-        # Output tokens served while any layer was below 16 bits, and while any was at W4.
-        "quantized_token_share": token_share(result, steps, any_quantized),
-        "w4_token_share": token_share(result, steps, any_w4),
+        # Output tokens served while any layer was below 16 bits, and while any was at W4: the
+        # servers' provenance (the log's inference where the server reports none), and the
+        # transitions log's inference next to it (token_shares says when they agree).
+        "quantized_token_share": _preferred(quantized),
+        "w4_token_share": _preferred(w4),
+        "quantized_token_share_log": quantized["log"],
+        "w4_token_share_log": w4["log"],
+        "share_source": "log" if quantized["provenance"] is None else "provenance",
+        "provenance_compared": quantized["compared"],
+        "provenance_disagreements": quantized["disagreements"],
+        "provenance_max_difference_tokens": quantized["max_difference_tokens"],
         "max_quantized_layers": max(sum(b < FULL_PRECISION_BITS for b in bits)
                                     for _, bits in steps),
         "max_w4_layers": max(sum(b <= 4 for b in bits) for _, bits in steps),

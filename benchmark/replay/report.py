@@ -26,15 +26,27 @@ def _pct(x: float | None) -> str:
     return "-" if x is None else f"{100 * x:.1f}%"
 
 
+def _disagreeing(m: dict[str, Any]) -> str:
+    """Requests whose provenance and log-inferred quantized tokens differ by more than one
+    token per transition during them, of those compared ("-": the server reported none)."""
+    if m.get("provenance_disagreements") is None:
+        return "-"
+    return f"{m['provenance_disagreements']} of {m['provenance_compared']}"
+
+
 def markdown_table(report: dict[str, Any]) -> str:
+    """The configs side by side. "quantized tokens" is what the servers' precision provenance
+    says (``meta_info.morph_precision``); "by log" is the same share inferred from the
+    transitions log and chunk arrival times, with the requests on which the two disagree."""
     slo = report["settings"]["slo"]
     rows = [
         f"TTFT SLO {slo['ttft_s']} s" + (f", TPOT SLO {slo['tpot_s']} s" if slo["tpot_s"] else ""),
         "",
         "| config | TTFT p50 / p95 / p99 s | TPOT p50 / p95 s | E2E p50 / p95 s | queue p95 s "
         "| SLO viol. | tok/s | goodput req/s | retractions | max KV tokens | quantized tokens "
-        "(W4) | max quantized layers (W4) | exact match | ROUGE-L | ppl |",
-        "|---|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "(W4) | by log (disagreeing req.) | max quantized layers (W4) | exact match | ROUGE-L "
+        "| ppl |",
+        "|---|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for name, c in report["configs"].items():
         m, q = c["metrics"], c.get("quality", {})
@@ -46,6 +58,8 @@ def markdown_table(report: dict[str, Any]) -> str:
             f"| {_fmt(m['throughput_tokens_per_s'], 1)} | {_fmt(m['goodput_requests_per_s'])} "
             f"| {m['retractions']} | {m['max_kv_capacity_tokens']} "
             f"| {_pct(m['quantized_token_share'])} ({_pct(m['w4_token_share'])}) "
+            f"| {_pct(m.get('quantized_token_share_log'))} "
+            f"({_disagreeing(m)}) "
             f"| {m['max_quantized_layers']} ({m['max_w4_layers']}) "
             f"| {_pct(q.get('exact_match_rate'))} "
             f"| {_fmt(q.get('rouge_l_f1'), 3)} | {_fmt(q.get('perplexity'))} |")

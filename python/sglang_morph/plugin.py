@@ -172,8 +172,11 @@ def _install_http_side() -> None:
     from sglang_morph.server.http import add_routes
 
     add_routes(app)
+    from sglang_morph.server.provenance import http_hooks
+
     register_and_verify((Hook(sym.HOOK_TOKENIZER_MANAGER_INIT, _after_tokenizer_manager_init,
-                              "AFTER"),))
+                              "AFTER"),
+                         *(Hook(target, fn, kind) for target, fn, kind in http_hooks())))
 
 
 def _after_tokenizer_manager_init(_result: None, tokenizer_manager: Any, *args: Any,
@@ -250,6 +253,12 @@ def _before_get_next_batch(scheduler: Any, *args: Any, **kwargs: Any) -> None:
         runtime.on_step()
 
 
+def _after_get_output_streamer_class(result: type, scheduler: Any) -> type | None:
+    from sglang_morph.server.provenance import after_get_output_streamer_class
+
+    return after_get_output_streamer_class(result, scheduler)
+
+
 def _after_retract_decode(result: Any, *args: Any, **kwargs: Any) -> None:
     from sglang_morph.executor.runtime import count_retractions
 
@@ -267,6 +276,9 @@ HOOKS: tuple[Hook, ...] = (
     # Between two forward passes: the morph runtime samples pressure and applies its actions.
     Hook(sym.HOOK_NEXT_BATCH, _before_get_next_batch, "BEFORE", only_if_imported=_IN_SCHEDULER),
     Hook(sym.HOOK_RETRACT_DECODE, _after_retract_decode, "AFTER",
+         only_if_imported=_IN_SCHEDULER),
+    # Precision provenance: the output streamer reports what precisions produced each response.
+    Hook(sym.HOOK_OUTPUT_STREAMER_CLASS, _after_get_output_streamer_class, "AFTER",
          only_if_imported=_IN_SCHEDULER),
 )
 

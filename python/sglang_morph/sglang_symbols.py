@@ -152,7 +152,33 @@ SCHEDULER_SYMBOLS: tuple[Symbol, ...] = (
     Symbol("sglang.srt.layers.linear.LinearBase.quant_method", "write", True),
 )
 
-ALL_SYMBOLS = HTTP_SYMBOLS + SCHEDULER_SYMBOLS
+# ----- precision provenance (server/provenance.py) -----
+_CHAT = "sglang.srt.entrypoints.openai.serving_chat.OpenAIServingChat"
+_COMPLETION = "sglang.srt.entrypoints.openai.serving_completions.OpenAIServingCompletion"
+_PROTOCOL = "sglang.srt.entrypoints.openai.protocol"
+HOOK_OUTPUT_STREAMER_CLASS = f"{_SCHEDULER}.get_output_streamer_class"
+HOOK_META_INFO = f"{_TOKENIZER_MANAGER}.update_request_meta_info"
+HOOK_GENERATE_REQUEST = f"{_TOKENIZER_MANAGER}.generate_request"
+HOOK_CHAT_STREAM = f"{_CHAT}._generate_chat_stream"
+HOOK_CHAT_RESPONSE = f"{_CHAT}._build_chat_response"
+HOOK_COMPLETION_STREAM = f"{_COMPLETION}._generate_completion_stream"
+HOOK_COMPLETION_RESPONSE = f"{_COMPLETION}._build_completion_response"
+
+PROVENANCE_SYMBOLS: tuple[Symbol, ...] = (
+    *(Symbol(t, "hook") for t in (HOOK_OUTPUT_STREAMER_CLASS, HOOK_META_INFO,
+                                  HOOK_GENERATE_REQUEST, HOOK_CHAT_STREAM, HOOK_CHAT_RESPONSE,
+                                  HOOK_COMPLETION_STREAM, HOOK_COMPLETION_RESPONSE)),
+    # Subclassed: the opt-in flag and the method SGLang calls per emitted batch.
+    *_group(f"{_COMPONENTS}.output_streamer.SchedulerOutputStreamer", "write",
+            "has_additional_customized_info build_additional_customized_info", instance=False),
+    Symbol(f"{_SCHEDULER}.collect_inflight_reqs", "call"),
+    Symbol(f"{_SCHEDULER}.rust_server", "read", True),
+    *_group(f"{_BATCH}.Req", "read", "output_ids_through_stop finished", instance=False),
+    *(Symbol(f"{_PROTOCOL}.{cls}.metadata", "write", True)
+      for cls in ("ChatCompletionResponse", "CompletionResponse")),
+)
+
+ALL_SYMBOLS = HTTP_SYMBOLS + SCHEDULER_SYMBOLS + PROVENANCE_SYMBOLS
 
 
 def _resolve(path: str) -> Any:
@@ -198,6 +224,8 @@ def _has_instance_attribute(cls: type, name: str) -> bool:
     if dataclasses.is_dataclass(cls) and name in {f.name for f in dataclasses.fields(cls)}:
         return True
     if name in getattr(cls, "__struct_fields__", ()):
+        return True
+    if name in getattr(cls, "model_fields", {}):  # a pydantic model's field
         return True
     return any(name in _assigned_in_source(c) for c in cls.__mro__ if c is not object)
 

@@ -140,6 +140,11 @@ class MorphRuntime:
             self.installer.faults = self.faults
         # Layers an operator placed with POST /morph/swap: the controller does not move them.
         self.pinned: set[int] = set()
+        # Precision provenance of every response (server/provenance.py), told of each applied
+        # transition by _record.
+        from sglang_morph.server.provenance import ProvenanceTracker
+
+        self.provenance = ProvenanceTracker(self.layer_bits)
         self.kv_bytes_per_token = self.resizer.kv_bytes_per_token
         weight_bytes = model_weight_bytes(self.model, self.installer)
         total = cfg.memory_budget_bytes or (
@@ -538,6 +543,9 @@ class MorphRuntime:
         self.transitions.append(t)
         if t.action in ("swap", "restore"):
             self.transitions_total += 1
+            # Between two batches: the next pass runs at the new bits, so every live request's
+            # tokens so far were produced at the old ones (a provenance boundary).
+            self.provenance.observe(self.layer_bits, self._live_requests)
             self._resized_since_check = True
             logger.info(
                 "sglang-morph: %s layers %s %s -> %d bits (%s); freed %d bytes; KV %d -> %d "
@@ -557,6 +565,11 @@ class MorphRuntime:
             self._metrics.transitions.labels(action=t.action).inc()
         self._publish_metrics()
         return t
+
+    def _live_requests(self) -> set[Any]:
+        from sglang_morph.server.provenance import live_requests
+
+        return live_requests(self.scheduler)
 
     def _publish_metrics(self) -> None:
         if self._metrics is None:
