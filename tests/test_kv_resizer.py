@@ -96,6 +96,10 @@ def make_scheduler(page_size: int = 1, core: str = "rust", capacity_pages: int =
         beam_coordinator=SimpleNamespace(max_req_len=min(CONTEXT_LEN, capacity) - 1))
     scheduler.emit_metrics_constants = (
         lambda: scheduler.emitted_capacities.append(scheduler.max_total_num_tokens))
+    # SGLang's Scheduler.collect_inflight_reqs at pp_size 1: the running and the last batch.
+    scheduler.collect_inflight_reqs = lambda: {
+        req for batch in (scheduler.running_batch, scheduler.last_batch) if batch is not None
+        for req in batch.reqs}
     return scheduler
 
 
@@ -105,6 +109,12 @@ def _key(tokens) -> RadixKey:
 
 def _tree_path(s, node) -> torch.Tensor:
     return s.tree_cache.tree_core.collect_full_device_indices(node, s.tree_cache.root_node_handle())
+
+
+class FakeReq(SimpleNamespace):
+    """A request with identity semantics, like SGLang's Req (schedulers keep them in sets)."""
+    __eq__ = object.__eq__
+    __hash__ = object.__hash__
 
 
 def start_request(s, tokens: list[int], decode_tokens: int = 0):
@@ -128,7 +138,8 @@ def start_request(s, tokens: list[int], decode_tokens: int = 0):
     tree.unlock(admission_lock)
     kv = ReqKvInfo(req_pool_idx=row, cache_protected_len=len(tokens),
                    cache_inserted_len=len(tokens), kv_committed_len=total, kv_allocated_len=total)
-    return SimpleNamespace(kv=kv, lock=tree.lock(inserted.last_device_node), tokens=tokens)
+    return FakeReq(kv=kv, lock=tree.lock(inserted.last_device_node), tokens=tokens,
+                   output_ids=list(range(decode_tokens)))
 
 
 def finish_request(s, req) -> None:
