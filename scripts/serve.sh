@@ -29,9 +29,10 @@ if ! (command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1); t
   has_flag --attention-backend "$@" || args+=(--attention-backend torch_native)
   # SGLang sizes the KV pool from free host RAM on CPU (about 14 GiB here, 37 s to allocate);
   # 65536 tokens is 1.4 GiB for the default model and plenty for a 2-core machine.
-  # --morph-memory-budget sizes the pool itself.
+  # --morph-memory-budget (or --morph-stage-budgets) sizes the pool itself.
   has_flag --max-total-tokens "$@" || has_flag --mem-fraction-static "$@" \
-    || has_flag --morph-memory-budget "$@" || args+=(--max-total-tokens 65536)
+    || has_flag --morph-memory-budget "$@" || has_flag --morph-stage-budgets "$@" \
+    || args+=(--max-total-tokens 65536)
   # Without it the idle scheduler busy-polls and keeps a whole core at 100%
   # (SGLANG_MORPH_SLEEP_ON_IDLE=0 keeps SGLang's busy loop, e.g. to measure per-step overhead).
   has_flag --sleep-on-idle "$@" || [[ "${SGLANG_MORPH_SLEEP_ON_IDLE:-1}" == 0 ]] \

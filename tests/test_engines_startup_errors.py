@@ -115,7 +115,6 @@ def test_corrupted_variant_file_is_named(parse, tmp_path, hf_config):
 
 @pytest.mark.parametrize("flags,needle", [
     (["--tp-size", "3"], "--tp-size 3 yet"),
-    (["--pp-size", "2"], "--pp-size 2 yet"),
     (["--dp-size", "2"], "--dp-size 2 yet"),
     (["--kv-cache-dtype", "fp8_e4m3"], "--kv-cache-dtype fp8_e4m3"),
     (["--disable-radix-cache"], "--disable-radix-cache"),

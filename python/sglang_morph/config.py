@@ -110,6 +110,9 @@ class MorphConfig:
     mode: str = "default"
     swap_order_path: str | None = None  # profile JSON with "order"; None = front to back
     memory_budget_bytes: int | None = None  # weights + KV; None = derived from SGLang's sizing
+    # One weights + KV budget per pipeline stage (--morph-stage-budgets); None = every stage
+    # gets memory_budget_bytes (sglang_morph.parallel.pipeline).
+    stage_budget_bytes: tuple[int, ...] | None = None
     log_path: str | None = None  # JSONL of transitions
     controller_enabled: bool = True  # False: only POST /morph/swap moves layers
 
@@ -121,6 +124,7 @@ class MorphConfig:
         mode = getattr(args, "morph_mode", None)
         swap_order = getattr(args, "morph_swap_order", None)
         budget = getattr(args, "morph_memory_budget", None)
+        stage_budgets = getattr(args, "morph_stage_budgets", None)
         log_path = getattr(args, "morph_log", None)
         no_controller = bool(getattr(args, "disable_morph_controller", False))
         if not enabled:
@@ -129,6 +133,7 @@ class MorphConfig:
                                     ("--morph-mode", mode),
                                     ("--morph-swap-order", swap_order),
                                     ("--morph-memory-budget", budget),
+                                    ("--morph-stage-budgets", stage_budgets),
                                     ("--morph-log", log_path),
                                     ("--disable-morph-controller", no_controller or None))
                      if v is not None]
@@ -136,6 +141,9 @@ class MorphConfig:
                 raise MorphConfigError(f"{', '.join(given)} requires --enable-morph")
         if mode is not None and mode not in MORPH_MODES:
             raise MorphConfigError(f"--morph-mode: unknown mode {mode!r}; choose from {MORPH_MODES}")
+        if budget is not None and stage_budgets is not None:
+            raise MorphConfigError("--morph-memory-budget and --morph-stage-budgets exclude each "
+                                   "other: give one budget for every stage or one per stage")
         precision_map = PrecisionMap.parse(spec) if spec is not None else None
         if precision_map is not None and engines_dir is None and any(
             b != FULL_PRECISION_BITS for _, _, b in precision_map.items
@@ -152,6 +160,9 @@ class MorphConfig:
             swap_order_path=swap_order,
             memory_budget_bytes=(parse_bytes(budget, "--morph-memory-budget")
                                  if budget is not None else None),
+            stage_budget_bytes=(tuple(parse_bytes(b, "--morph-stage-budgets")
+                                      for b in stage_budgets.split(","))
+                                if stage_budgets is not None else None),
             log_path=log_path,
             controller_enabled=not no_controller,
         )
@@ -202,6 +213,14 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
         help="One budget for weights + KV cache, e.g. 1GiB or 800MB. The KV pool starts at "
         "what full-precision weights leave of it (sets --max-total-tokens). Default: the "
         "weights plus the KV pool SGLang sizes from its own memory settings.",
+    )
+    group.add_argument(
+        "--morph-stage-budgets",
+        metavar="BYTES,BYTES,...",
+        default=None,
+        help="With --pp-size N: one weights + KV budget per pipeline stage (N values, e.g. "
+        "250MB,180MB). Every stage keeps the same KV token capacity, the most the tightest "
+        "stage allows. Without it --morph-memory-budget is each stage's budget.",
     )
     group.add_argument(
         "--morph-log",

@@ -58,13 +58,16 @@ def _after_from_cli_args(server_args: Any, _cls: Any, args: Any) -> None:
     try:
         cfg = morph_config.MorphConfig.from_cli_namespace(args)
         if cfg.enabled:
+            from sglang_morph.parallel.pipeline import check_launch
+
             check_supported(server_args)
+            check_launch(server_args, cfg)
         hf_config = local_hf_config(server_args.model_path)
         if hf_config is not None:
             # Fail here, before any process is spawned (checksums too: the scheduler reads
             # every variant at startup and would stop with a traceback).
             plan_startup(cfg, hf_config, verify_checksums=True)
-        if cfg.memory_budget_bytes is not None:
+        if cfg.memory_budget_bytes is not None or cfg.stage_budget_bytes is not None:
             _size_kv_for_budget(server_args, cfg, hf_config)
     except morph_config.MorphConfigError as e:
         raise MorphPluginError(f"sglang-morph: error: {e}") from e
@@ -81,8 +84,9 @@ def _after_from_cli_args(server_args: Any, _cls: Any, args: Any) -> None:
 
 
 # Flags of parallel layouts the runtime does not morph yet (one rank's layers and KV only).
-_PARALLEL_FLAGS = ("tp_size", "pp_size", "dp_size", "attn_dp_size", "attn_cp_size", "dcp_size",
-                   "nnodes")
+# Pipeline parallelism is supported (sglang_morph.parallel.pipeline: each stage morphs its
+# own layers), on one node.
+_PARALLEL_FLAGS = ("tp_size", "dp_size", "attn_dp_size", "attn_cp_size", "dcp_size", "nnodes")
 # KV caches the resizer cannot grow or shrink (it supports the device radix cache only).
 _KV_CACHE_FLAGS = ("enable_hierarchical_cache", "enable_lmcache", "enable_hisparse",
                    "enable_flexkv", "enable_unified_cache_external_linker",
@@ -102,7 +106,8 @@ def check_supported(server_args: Any) -> None:
         if value is not None and value > 1:
             raise morph_config.MorphConfigError(
                 f"--enable-morph does not support {flag(name)} {value} yet: layer swaps and KV "
-                f"resizing run on one rank; serve with one tensor/pipeline/data-parallel rank")
+                f"resizing run on one rank per pipeline stage; serve with one tensor/data-"
+                f"parallel rank on one node (--pp-size N is supported)")
     for name in _KV_CACHE_FLAGS:
         if getattr(server_args, name, False):
             raise morph_config.MorphConfigError(
@@ -156,6 +161,11 @@ def _size_kv_for_budget(server_args: Any, cfg: morph_config.MorphConfig, hf_conf
     if hf_config is None:
         raise morph_config.MorphConfigError(
             "--morph-memory-budget needs a local model directory (--model-path PATH)")
+    if (server_args.pp_size or 1) > 1:
+        from sglang_morph.parallel.pipeline import initial_kv_tokens
+
+        server_args.max_total_tokens = initial_kv_tokens(cfg, hf_config, server_args)
+        return
     sizing = size_kv_for_budget(cfg.memory_budget_bytes, Path(server_args.model_path).expanduser(),
                                 hf_config, server_args.dtype, server_args.kv_cache_dtype)
     server_args.max_total_tokens = sizing.kv_capacity_tokens
@@ -198,22 +208,26 @@ def _after_load_model(_result: None, runner: Any) -> None:
         plan = plan_startup(cfg, runner.model_config.hf_config.to_dict())
         # Every variant into host memory now (pinned on CUDA, so copies can be asynchronous):
         # a transition never reads the engines directory while serving.
+        # A pipeline stage holds (and stages the variants of) start_layer..end_layer-1 only.
+        owned = range(getattr(runner.model.model, "start_layer", 0),
+                      getattr(runner.model.model, "end_layer", len(plan.layer_bits)))
         staged = StagedVariants(plan.manifest, plan.engines_dir,
-                                pin_memory=str(runner.device).startswith("cuda"))
+                                pin_memory=str(runner.device).startswith("cuda"), layers=owned)
     except (morph_config.MorphConfigError, OSError, ValueError) as e:
         raise MorphPluginError(f"sglang-morph: error: --morph-engines: {e}") from e
     installer = LayerVariantInstaller(runner.model, staged, act_dtype=runner.model_config.dtype)
-    bytes_before = sum(installer.layer_device_bytes(i) for i in range(len(plan.layer_bits)))
+    bytes_before = sum(installer.layer_device_bytes(i) for i in owned)
     for bits in sorted(set(plan.layer_bits) - {FULL_PRECISION_BITS}):
-        installer.set_layers([i for i, b in enumerate(plan.layer_bits) if b == bits], bits)
+        installer.set_layers([i for i in owned if plan.layer_bits[i] == bits], bits)
     installer.check_integrity()
     warmed = installer.warmup(max_tokens=WARMUP_MAX_TOKENS)
-    bytes_after = sum(installer.layer_device_bytes(i) for i in range(len(plan.layer_bits)))
+    bytes_after = sum(installer.layer_device_bytes(i) for i in owned)
     # The executors of later stages (swapping, KV resizing) find the installer here.
     runner.morph_installer = installer
     logger.info(
-        "sglang-morph: layer precision %s; decoder linears %d -> %d bytes; %d kernels warmed",
-        ",".join(str(b) for b in plan.layer_bits), bytes_before, bytes_after, warmed,
+        "sglang-morph: layer precision %s (layers %d-%d here); decoder linears %d -> %d bytes; "
+        "%d kernels warmed", ",".join(str(b) for b in plan.layer_bits), owned.start,
+        owned.stop - 1, bytes_before, bytes_after, warmed,
     )
 
 
@@ -226,9 +240,14 @@ def _after_scheduler_init(_result: None, scheduler: Any, *args: Any, **kwargs: A
     from sglang_morph.executor.runtime import MorphRuntime
     from sglang_morph.server.messages import MORPH_REQUESTS
 
+    from sglang_morph.parallel.pipeline import stage_config
+
     model_config = scheduler.model_config
+    # (Scheduler(server_args, port_args, ...): a pipeline's last stage answers /morph on its own
+    # socket to the TokenizerManager.)
+    scheduler.morph_port_args = args[1] if len(args) > 1 else kwargs.get("port_args")
     try:
-        runtime = MorphRuntime(scheduler, cfg)
+        runtime = MorphRuntime(scheduler, stage_config(cfg, scheduler))
     except NotImplementedError as e:  # a KV pool or cache the resizer does not support
         raise MorphPluginError(f"sglang-morph: error: --enable-morph does not support this "
                                f"configuration: {e}") from e

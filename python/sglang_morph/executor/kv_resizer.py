@@ -212,7 +212,10 @@ class KVResizer:
             # Once an admission attempt ran out of KV, SGLang marks the running batch full and
             # tries again only when a request leaves it: without this, requests that the new
             # capacity could admit now wait for the next finish (seconds under load).
-            self.scheduler.running_batch.batch_is_full = False
+            # (Under pipeline parallelism each micro-batch's running batch has its own flag.)
+            for batch in (self.scheduler.running_batch,
+                          *(getattr(self.scheduler, "running_mbs", None) or [])):
+                batch.batch_is_full = False
         return KVResize(old, new, 0, 0, time.perf_counter() - started)
 
     # ---- shrink ----
@@ -363,6 +366,9 @@ class KVResizer:
 
     def _batches(self, extra_batches: Iterable = ()) -> list:
         found = [self.scheduler.running_batch, self.scheduler.last_batch, *extra_batches]
+        # A pipeline-parallel scheduler keeps one running batch per micro-batch in flight.
+        for name in ("running_mbs", "last_mbs", "mbs"):
+            found += getattr(self.scheduler, name, None) or []
         unique = {id(b): b for b in found if b is not None}
         return list(unique.values())
 

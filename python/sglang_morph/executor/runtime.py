@@ -146,6 +146,11 @@ class MorphRuntime:
 
         self.provenance = ProvenanceTracker(self.layer_bits)
         self.kv_bytes_per_token = self.resizer.kv_bytes_per_token
+        # Under pipeline parallelism: this stage's layers, budget and exchanges with the others
+        # (sglang_morph.parallel.pipeline); None on one rank.
+        from sglang_morph.parallel.pipeline import PipelineStage
+
+        self.pipeline = PipelineStage.of(self)
         weight_bytes = model_weight_bytes(self.model, self.installer)
         total = cfg.memory_budget_bytes or (
             weight_bytes + self.resizer.capacity_tokens * self.kv_bytes_per_token)
@@ -180,6 +185,8 @@ class MorphRuntime:
         # A static precision map already freed weight memory: it becomes KV at once.
         before = self.resizer.capacity_tokens
         self._grow_kv_into_free()
+        if self.pipeline is not None:
+            self.pipeline.agree_capacity()  # one capacity for every stage
         for bits in sorted(set(self.layer_bits) - {FULL_PRECISION_BITS}, reverse=True):
             # One record per bit-width, as if each group had been swapped at startup; the KV
             # growth is shown on the last one.
@@ -355,6 +362,8 @@ class MorphRuntime:
         """The scheduler's dispatcher entry for the /morph requests (between batches)."""
         from sglang_morph.server.messages import MorphControlOutput, MorphModeReq, MorphSwapReq
 
+        if self.pipeline is not None:  # every stage in turn; the last one answers
+            return self.pipeline.handle(req)
         try:
             if isinstance(req, MorphSwapReq):
                 self.swap_from_api(req.layers, req.bits, pin=req.pin)
@@ -402,7 +411,10 @@ class MorphRuntime:
         if bits not in self.available_bits:
             raise MorphRequestError(
                 f"no {bits}-bit variant was built; available bits: {list(self.available_bits)}")
-        raised = [i for i in layers if self.layer_bits[i] < bits < FULL_PRECISION_BITS]
+        # (Under PP a stage holds only its own layers: parallel.pipeline checks every layer's
+        # bits, as every stage knows them.)
+        raised = [i for i in layers if self.layer_bits[i] < bits < FULL_PRECISION_BITS
+                  and self.pipeline is None]
         if raised:
             raise MorphRequestError(
                 f"layers {raised} are below {bits} bits; a layer goes up only to full precision "
@@ -420,6 +432,8 @@ class MorphRuntime:
         """
         if self.installer is None:
             raise MorphRequestError("no layer variants: start the server with --morph-engines PATH")
+        if self.pipeline is not None:
+            return self.pipeline.apply(action, source)
         current = self.layer_bits
         layers = [i for i in action.layers if current[i] != action.bits]
         if not layers:
@@ -460,11 +474,14 @@ class MorphRuntime:
                                     f"failed and changed nothing: {error}", 500) from e
         return record("restore" if restore else "swap", freed, moved, evicted)
 
-    def _swap_down(self, layers: list[int], bits: int) -> tuple[int, int, int]:
-        """Install ``bits``-bit variants, then grow KV into the freed bytes; (freed, 0, 0)."""
-        move = self.installer.prepare(layers, bits)
+    def _swap_down(self, layers: list[int], bits: int, move: Any = None,
+                   grow_tokens: int | None = None) -> tuple[int, int, int]:
+        """Install ``bits``-bit variants, then grow KV into the freed bytes (or by
+        ``grow_tokens``, what the pipeline's stages agreed); (freed, 0, 0)."""
+        move = move or self.installer.prepare(layers, bits)
         weights_moved = self.budget.moved(weight_delta_bytes=move.weight_delta_bytes)
-        grow_tokens = self._whole_pages(weights_moved.free_bytes // self.kv_bytes_per_token)
+        if grow_tokens is None:
+            grow_tokens = self._whole_pages(weights_moved.free_bytes // self.kv_bytes_per_token)
         after = weights_moved.moved(kv_delta_bytes=grow_tokens * self.kv_bytes_per_token)
         applied = self.installer.apply(move)
         try:
@@ -475,13 +492,17 @@ class MorphRuntime:
         self.budget = after
         return -move.weight_delta_bytes, 0, 0
 
-    def _restore(self, layers: list[int]) -> tuple[int, int, int]:
-        """Take back the KV the full-precision weights need, then install them; if they cannot
-        be installed, the KV pool grows back. Returns (freed (< 0), moved, evicted tokens)."""
-        move = self.installer.prepare(layers, FULL_PRECISION_BITS)
+    def _restore(self, layers: list[int], move: Any = None,
+                 shrink_tokens: int | None = None) -> tuple[int, int, int]:
+        """Take back the KV the full-precision weights need (or ``shrink_tokens``, what the
+        pipeline's stages agreed), then install them; if they cannot be installed, the KV pool
+        grows back. Returns (freed (< 0), moved, evicted tokens)."""
+        move = move or self.installer.prepare(layers, FULL_PRECISION_BITS)
         shortfall = move.weight_delta_bytes - self.budget.free_bytes
         tokens = (self._whole_pages(-(-shortfall // self.kv_bytes_per_token), up=True)
                   if shortfall > 0 else 0)
+        if shrink_tokens is not None:
+            tokens = shrink_tokens
         after_shrink = self.budget.moved(kv_delta_bytes=-tokens * self.kv_bytes_per_token)
         after = after_shrink.moved(weight_delta_bytes=move.weight_delta_bytes)
         moved = evicted = 0

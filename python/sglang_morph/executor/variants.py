@@ -94,11 +94,13 @@ class StagedVariants:
     exactly the bytes the staged tensors hold.
     """
 
-    def __init__(self, manifest: EngineManifest, engines_dir: Path, *, pin_memory: bool = False):
+    def __init__(self, manifest: EngineManifest, engines_dir: Path, *, pin_memory: bool = False,
+                 layers: range | None = None):
         started = time.perf_counter()
         self.manifest = manifest
         self._variants: dict[tuple[int, int], dict[str, Tensors]] = {}
-        for i in range(manifest.num_layers):
+        # A pipeline stage stages the variants of its own layers only.
+        for i in layers if layers is not None else range(manifest.num_layers):
             for bits in manifest.bits_available:
                 if bits == FULL_PRECISION_BITS:
                     continue
@@ -199,6 +201,10 @@ class LayerVariantInstaller:
         self.faults = faults or FaultInjector()
         self._bits = [FULL_PRECISION_BITS] * len(self.layers)
         self._full_precision: dict[int, _FullPrecision] = {}
+        # Under pipeline parallelism the other stages' layers are SGLang's PPMissingLayer
+        # placeholders; only start_layer..end_layer-1 can be moved (their bits stay 16 here).
+        self.owned = range(getattr(model.model, "start_layer", 0),
+                           getattr(model.model, "end_layer", len(self.layers)))
 
     @property
     def bits(self) -> tuple[int, ...]:
@@ -223,6 +229,18 @@ class LayerVariantInstaller:
         if saved is None:
             return self.layer_device_bytes(layer_index)
         return sum(w.numel() * w.element_size() for w in saved.weights.values())
+
+    def device_bytes_at(self, layer_index: int, bits: int) -> int:
+        """Exact bytes the layer's four fused linears would occupy at ``bits`` (what ``prepare``
+        counts); changes nothing. A pipeline stage tells the others these at startup."""
+        if bits == FULL_PRECISION_BITS:
+            return self.full_precision_bytes(layer_index)
+        if self._bits[layer_index] == bits:
+            return self.layer_device_bytes(layer_index)
+        layer = self.layers[layer_index]
+        return sum(morph_kernels.prepare(bits, tensors, device=_submodule(layer, path).weight.device,
+                                         act_dtype=self.act_dtype).device_bytes
+                   for path, tensors in self.staged.get(layer_index, bits).items())
 
     # ----- two-phase moves -------------------------------------------------------------------
 
@@ -343,7 +361,7 @@ class LayerVariantInstaller:
     def warmup(self, max_tokens: int) -> int:
         """Run every installed kernel at serving shapes; returns how many were warmed."""
         warmed = 0
-        for layer in self.layers:
+        for layer in (self.layers[i] for i in self.owned):
             for path in FUSED_LINEARS:
                 method = _submodule(layer, path).quant_method
                 if isinstance(method, MorphQuantLinearMethod):
@@ -352,7 +370,8 @@ class LayerVariantInstaller:
         return warmed
 
     def check_integrity(self) -> None:
-        for i, layer in enumerate(self.layers):
+        for i in self.owned:
+            layer = self.layers[i]
             quantized_layer = self._bits[i] != FULL_PRECISION_BITS
             if quantized_layer != (i in self._full_precision):
                 raise AssertionError(f"layer {i}: {self._bits[i]} bits, full-precision copy "

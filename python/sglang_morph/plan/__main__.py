@@ -223,34 +223,40 @@ def build_problem(args):
     return problem, model_dir, engines
 
 
-def serve_command(result, problem, engines: Path | None) -> tuple[list[str], dict[str, str]]:
-    """The serve.sh argv and environment for a plan."""
-    a = result.assignment
+def serve_command(plan: dict, kv_bytes_per_token_per_layer: int,
+                  engines: Path | None) -> tuple[list[str], dict[str, str]]:
+    """The serve.sh argv and environment for a plan (``PlanResult.to_json()``, a baseline's
+    too): pipeline stages, the precision map, each stage's weights + KV budget."""
+    stage_layers, bits = plan["stage_layers"], plan["layer_bits"]
+    stage_memory, workload = plan["stage_memory"], plan["workload"]
     argv = [str(REPO / "scripts/serve.sh")]
     env = {}
-    pp = len(a.stage_layers)
+    pp = len(stage_layers)
     if pp > 1:
         argv += ["--pp-size", str(pp)]
-        env["SGLANG_PP_LAYER_PARTITION"] = ",".join(str(n) for n in a.stage_layers)
-    if any(b != 16 for b in a.bits):
+        env["SGLANG_PP_LAYER_PARTITION"] = ",".join(str(n) for n in stage_layers)
+    if any(b != 16 for b in bits):
         items, start = [], 0
-        for l in range(1, len(a.bits) + 1):
-            if l == len(a.bits) or a.bits[l] != a.bits[start]:
+        for l in range(1, len(bits) + 1):
+            if l == len(bits) or bits[l] != bits[start]:
                 span = f"{start}" if l - 1 == start else f"{start}-{l - 1}"
-                items.append(f"{span}:{a.bits[start]}")
+                items.append(f"{span}:{bits[start]}")
                 start = l
         argv += ["--enable-morph", "--morph-engines", str(engines or "ENGINES_DIR"),
                  "--morph-precision-map", ",".join(items), "--disable-morph-controller"]
-        if pp == 1:  # the stage's weights + KV budget; SGLang has no per-stage budget flag
-            argv += ["--morph-memory-budget", str(result.stage_memory[0].budget_bytes)]
-    # SGLang sizes one KV pool per stage with the same token count: the plan's smallest.
-    kv_tokens = min(m.kv_bytes // max(1, (n * problem.model.kv_bytes_per_token_per_layer()))
-                    for m, n in zip(result.stage_memory, a.stage_layers))
-    if "--morph-memory-budget" not in argv:  # a morph budget sizes the pool itself
+        # each stage's weights + KV budget (every stage keeps the tightest one's KV capacity)
+        if pp == 1:
+            argv += ["--morph-memory-budget", str(stage_memory[0]["budget_bytes"])]
+        else:
+            argv += ["--morph-stage-budgets",
+                     ",".join(str(m["budget_bytes"]) for m in stage_memory)]
+    else:  # SGLang sizes one KV pool per stage with the same token count: the plan's smallest
+        kv_tokens = min(m["kv_bytes"] // max(1, n * kv_bytes_per_token_per_layer)
+                        for m, n in zip(stage_memory, stage_layers))
         argv += ["--max-total-tokens", str(int(kv_tokens))]
-    argv += ["--max-running-requests", str(result.workload.batch_requests)]
+    argv += ["--max-running-requests", str(workload["batch_requests"])]
     if pp > 1:
-        argv += ["--pp-max-micro-batch-size", str(result.workload.decode_micro_batch)]
+        argv += ["--pp-max-micro-batch-size", str(workload["decode_micro_batch"])]
     return argv, env
 
 
@@ -275,21 +281,13 @@ def cmd_plan(args) -> dict:
         for name in baselines.BASELINES:
             b = getattr(baselines, name)(problem)
             out["baselines"][name] = None if b is None else b.to_json()
-    argv, env = serve_command(result, problem, engines)
+    argv, env = serve_command(out["plan"], problem.model.kv_bytes_per_token_per_layer(),
+                              engines)
     out["serve"] = {"argv": argv, "env": env,
                     "command": " ".join([f"{k}={v}" for k, v in env.items()]
                                         + [shlex.quote(x) for x in argv])}
-    pp, mixed = len(result.assignment.stage_layers), len(set(result.assignment.bits)) > 1 or (
-        result.assignment.bits[0] != 16)
-    if pp > 1 and mixed:
-        out["serve"]["note"] = ("--enable-morph (which serves --morph-precision-map) refuses "
-                                "--pp-size > 1 at startup today; this command is what the plan "
-                                "needs once it does")
     Path(args.out).write_text(json.dumps(out, indent=1)) if args.out else None
     if args.serve:
-        if pp > 1 and mixed:
-            raise CliError("cannot --serve a pipeline plan with quantized layers: "
-                           "--enable-morph refuses --pp-size > 1 (README, Known limits)")
         print(out["serve"]["command"], file=sys.stderr, flush=True)
         os.execvpe(argv[0], argv, {**os.environ, **env})
     return out

@@ -14,11 +14,17 @@ from typing import Any
 from sglang.srt.managers.io_struct import BaseReq, hook_custom_types
 
 
-class MorphStatusReq(BaseReq, kw_only=True):
+class _MorphReq(BaseReq, kw_only=True):
+    # Under pipeline parallelism each stage adds what it did (its status, its outcome) before
+    # SGLang forwards the request to the next stage; the last one answers from all of them.
+    pipeline_stages: list[dict[str, Any]] = []
+
+
+class MorphStatusReq(_MorphReq, kw_only=True):
     """``GET /morph/status``."""
 
 
-class MorphSwapReq(BaseReq, kw_only=True):
+class MorphSwapReq(_MorphReq, kw_only=True):
     """``POST /morph/swap``: serve ``layers`` at ``bits`` (16 restores). ``pin``: the
     controller leaves these layers where the operator put them (False hands them back)."""
 
@@ -27,7 +33,7 @@ class MorphSwapReq(BaseReq, kw_only=True):
     pin: bool = True
 
 
-class MorphModeReq(BaseReq, kw_only=True):
+class MorphModeReq(_MorphReq, kw_only=True):
     """``POST /morph/mode``: the controller's policy from now on."""
 
     mode: str
