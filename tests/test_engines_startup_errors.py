@@ -115,7 +115,7 @@ def test_corrupted_variant_file_is_named(parse, tmp_path, hf_config):
 
 @pytest.mark.parametrize("flags,needle", [
     (["--tp-size", "3"], "--tp-size 3 yet"),
-    (["--dp-size", "2"], "--dp-size 2 yet"),
+    (["--pp-size", "2", "--dp-size", "2"], "--pp-size and --dp-size together"),
     (["--kv-cache-dtype", "fp8_e4m3"], "--kv-cache-dtype fp8_e4m3"),
     (["--disable-radix-cache"], "--disable-radix-cache"),
     (["--enable-hierarchical-cache"], "--enable-hierarchical-cache"),

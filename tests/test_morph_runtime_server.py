@@ -64,19 +64,21 @@ def generate_ids(server, ids, n_new) -> list[int]:
 class Stream:
     """One streamed greedy /generate in a thread; ``ids`` grows as chunks arrive."""
 
-    def __init__(self, server, ids, n_new):
+    def __init__(self, server, ids, n_new, **fields):
+        """``fields``: more /generate fields (e.g. ``routed_dp_rank``)."""
         self.ids: list[int] = []
         self.error: BaseException | None = None
         self.finish_reason = None
-        self._thread = threading.Thread(target=self._run, args=(server, ids, n_new), daemon=True)
+        self._thread = threading.Thread(target=self._run, args=(server, ids, n_new, fields),
+                                        daemon=True)
         self._thread.start()
 
-    def _run(self, server, ids, n_new):
+    def _run(self, server, ids, n_new, fields):
         try:
             with requests.post(f"{server.url}/generate", headers=USER, stream=True, timeout=900,
                                json={"input_ids": ids, "stream": True, "sampling_params": {
                                    "temperature": 0, "max_new_tokens": n_new,
-                                   "ignore_eos": True}}) as r:
+                                   "ignore_eos": True}, **fields}) as r:
                 r.raise_for_status()
                 for line in r.iter_lines():
                     if not line.startswith(b"data:") or line == b"data: [DONE]":

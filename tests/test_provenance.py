@@ -254,11 +254,12 @@ class Stream(runtime_test.Stream):
         self.meta_infos: list[dict] = []
         super().__init__(server, ids, n_new)
 
-    def _run(self, server, ids, n_new):
+    def _run(self, server, ids, n_new, fields):
         try:
             with requests.post(f"{server.url}/generate", stream=True, timeout=600, json={
                     "input_ids": ids, "stream": True, "sampling_params": {
-                        "temperature": 0, "max_new_tokens": n_new, "ignore_eos": True}}) as r:
+                        "temperature": 0, "max_new_tokens": n_new, "ignore_eos": True},
+                    **fields}) as r:
                 r.raise_for_status()
                 for line in r.iter_lines():
                     if line.startswith(b"data:") and line != b"data: [DONE]":

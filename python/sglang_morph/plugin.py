@@ -85,8 +85,9 @@ def _after_from_cli_args(server_args: Any, _cls: Any, args: Any) -> None:
 
 # Flags of parallel layouts the runtime does not morph yet (one rank's layers and KV only).
 # Pipeline parallelism is supported (sglang_morph.parallel.pipeline: each stage morphs its
-# own layers), on one node.
-_PARALLEL_FLAGS = ("tp_size", "dp_size", "attn_dp_size", "attn_cp_size", "dcp_size", "nnodes")
+# own layers), on one node; so is data parallelism (parallel/replicas.py: each replica morphs
+# on its own), but not both at once (checked in check_supported).
+_PARALLEL_FLAGS = ("tp_size", "attn_dp_size", "attn_cp_size", "dcp_size", "nnodes")
 # KV caches the resizer cannot grow or shrink (it supports the device radix cache only).
 _KV_CACHE_FLAGS = ("enable_hierarchical_cache", "enable_lmcache", "enable_hisparse",
                    "enable_flexkv", "enable_unified_cache_external_linker",
@@ -106,8 +107,14 @@ def check_supported(server_args: Any) -> None:
         if value is not None and value > 1:
             raise morph_config.MorphConfigError(
                 f"--enable-morph does not support {flag(name)} {value} yet: layer swaps and KV "
-                f"resizing run on one rank per pipeline stage; serve with one tensor/data-"
-                f"parallel rank on one node (--pp-size N is supported)")
+                f"resizing run on one rank per pipeline stage or data-parallel replica; serve "
+                f"with one tensor-parallel rank on one node (--pp-size N or --dp-size N is "
+                f"supported)")
+    if (getattr(server_args, "pp_size", 1) or 1) > 1 and (getattr(server_args, "dp_size", 1)
+                                                          or 1) > 1:
+        # Each is tested alone; replicas of pipelines would need both routings of /morph.
+        raise morph_config.MorphConfigError(
+            "--enable-morph does not support --pp-size and --dp-size together yet: use one")
     for name in _KV_CACHE_FLAGS:
         if getattr(server_args, name, False):
             raise morph_config.MorphConfigError(

@@ -39,6 +39,7 @@ from sglang_morph.control.policy import get_mode
 from sglang_morph.control.signals import PressureMonitor, PressureSignals, PressureSnapshot
 from sglang_morph.executor.faults import FaultInjector, InjectedFault
 from sglang_morph.executor.kv_resizer import KVResizer, KVResizeRefused
+from sglang_morph.parallel.replicas import SKIPPED, replica_index
 
 logger = logging.getLogger("sglang_morph")
 
@@ -140,6 +141,8 @@ class MorphRuntime:
             self.installer.faults = self.faults
         # Layers an operator placed with POST /morph/swap: the controller does not move them.
         self.pinned: set[int] = set()
+        # Under --dp-size each replica runs its own runtime (parallel/replicas.py).
+        self.replica = replica_index()
         # Precision provenance of every response (server/provenance.py), told of each applied
         # transition by _record.
         from sglang_morph.server.provenance import ProvenanceTracker
@@ -176,7 +179,8 @@ class MorphRuntime:
         self.controller = self._make_controller() if cfg.controller_enabled else None
         self._log = open(cfg.log_path, "a", buffering=1) if cfg.log_path else None
         reporter = getattr(scheduler, "metrics_reporter", None)
-        self._metrics = _Metrics() if getattr(reporter, "enable_metrics", False) else None
+        self._metrics = (_Metrics(self.replica) if getattr(reporter, "enable_metrics", False)
+                         else None)
         self._next_sample_s = 0.0
         self.hook_calls_total = 0
         self.hook_seconds_total = 0.0
@@ -259,6 +263,7 @@ class MorphRuntime:
     def status(self) -> dict[str, Any]:
         b = self.budget
         return {
+            "replica": self.replica,
             "mode": self.mode,
             "controller": self.controller is not None,
             "layers": [{"index": i, "bits": bits, "pinned": i in self.pinned}
@@ -362,6 +367,9 @@ class MorphRuntime:
         """The scheduler's dispatcher entry for the /morph requests (between batches)."""
         from sglang_morph.server.messages import MorphControlOutput, MorphModeReq, MorphSwapReq
 
+        if getattr(req, "replica", None) not in (None, self.replica):
+            return MorphControlOutput(rid=req.rid, status_code=SKIPPED, body={},
+                                      replica=self.replica)
         if self.pipeline is not None:  # every stage in turn; the last one answers
             return self.pipeline.handle(req)
         try:
@@ -375,7 +383,7 @@ class MorphRuntime:
         except Exception as e:  # the scheduler must keep serving; the caller gets the reason
             logger.exception("sglang-morph: control request %s failed", type(req).__name__)
             code, body = 500, {"error": f"{type(e).__name__}: {e}"}
-        return MorphControlOutput(rid=req.rid, status_code=code, body=body)
+        return MorphControlOutput(rid=req.rid, status_code=code, body=body, replica=self.replica)
 
     def set_mode(self, mode: str) -> None:
         try:
@@ -581,9 +589,10 @@ class MorphRuntime:
             logger.warning("sglang-morph: %s: layers %s -> %d bits (%s): %s", t.action,
                            list(t.layers), t.to_bits, t.source, t.error)
         if self._log is not None:
-            self._log.write(json.dumps(t.to_json()) + "\n")
+            # (every replica of a --dp-size server appends to the same file: say whose)
+            self._log.write(json.dumps({**t.to_json(), "replica": self.replica}) + "\n")
         if self._metrics is not None:
-            self._metrics.transitions.labels(action=t.action).inc()
+            self._metrics.transitions(t.action).inc()
         self._publish_metrics()
         return t
 
@@ -602,24 +611,33 @@ class MorphRuntime:
         m.weight_bytes.set(self.budget.weight_bytes)
         m.kv_bytes.set(self.budget.kv_bytes)
         for i, bits in enumerate(self.layer_bits):
-            m.layer_bits.labels(layer=str(i)).set(bits)
+            m.layer_bits(i).set(bits)
 
 
 class _Metrics:
     """Prometheus series of the scheduler process (SGLang's multiprocess registry serves them
     on /metrics when --enable-metrics is on)."""
 
-    def __init__(self):
+    def __init__(self, replica: int):
         from prometheus_client import Counter, Gauge
 
-        def gauge(name, doc, labels=()):
-            return Gauge(f"sglang_morph_{name}", doc, labels, multiprocess_mode="mostrecent")
+        # Every series carries the data-parallel replica: under --dp-size each replica's
+        # scheduler writes its own (one "mostrecent" series would show whichever wrote last).
+        r = str(replica)
+
+        def gauge(name, doc):
+            return Gauge(f"sglang_morph_{name}", doc, ("replica",),
+                         multiprocess_mode="mostrecent").labels(replica=r)
 
         self.kv_capacity_tokens = gauge("kv_capacity_tokens", "KV cache capacity in tokens")
         self.kv_used_tokens = gauge("kv_used_tokens", "KV tokens held by requests")
         self.quantized_layers = gauge("quantized_layers", "Decoder layers below 16 bits")
-        self.layer_bits = gauge("layer_bits", "Bit-width of each decoder layer", ("layer",))
+        layer_bits = Gauge("sglang_morph_layer_bits", "Bit-width of each decoder layer",
+                           ("replica", "layer"), multiprocess_mode="mostrecent")
+        self.layer_bits = lambda layer: layer_bits.labels(replica=r, layer=str(layer))
         self.memory_budget_bytes = gauge("memory_budget_bytes", "Weights + KV budget")
         self.weight_bytes = gauge("weight_bytes", "Model weight bytes now")
         self.kv_bytes = gauge("kv_bytes", "KV pool bytes now")
-        self.transitions = Counter("sglang_morph_transitions", "Layer transitions", ("action",))
+        transitions = Counter("sglang_morph_transitions", "Layer transitions",
+                              ("replica", "action"))
+        self.transitions = lambda action: transitions.labels(replica=r, action=action)

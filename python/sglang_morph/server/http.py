@@ -22,6 +22,7 @@ from typing import Any
 from fastapi import Request
 from fastapi.responses import JSONResponse
 
+from sglang_morph.parallel.replicas import SKIPPED, replica_count
 from sglang_morph.server.messages import (
     MorphControlOutput,
     MorphModeReq,
@@ -37,37 +38,46 @@ CONTROL_TIMEOUT_S = 300.0
 
 
 class MorphControlClient:
-    """Pending control requests of one TokenizerManager, keyed by request id."""
+    """Pending control requests of one TokenizerManager, keyed by request id. Under
+    ``--dp-size N`` every replica answers each request (``parallel/replicas.py``): a request is
+    done when all ``replicas`` have."""
 
-    def __init__(self, tokenizer_manager: Any):
+    def __init__(self, tokenizer_manager: Any, replicas: int = 1):
         self.tokenizer_manager = tokenizer_manager
-        self._pending: dict[str, asyncio.Future] = {}
+        self.replicas = replicas
+        self._pending: dict[str, tuple[asyncio.Future, list[MorphControlOutput]]] = {}
 
-    async def call(self, req: MorphStatusReq | MorphSwapReq | MorphModeReq) -> tuple[int, Any]:
-        """Send ``req`` (its ``rid`` is set here) and return the scheduler's (status, body)."""
+    async def call(self, req: MorphStatusReq | MorphSwapReq | MorphModeReq
+                   ) -> list[MorphControlOutput]:
+        """Send ``req`` (its ``rid`` is set here) and return the answers of the replicas it
+        concerned (one on a server without data parallelism), in replica order."""
         req.rid = f"morph-{uuid.uuid4().hex}"
         future = asyncio.get_running_loop().create_future()
-        self._pending[req.rid] = future
+        self._pending[req.rid] = (future, [])
         tm = self.tokenizer_manager
         tm.auto_create_handle_loop()  # the loop that receives scheduler outputs
         try:
             await tm._async_dispatch_to_scheduler(req)
-            out: MorphControlOutput = await asyncio.wait_for(future, CONTROL_TIMEOUT_S)
+            outs: list[MorphControlOutput] = await asyncio.wait_for(future, CONTROL_TIMEOUT_S)
         finally:
             self._pending.pop(req.rid, None)
-        return out.status_code, out.body
+        return sorted((o for o in outs if o.status_code != SKIPPED), key=lambda o: o.replica)
 
     def on_output(self, out: MorphControlOutput) -> None:
-        future = self._pending.get(out.rid)
-        if future is not None and not future.done():
-            future.set_result(out)
+        future, outs = self._pending.get(out.rid, (None, None))
+        if future is None or future.done():
+            return
+        outs.append(out)
+        if len(outs) == self.replicas:
+            future.set_result(outs)
 
 
 def attach_to_tokenizer_manager(tokenizer_manager: Any) -> None:
     """Give ``tokenizer_manager`` a control client and route scheduler answers to it."""
     from sglang.utils import TypeBasedDispatcher
 
-    client = MorphControlClient(tokenizer_manager)
+    client = MorphControlClient(tokenizer_manager,
+                                replica_count(getattr(tokenizer_manager, "server_args", None)))
     tokenizer_manager._result_dispatcher += TypeBasedDispatcher(
         [(MorphControlOutput, client.on_output)]
     )
@@ -79,14 +89,43 @@ def _bad_request(message: str):
 
 
 async def _forward(req: MorphStatusReq | MorphSwapReq | MorphModeReq):
+    """The scheduler's answer; under ``--dp-size N`` (several answers) ``{"replicas": [...]}``,
+    with the first failing replica's status code if any failed."""
     from sglang.srt.entrypoints.http_server import get_global_state
 
     client = getattr(get_global_state().tokenizer_manager, "morph_control", None)
     if client is None:
         return JSONResponse({"error": "sglang-morph is not running in this server"},
                               status_code=503)
-    status_code, body = await client.call(req)
-    return JSONResponse(body, status_code=status_code)
+    outs = await client.call(req)
+    if client.replicas == 1 or getattr(req, "replica", None) is not None:
+        (out,) = outs
+        return JSONResponse(out.body, status_code=out.status_code)
+    failed = [o.status_code for o in outs if o.status_code != 200]
+    return JSONResponse({"replicas": [o.body for o in outs]},
+                        status_code=failed[0] if failed else 200)
+
+
+def _replica_field(body: dict[str, Any], replicas: int, required: bool):
+    """The ``replica`` of a control request body: (value, None) or (None, error response)."""
+    replica = body.get("replica")
+    if replica is None:
+        if required and replicas > 1:
+            return None, _bad_request(
+                f"this server has {replicas} data-parallel replicas and each swaps on its own: "
+                f"name one with \"replica\" (0-{replicas - 1})")
+        return None, None
+    if not isinstance(replica, int) or isinstance(replica, bool) or not 0 <= replica < replicas:
+        return None, _bad_request(f"'replica' must be a data-parallel replica index, "
+                                  f"0-{replicas - 1} on this server")
+    return replica, None
+
+
+def _replicas() -> int:
+    from sglang.srt.entrypoints.http_server import get_global_state
+
+    client = getattr(get_global_state().tokenizer_manager, "morph_control", None)
+    return 1 if client is None else client.replicas
 
 
 async def _json_object(request) -> dict[str, Any] | None:
@@ -109,14 +148,15 @@ def add_routes(app: Any) -> None:
     async def morph_swap(request: Request):
         """``{"layers": [0, 3], "bits": 4}``; bits 16 restores full precision. The layers stay
         pinned where the operator put them (the controller does not move them) unless
-        ``"pin": false``, which hands them back to the controller."""
+        ``"pin": false``, which hands them back to the controller. Under ``--dp-size N`` the
+        body names the ``"replica"`` that swaps."""
         body = await _json_object(request)
         if body is None:
             return _bad_request('expected a JSON object like {"layers": [0, 1], "bits": 4}')
-        unknown = sorted(set(body) - {"layers", "bits", "pin"})
+        unknown = sorted(set(body) - {"layers", "bits", "pin", "replica"})
         if unknown:
             return _bad_request(f"unknown fields {unknown}; expected 'layers', 'bits' and "
-                                f"optionally 'pin'")
+                                f"optionally 'pin' and 'replica'")
         layers, bits = body.get("layers"), body.get("bits")
         if (not isinstance(layers, list) or not layers
                 or not all(isinstance(i, int) and not isinstance(i, bool) for i in layers)):
@@ -126,15 +166,23 @@ def add_routes(app: Any) -> None:
         pin = body.get("pin", True)
         if not isinstance(pin, bool):
             return _bad_request("'pin' must be true or false")
-        return await _forward(MorphSwapReq(layers=layers, bits=bits, pin=pin))
+        replica, error = _replica_field(body, _replicas(), required=True)
+        if error is not None:
+            return error
+        return await _forward(MorphSwapReq(layers=layers, bits=bits, pin=pin, replica=replica))
 
     @auth_level(AuthLevel.ADMIN_OPTIONAL)
     async def morph_mode(request: Request):
-        """``{"mode": "performance"}``: change the controller's policy at runtime."""
+        """``{"mode": "performance"}``: change the controller's policy at runtime (every
+        replica's, or one's with ``"replica"``)."""
         body = await _json_object(request)
-        if body is None or not isinstance(body.get("mode"), str) or set(body) != {"mode"}:
+        if (body is None or not isinstance(body.get("mode"), str)
+                or not set(body) <= {"mode", "replica"}):
             return _bad_request('expected a JSON object like {"mode": "performance"}')
-        return await _forward(MorphModeReq(mode=body["mode"]))
+        replica, error = _replica_field(body, _replicas(), required=False)
+        if error is not None:
+            return error
+        return await _forward(MorphModeReq(mode=body["mode"], replica=replica))
 
     app.add_api_route("/morph/status", morph_status, methods=["GET"])
     app.add_api_route("/morph/swap", morph_swap, methods=["POST"])

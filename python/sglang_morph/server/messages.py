@@ -26,22 +26,27 @@ class MorphStatusReq(_MorphReq, kw_only=True):
 
 class MorphSwapReq(_MorphReq, kw_only=True):
     """``POST /morph/swap``: serve ``layers`` at ``bits`` (16 restores). ``pin``: the
-    controller leaves these layers where the operator put them (False hands them back)."""
+    controller leaves these layers where the operator put them (False hands them back).
+    ``replica``: the data-parallel replica that swaps (the others answer ``SKIPPED``)."""
 
     layers: list[int]
     bits: int
     pin: bool = True
+    replica: int | None = None
 
 
 class MorphModeReq(_MorphReq, kw_only=True):
-    """``POST /morph/mode``: the controller's policy from now on."""
+    """``POST /morph/mode``: the controller's policy from now on (one replica's, or every
+    replica's when ``replica`` is None)."""
 
     mode: str
+    replica: int | None = None
 
 
 class MorphControlOutput(BaseReq, kw_only=True):
     status_code: int
     body: dict[str, Any]
+    replica: int = 0  # the data-parallel replica that answers
 
 
 MORPH_REQUESTS = (MorphStatusReq, MorphSwapReq, MorphModeReq)
