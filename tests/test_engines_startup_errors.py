@@ -114,7 +114,10 @@ def test_corrupted_variant_file_is_named(parse, tmp_path, hf_config):
 
 
 @pytest.mark.parametrize("flags,needle", [
-    (["--tp-size", "3"], "--tp-size 3 yet"),
+    (["--tp-size", "3", "--dp-size", "2", "--disable-morph-controller"],
+     "--tp-size and --dp-size together"),
+    (["--tp-size", "3", "--pp-size", "2", "--disable-morph-controller"],
+     "--tp-size and --pp-size together"),
     (["--pp-size", "2", "--dp-size", "2"], "--pp-size and --dp-size together"),
     (["--kv-cache-dtype", "fp8_e4m3"], "--kv-cache-dtype fp8_e4m3"),
     (["--disable-radix-cache"], "--disable-radix-cache"),
@@ -153,5 +156,6 @@ def test_launcher_refuses_an_unsupported_configuration_with_one_line():
         capture_output=True, text=True, timeout=300, env=dict(os.environ),
     )
     assert proc.returncode != 0
-    assert "sglang-morph: error: --enable-morph does not support --tp-size 3 yet" in proc.stderr
+    assert ("sglang-morph: error: --enable-morph with --tp-size 3 needs "
+            "--disable-morph-controller") in proc.stderr
     assert "Traceback" not in proc.stderr

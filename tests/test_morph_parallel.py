@@ -12,8 +12,8 @@ does too (``OMP_NUM_THREADS=1``): then PP 2 is bit-identical to PP 1 (tests/test
   capacity on both stages alike, the stream finishes, the restore gives the exact capacity back
   and greedy outputs after it equal those before;
 - a swap one stage refuses changes nothing on any stage;
-- unsupported launches (``--nnodes 2``, ``--tp-size 3``, PP with the controller on, a budget
-  count that is not the stage count) stop in the launcher with one line.
+- unsupported launches (``--nnodes 2``, ``--tp-size 3`` with PP, PP with the controller on, a
+  budget count that is not the stage count) stop in the launcher with one line.
 """
 
 from __future__ import annotations
@@ -159,11 +159,10 @@ def parse(default_model_path):
 
 
 @pytest.mark.parametrize("flags,line", [
-    (("--tp-size", "3"), "--enable-morph does not support --tp-size 3 yet"),
     (("--pp-size", "2", "--disable-morph-controller", "--nnodes", "2", "--node-rank", "0",
       "--dist-init-addr", "127.0.0.1:29555"), "--enable-morph does not support --nnodes 2 yet"),
     (("--pp-size", "2", "--tp-size", "3", "--disable-morph-controller"),
-     "--enable-morph does not support --tp-size 3 yet"),
+     "--enable-morph does not support --tp-size and --pp-size together yet"),
     (("--pp-size", "2"), "--enable-morph with --pp-size 2 needs --disable-morph-controller"),
     (("--pp-size", "2", "--disable-morph-controller", "--morph-stage-budgets", "1GB"),
      "--morph-stage-budgets has 1 budgets for --pp-size 2"),

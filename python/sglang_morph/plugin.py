@@ -63,10 +63,16 @@ def _after_from_cli_args(server_args: Any, _cls: Any, args: Any) -> None:
             check_supported(server_args)
             check_launch(server_args, cfg)
         hf_config = local_hf_config(server_args.model_path)
+        plan = None
         if hf_config is not None:
             # Fail here, before any process is spawned (checksums too: the scheduler reads
             # every variant at startup and would stop with a traceback).
-            plan_startup(cfg, hf_config, verify_checksums=True)
+            plan = plan_startup(cfg, hf_config, verify_checksums=True)
+        if cfg.enabled:
+            from sglang_morph.parallel import tensor
+
+            tensor.check_launch(server_args, cfg, hf_config,
+                                plan.manifest if plan is not None else None)
         if cfg.memory_budget_bytes is not None or cfg.stage_budget_bytes is not None:
             _size_kv_for_budget(server_args, cfg, hf_config)
     except morph_config.MorphConfigError as e:
@@ -83,11 +89,12 @@ def _after_from_cli_args(server_args: Any, _cls: Any, args: Any) -> None:
             raise MorphPluginError(sym.mismatch_message(missing))
 
 
-# Flags of parallel layouts the runtime does not morph yet (one rank's layers and KV only).
-# Pipeline parallelism is supported (sglang_morph.parallel.pipeline: each stage morphs its
-# own layers), on one node; so is data parallelism (parallel/replicas.py: each replica morphs
-# on its own), but not both at once (checked in check_supported).
-_PARALLEL_FLAGS = ("tp_size", "attn_dp_size", "attn_cp_size", "dcp_size", "nnodes")
+# Flags of parallel layouts the runtime does not morph yet. Pipeline parallelism is supported
+# (sglang_morph.parallel.pipeline: each stage morphs its own layers), on one node; so are data
+# parallelism (parallel/replicas.py: each replica morphs on its own) and tensor parallelism
+# (parallel/tensor.py: each rank swaps its shards at the same step), one at a time (checked in
+# check_supported and parallel.tensor.check_launch).
+_PARALLEL_FLAGS = ("attn_dp_size", "attn_cp_size", "dcp_size", "nnodes")
 # KV caches the resizer cannot grow or shrink (it supports the device radix cache only).
 _KV_CACHE_FLAGS = ("enable_hierarchical_cache", "enable_lmcache", "enable_hisparse",
                    "enable_flexkv", "enable_unified_cache_external_linker",
@@ -107,9 +114,8 @@ def check_supported(server_args: Any) -> None:
         if value is not None and value > 1:
             raise morph_config.MorphConfigError(
                 f"--enable-morph does not support {flag(name)} {value} yet: layer swaps and KV "
-                f"resizing run on one rank per pipeline stage or data-parallel replica; serve "
-                f"with one tensor-parallel rank on one node (--pp-size N or --dp-size N is "
-                f"supported)")
+                f"resizing run per tensor-parallel rank, pipeline stage or data-parallel "
+                f"replica on one node (--tp-size N, --pp-size N or --dp-size N is supported)")
     if (getattr(server_args, "pp_size", 1) or 1) > 1 and (getattr(server_args, "dp_size", 1)
                                                           or 1) > 1:
         # Each is tested alone; replicas of pipelines would need both routings of /morph.
@@ -168,10 +174,11 @@ def _size_kv_for_budget(server_args: Any, cfg: morph_config.MorphConfig, hf_conf
     if hf_config is None:
         raise morph_config.MorphConfigError(
             "--morph-memory-budget needs a local model directory (--model-path PATH)")
-    if (server_args.pp_size or 1) > 1:
-        from sglang_morph.parallel.pipeline import initial_kv_tokens
+    if (server_args.pp_size or 1) > 1 or (server_args.tp_size or 1) > 1:
+        from sglang_morph.parallel import pipeline, tensor
 
-        server_args.max_total_tokens = initial_kv_tokens(cfg, hf_config, server_args)
+        sizing = pipeline if (server_args.pp_size or 1) > 1 else tensor
+        server_args.max_total_tokens = sizing.initial_kv_tokens(cfg, hf_config, server_args)
         return
     sizing = size_kv_for_budget(cfg.memory_budget_bytes, Path(server_args.model_path).expanduser(),
                                 hf_config, server_args.dtype, server_args.kv_cache_dtype)
@@ -210,6 +217,7 @@ def _after_load_model(_result: None, runner: Any) -> None:
     from sglang_morph.config import FULL_PRECISION_BITS
     from sglang_morph.engines.startup import plan_startup
     from sglang_morph.executor.variants import LayerVariantInstaller, StagedVariants
+    from sglang_morph.parallel.tensor import sharder
 
     try:
         plan = plan_startup(cfg, runner.model_config.hf_config.to_dict())
@@ -219,7 +227,8 @@ def _after_load_model(_result: None, runner: Any) -> None:
         owned = range(getattr(runner.model.model, "start_layer", 0),
                       getattr(runner.model.model, "end_layer", len(plan.layer_bits)))
         staged = StagedVariants(plan.manifest, plan.engines_dir,
-                                pin_memory=str(runner.device).startswith("cuda"), layers=owned)
+                                pin_memory=str(runner.device).startswith("cuda"), layers=owned,
+                                shard=sharder(runner.model))  # a TP rank keeps its shards
     except (morph_config.MorphConfigError, OSError, ValueError) as e:
         raise MorphPluginError(f"sglang-morph: error: --morph-engines: {e}") from e
     installer = LayerVariantInstaller(runner.model, staged, act_dtype=runner.model_config.dtype)

@@ -150,6 +150,15 @@ SCHEDULER_SYMBOLS: tuple[Symbol, ...] = (
             "call", "collect_path_info get_component_device_value", instance=False),
     # Decoder linears (executor/variants.py swaps their quant_method and weight).
     Symbol("sglang.srt.layers.linear.LinearBase.quant_method", "write", True),
+    # Tensor parallelism (parallel/tensor.py): how SGLang sharded each linear, the TP group.
+    Symbol("sglang.srt.layers.linear.LinearBase.tp_group", "read", True),
+    *_group("sglang.srt.layers.linear.QKVParallelLinear", "read", "num_heads num_kv_heads "
+            "num_kv_head_replicas head_size v_head_size kv_tp_group"),
+    Symbol("sglang.srt.layers.linear.MergedColumnParallelLinear.output_sizes", "read", True),
+    Symbol("sglang.srt.layers.linear.RowParallelLinear.input_size_per_partition", "read", True),
+    Symbol(f"{_SCHEDULER}.tp_group", "read", True),
+    *_group("sglang.srt.distributed.parallel_state.GroupCoordinator", "read",
+            "rank_in_group world_size cpu_group"),
 )
 
 # ----- precision provenance (server/provenance.py) -----

@@ -154,6 +154,11 @@ class MorphRuntime:
         from sglang_morph.parallel.pipeline import PipelineStage
 
         self.pipeline = PipelineStage.of(self)
+        # Under tensor parallelism: the other ranks, which hold the other shards and must stay
+        # alike (sglang_morph.parallel.tensor); None on one rank.
+        from sglang_morph.parallel.tensor import TensorParallelRanks
+
+        self.tensor = TensorParallelRanks.of(self)
         weight_bytes = model_weight_bytes(self.model, self.installer)
         total = cfg.memory_budget_bytes or (
             weight_bytes + self.resizer.capacity_tokens * self.kv_bytes_per_token)
@@ -177,7 +182,9 @@ class MorphRuntime:
         self.monitor = PressureMonitor()
         self.last_signals: PressureSignals | None = None
         self.controller = self._make_controller() if cfg.controller_enabled else None
-        self._log = open(cfg.log_path, "a", buffering=1) if cfg.log_path else None
+        # (TP ranks apply the same transitions: rank 0 writes them for all)
+        self._log = (open(cfg.log_path, "a", buffering=1)
+                     if cfg.log_path and (self.tensor is None or self.tensor.rank == 0) else None)
         reporter = getattr(scheduler, "metrics_reporter", None)
         self._metrics = (_Metrics(self.replica) if getattr(reporter, "enable_metrics", False)
                          else None)
@@ -191,6 +198,8 @@ class MorphRuntime:
         self._grow_kv_into_free()
         if self.pipeline is not None:
             self.pipeline.agree_capacity()  # one capacity for every stage
+        if self.tensor is not None:
+            self.tensor.agree()  # equal shards and pools on every rank, or no start
         for bits in sorted(set(self.layer_bits) - {FULL_PRECISION_BITS}, reverse=True):
             # One record per bit-width, as if each group had been swapped at startup; the KV
             # growth is shown on the last one.
@@ -283,6 +292,8 @@ class MorphRuntime:
             # Host memory the staged variants hold (pinned on CUDA), outside the budget.
             "staged_variants_host_bytes": (self.installer.staged.host_bytes
                                            if self.installer is not None else 0),
+            # Under --tp-size every figure above is one rank's (rank 0's; all are alike).
+            "tensor_parallel": self.tensor.status() if self.tensor is not None else None,
             "signals": dataclasses.asdict(self.last_signals) if self.last_signals else None,
             "retractions_total": retractions_total,
             "hook_calls_total": self.hook_calls_total,
@@ -383,7 +394,9 @@ class MorphRuntime:
         except Exception as e:  # the scheduler must keep serving; the caller gets the reason
             logger.exception("sglang-morph: control request %s failed", type(req).__name__)
             code, body = 500, {"error": f"{type(e).__name__}: {e}"}
-        return MorphControlOutput(rid=req.rid, status_code=code, body=body, replica=self.replica)
+        out = MorphControlOutput(rid=req.rid, status_code=code, body=body, replica=self.replica)
+        # (every TP rank handles the request here, at the same step; rank 0 answers for all)
+        return self.tensor.gather(out) if self.tensor is not None else out
 
     def set_mode(self, mode: str) -> None:
         try:

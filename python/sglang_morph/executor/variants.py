@@ -1,4 +1,4 @@
-"""Installing per-layer precision variants on a served SGLang model (Llama family, TP 1).
+"""Installing per-layer precision variants on a served SGLang model (Llama family).
 
 SGLang's linear layers call ``self.quant_method.apply(self, x, bias)`` on every forward, so a
 layer changes precision between two batches by getting a new ``quant_method`` whose kernel reads
@@ -26,7 +26,7 @@ import dataclasses
 import logging
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import morph_kernels
 import torch
@@ -95,7 +95,10 @@ class StagedVariants:
     """
 
     def __init__(self, manifest: EngineManifest, engines_dir: Path, *, pin_memory: bool = False,
-                 layers: range | None = None):
+                 layers: range | None = None,
+                 shard: Callable[[int, dict[str, Tensors]], dict[str, Tensors]] | None = None):
+        """``shard(layer, tensors per HF linear)``: a tensor-parallel rank's cut of a whole-layer
+        variant (``parallel/tensor.py``), applied after the checksum, before fusing."""
         started = time.perf_counter()
         self.manifest = manifest
         self._variants: dict[tuple[int, int], dict[str, Tensors]] = {}
@@ -105,6 +108,8 @@ class StagedVariants:
                 if bits == FULL_PRECISION_BITS:
                     continue
                 by_linear = read_verified_variant(engines_dir, manifest.variant(i, bits))
+                if shard is not None:
+                    by_linear = shard(i, by_linear)
                 fused = {path: fuse_stored(by_linear, parts)
                          for path, parts in FUSED_LINEARS.items()}
                 if pin_memory:  # host-to-device copies of pinned memory can run asynchronously
@@ -114,9 +119,14 @@ class StagedVariants:
         self.host_bytes = sum(t.numel() * t.element_size() for fused in self._variants.values()
                               for tensors in fused.values() for t in tensors.values())
         self.pinned = pin_memory
-        logger.info("sglang-morph: staged %d layer variants from %s in host memory%s: %d bytes, "
-                    "sha256 verified, %.2f s", len(self._variants), engines_dir,
-                    " (pinned)" if pin_memory else "", self.host_bytes,
+        # (layer, bits) -> fused linear -> tensor -> shape: equal on every tensor-parallel rank
+        self.shard_shapes = {key: {path: {n: tuple(t.shape) for n, t in tensors.items()}
+                                   for path, tensors in fused.items()}
+                             for key, fused in self._variants.items()}
+        logger.info("sglang-morph: staged %d layer variants from %s in host memory%s%s: %d "
+                    "bytes, sha256 verified, %.2f s", len(self._variants), engines_dir,
+                    " (pinned)" if pin_memory else "",
+                    " (this tensor-parallel rank's shards)" if shard else "", self.host_bytes,
                     time.perf_counter() - started)
 
     def get(self, layer_index: int, bits: int) -> dict[str, Tensors]:

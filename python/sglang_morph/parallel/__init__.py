@@ -9,4 +9,8 @@ without ``--enable-morph``, and act on CPU only:
 - ``tied_head``: the last pipeline stage of a Llama with tied embeddings gets its own head.
 - ``binding``: the default ``SGLANG_CPU_OMP_THREADS_BIND`` for a launch (``scripts/serve.sh``
   sets it when the user did not).
+
+With ``--enable-morph``: ``tensor`` (each TP rank shards the variants at load and swaps at the
+same step), ``pipeline`` (each stage morphs its own layers), ``replicas`` (each DP replica
+morphs on its own).
 """

@@ -1,0 +1,264 @@
+"""MorphServe under SGLang tensor parallelism (issue 11, TP): ``--enable-morph --tp-size 3``.
+
+One TP 3 server on the default model (9 query / 3 KV heads: 3 + 1 per rank; float32, greedy,
+the controller off, a precision map with W4 and W8 layers, a 250 MB budget per rank) against a
+TP 1 server with the same map, the reference (itself tested against transformers with the
+dequantized weights in tests/test_precision_map_server.py). Each rank shards the whole-layer
+variants at load (parallel/tensor.py).
+
+- the shards are SGLang's layout: each rank's dequantized shard equals the rows (q/k/v heads,
+  gate/up) or input columns (o_proj/down_proj) of the dequantized whole variant;
+- greedy output under TP 3 with the map equals TP 1 with the map token for token, logprobs
+  within 1e-4 nats (the row-parallel linears sum per-rank partial products: float32 order);
+- every rank reports the same budget, weights and KV pool (``tp_ranks``);
+- a swap of 8 layers to W4 while a request streams grows the KV pool of every rank by the same
+  tokens, the stream finishes, the restore gives every rank its exact capacity back, and greedy
+  output after it equals the output before; a refused swap changes nothing on any rank;
+- launches the sharding cannot serve stop in the launcher with one line.
+"""
+
+from __future__ import annotations
+
+import types
+
+import pytest
+import requests
+import torch
+
+# (parse, corpus_ids and tokenizer are those modules' fixtures)
+from test_morph_parallel import parse  # noqa: F401
+from test_morph_runtime_server import (  # noqa: F401
+    USER,
+    Stream,
+    corpus_ids,
+    prompt_ids,
+    status,
+    swap,
+    tokenizer,
+)
+
+PRECISION_MAP = "0-3:4,20-23:8"
+BUDGET_PER_RANK = 250 * 10**6  # a rank holds a third of the ~540 MB of float32 weights
+SWAPPED = [17, 14, 13, 15, 12, 25, 16, 26]  # the first 8 of the LIS profile order
+COMMON = ("--dtype", "float32", "--enable-morph", "--disable-morph-controller",
+          "--morph-precision-map", PRECISION_MAP)
+# The default model under TP 3, per rank: 3 query heads, 1 KV head of 64, 512 of 1536 MLP rows.
+KV_BYTES_PER_TOKEN_PER_RANK = 2 * 30 * 1 * 64 * 4
+
+
+def map_bits(layer: int) -> int:
+    return 4 if layer <= 3 else 8 if 20 <= layer <= 23 else 16
+
+
+@pytest.fixture(scope="module")
+def tp3(server_factory, engines_awq):
+    return server_factory(*COMMON, "--morph-engines", str(engines_awq), "--tp-size", "3",
+                          "--morph-memory-budget", str(BUDGET_PER_RANK))
+
+
+@pytest.fixture(scope="module")
+def tp1(server_factory, engines_awq):
+    return server_factory(*COMMON, "--morph-engines", str(engines_awq), "--max-total-tokens",
+                          "4096")
+
+
+def generate(server, ids, n_new) -> tuple[list[int], list[float]]:
+    r = requests.post(f"{server.url}/generate", headers=USER, timeout=600, json={
+        "input_ids": ids, "return_logprob": True, "sampling_params": {
+            "temperature": 0, "max_new_tokens": n_new, "ignore_eos": True}})
+    assert r.status_code == 200, r.text
+    body = r.json()
+    return body["output_ids"], [lp for lp, _tok, _text in body["meta_info"]["output_token_logprobs"]]
+
+
+def ranks_alike(body: dict) -> dict:
+    """Every rank's figures (``tp_ranks``) are the same; returns rank 0's."""
+    ranks = body["tp_ranks"]
+    assert [r["tp_rank"] for r in ranks] == [0, 1, 2]
+    first = {k: v for k, v in ranks[0].items() if k != "tp_rank"}
+    for r in ranks[1:]:
+        assert {k: v for k, v in r.items() if k != "tp_rank"} == first, ranks
+    return first
+
+
+# ----- the shards (no server) -------------------------------------------------------------------
+
+def _fake_model(rank: int, tp: int, kv_heads: int = 3):
+    """The attributes parallel.tensor.sharder reads off SGLang's linears, as SGLang sets them
+    for the default model at ``tp`` (QKVParallelLinear: kv heads replicated when fewer)."""
+    ns = types.SimpleNamespace
+
+    def group():
+        return ns(rank_in_group=rank, world_size=tp)
+
+    replicas = max(1, tp // kv_heads)
+    layer = ns(
+        self_attn=ns(qkv_proj=ns(tp_group=group(), kv_tp_group=group(), num_heads=9 // tp,
+                                 num_kv_heads=max(1, kv_heads // tp),
+                                 num_kv_head_replicas=replicas, head_size=64, v_head_size=64),
+                     o_proj=ns(tp_group=group(), input_size_per_partition=576 // tp)),
+        mlp=ns(gate_up_proj=ns(tp_group=group(), output_sizes=[1536, 1536]),
+               down_proj=ns(tp_group=group(), input_size_per_partition=1536 // tp)))
+    layer.get_submodule = lambda path: getattr(getattr(layer, path.split(".")[0]),
+                                               path.split(".")[1])
+    return ns(model=ns(layers=[layer] * 30))
+
+
+@pytest.mark.parametrize("bits", [8, 4])
+def test_each_rank_holds_sglangs_shard_of_the_variant(engines_awq, bits):
+    from sglang_morph.engines.formats import get_format
+    from sglang_morph.engines.manifest import EngineManifest, read_variant
+    from sglang_morph.parallel.tensor import sharder
+
+    whole = read_variant(engines_awq, EngineManifest.load(engines_awq).variant(14, bits))
+    fmt = get_format(bits)
+    deq = {name: fmt.dequantize(t) for name, t in whole.items()}
+    rows = {"self_attn.q_proj": 192, "self_attn.k_proj": 64, "self_attn.v_proj": 64,
+            "mlp.gate_proj": 512, "mlp.up_proj": 512}
+    columns = {"self_attn.o_proj": 192, "mlp.down_proj": 512}
+    for rank in range(3):
+        shard = sharder(_fake_model(rank, 3))(14, whole)
+        for name, n in rows.items():
+            assert torch.equal(fmt.dequantize(shard[name]), deq[name][rank * n:(rank + 1) * n])
+        for name, n in columns.items():
+            assert torch.equal(fmt.dequantize(shard[name]), deq[name][:, rank * n:(rank + 1) * n])
+            if bits == 4:  # AWQ's input scales follow the input columns
+                assert torch.equal(shard[name]["input_scale"],
+                                   whole[name]["input_scale"][rank * n:(rank + 1) * n])
+    if bits == 4:
+        return  # (576 / 6 input columns would split W4's groups of 64: TP 6 is refused)
+    # fewer KV heads than ranks (SGLang replicates them): ranks 2k and 2k+1 share KV head k
+    k_rows = [sharder(_fake_model(rank, 6))(14, whole)["self_attn.k_proj"] for rank in range(6)]
+    for rank in range(6):
+        head = rank // 2
+        assert torch.equal(fmt.dequantize(k_rows[rank]),
+                           deq["self_attn.k_proj"][head * 64:(head + 1) * 64])
+
+
+def test_a_shard_that_splits_a_w4_group_is_refused():
+    from sglang_morph.config import MorphConfig, MorphConfigError
+    from sglang_morph.parallel.tensor import check_launch
+
+    manifest = types.SimpleNamespace(
+        num_layers=1, bits_available=(4, 16),
+        variant=lambda i, bits: types.SimpleNamespace(
+            group_sizes={"self_attn.o_proj": 64, "mlp.down_proj": 128} if bits == 4 else None))
+    hf = {"num_attention_heads": 8, "num_key_value_heads": 4, "hidden_size": 512,
+          "intermediate_size": 1536}
+    args = types.SimpleNamespace(tp_size=8, pp_size=1, dp_size=1)
+    cfg = MorphConfig(enabled=True, controller_enabled=False)
+    with pytest.raises(MorphConfigError) as e:
+        check_launch(args, cfg, hf, manifest)
+    assert str(e.value) == (
+        "--enable-morph --tp-size 8: the W4 variant of layer 0 mlp.down_proj has groups of 128 "
+        "input columns, which do not divide a rank's 192 columns (intermediate_size 1536 / 8); "
+        "rebuild the engines with a group size that does")
+    check_launch(types.SimpleNamespace(tp_size=4, pp_size=1, dp_size=1), cfg, hf, manifest)
+
+
+# ----- one TP 3 server --------------------------------------------------------------------------
+
+def test_tp3_with_a_precision_map_equals_tp1_token_for_token(tp3, tp1, corpus_ids,
+                                                            record_property):
+    prompts = [prompt_ids(corpus_ids, seed, 24 + 8 * seed) for seed in range(3)]
+    gap = 0.0
+    for ids in prompts:
+        got, got_lp = generate(tp3, ids, 16)
+        want, want_lp = generate(tp1, ids, 16)
+        assert got == want
+        gap = max(gap, *(abs(a - b) for a, b in zip(got_lp, want_lp)))
+    record_property("max_logprob_gap_nats", gap)  # (in --junitxml; measured 2e-6 here)
+    assert gap < 1e-4
+    s = status(tp3)
+    assert [layer["bits"] for layer in s["layers"]] == [map_bits(i) for i in range(30)]
+    assert s["tensor_parallel"]["tp_size"] == 3
+    assert s["tensor_parallel"]["variant_shards"].startswith("sharded at load")
+
+
+def test_every_rank_holds_a_third_and_the_same_pool(tp3, tp1):
+    s = status(tp3)
+    rank = ranks_alike(s)
+    assert rank["kv_bytes_per_token"] == KV_BYTES_PER_TOKEN_PER_RANK
+    assert rank["memory_budget_bytes"] == BUDGET_PER_RANK
+    assert rank["weight_bytes"] + rank["kv_bytes"] <= BUDGET_PER_RANK
+    assert rank["free_budget_bytes"] < KV_BYTES_PER_TOKEN_PER_RANK  # the rest became KV
+    assert s["kv_capacity_tokens"] == rank["kv_capacity_tokens"] \
+        == rank["kv_bytes"] // KV_BYTES_PER_TOKEN_PER_RANK
+    # a rank stages a third of TP 1's variants, and the few scales a row-parallel shard keeps
+    # whole (W8's per-output-channel ones; AWQ input scales of the column-parallel linears)
+    third = status(tp1)["staged_variants_host_bytes"] / 3
+    assert third < s["staged_variants_host_bytes"] < 1.01 * third
+
+
+def test_swap_mid_stream_grows_every_rank_alike_and_restore_is_exact(tp3, corpus_ids):
+    prompts = [prompt_ids(corpus_ids, 10 + seed, 32) for seed in range(2)]
+    before = [generate(tp3, ids, 16)[0] for ids in prompts]
+    start = status(tp3)
+    start_rank = ranks_alike(start)
+    ids = prompt_ids(corpus_ids, 20, 48)
+    reference = generate(tp3, ids, 64)[0]
+    stream = Stream(tp3, ids, 64)
+    stream.wait_for(8)
+    tokens_before_swap = list(stream.ids)
+
+    r = swap(tp3, SWAPPED, 4)
+    assert r.status_code == 200, r.text
+    s = r.json()
+    rank = ranks_alike(s)
+    assert rank["layer_bits"] == [4 if i in SWAPPED else map_bits(i) for i in range(30)]
+    assert rank["kv_capacity_tokens"] > start_rank["kv_capacity_tokens"]
+    assert rank["weight_bytes"] < start_rank["weight_bytes"]
+    freed = start_rank["weight_bytes"] - rank["weight_bytes"]
+    # every rank turned what its shards freed into whole KV tokens of its own size
+    assert rank["kv_capacity_tokens"] - start_rank["kv_capacity_tokens"] == \
+        (freed + start_rank["free_budget_bytes"]) // KV_BYTES_PER_TOKEN_PER_RANK
+    stream.wait_for(len(tokens_before_swap) + 16)
+
+    r = swap(tp3, SWAPPED, 16)
+    assert r.status_code == 200, r.text
+    rank = ranks_alike(r.json())
+    for key in ("layer_bits", "kv_capacity_tokens", "weight_bytes", "kv_bytes",
+                "free_budget_bytes"):
+        assert rank[key] == start_rank[key], key
+    out = stream.join()
+    assert len(out) == 64 and stream.finish_reason["type"] == "length"
+    assert out[:len(tokens_before_swap)] == reference[:len(tokens_before_swap)]
+    assert [generate(tp3, p, 16)[0] for p in prompts] == before
+
+
+def test_a_refused_swap_changes_nothing_on_any_rank(tp3):
+    start = ranks_alike(status(tp3))
+    r = swap(tp3, [2, 27], 8)  # layer 2 is at W4: it goes up only to 16
+    assert r.status_code == 400 and "below 8 bits" in r.json()["error"], r.text
+    assert [rank["status_code"] for rank in r.json()["tp_ranks"]] == [400] * 3
+    assert {k: v for k, v in ranks_alike(status(tp3)).items() if k != "status_code"} == \
+        {k: v for k, v in start.items() if k != "status_code"}
+
+
+# ----- launches that are refused ----------------------------------------------------------------
+
+@pytest.mark.parametrize("flags,line", [
+    (("--tp-size", "3"), "--enable-morph with --tp-size 3 needs --disable-morph-controller"),
+    (("--tp-size", "3", "--dp-size", "2", "--disable-morph-controller"),
+     "--enable-morph does not support --tp-size and --dp-size together yet"),
+    (("--tp-size", "2", "--disable-morph-controller"),
+     "--enable-morph --tp-size 2 needs num_attention_heads (9) and intermediate_size (1536) "
+     "divisible by 2, and num_key_value_heads (3) a multiple or a divisor of 2"),
+])
+def test_unsupported_tensor_parallel_launches_are_refused(parse, flags, line):
+    from sglang_morph.plugin import MorphPluginError
+
+    with pytest.raises(MorphPluginError) as e:
+        parse(*flags)
+    assert line in str(e.value) and "\n" not in str(e.value)
+
+
+def test_tensor_parallel_budget_is_per_rank(parse, default_model_path):
+    from sglang_morph.engines.startup import checkpoint_weight_bytes, local_hf_config
+
+    args = parse("--tp-size", "3", "--disable-morph-controller", "--morph-memory-budget", "250MB")
+    weights = checkpoint_weight_bytes(default_model_path, local_hf_config(str(default_model_path)),
+                                      2)
+    # the launcher's pool is an upper bound each rank trims to its own weights: the budget less
+    # a third of the (bf16) checkpoint, over one KV head per rank (2 x 30 layers x 64 x 2 bytes)
+    assert args.max_total_tokens == (250 * 10**6 - weights // 3) // (2 * 30 * 64 * 2)
