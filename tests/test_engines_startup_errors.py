@@ -151,11 +151,11 @@ def test_launcher_exits_with_one_clear_line(tmp_path):
 
 def test_launcher_refuses_an_unsupported_configuration_with_one_line():
     proc = subprocess.run(
-        ["bash", str(REPO_ROOT / "scripts" / "serve.sh"), "--enable-morph", "--tp-size", "3",
+        ["bash", str(REPO_ROOT / "scripts" / "serve.sh"), "--enable-morph", "--tp-size", "2",
          "--port", "1"],
         capture_output=True, text=True, timeout=300, env=dict(os.environ),
     )
     assert proc.returncode != 0
-    assert ("sglang-morph: error: --enable-morph with --tp-size 3 needs "
-            "--disable-morph-controller") in proc.stderr
+    assert "sglang-morph: error: --enable-morph --tp-size 2 needs num_attention_heads (9)" \
+        in proc.stderr
     assert "Traceback" not in proc.stderr

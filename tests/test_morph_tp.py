@@ -1,7 +1,7 @@
 """MorphServe under SGLang tensor parallelism (issue 11, TP): ``--enable-morph --tp-size 3``.
 
 One TP 3 server on the default model (9 query / 3 KV heads: 3 + 1 per rank; float32, greedy,
-the controller off, a precision map with W4 and W8 layers, a 250 MB budget per rank) against a
+a precision map with W4 and W8 layers, a 184 MB budget per rank, the controller on) against a
 TP 1 server with the same map, the reference (itself tested against transformers with the
 dequantized weights in tests/test_precision_map_server.py). Each rank shards the whole-layer
 variants at load (parallel/tensor.py).
@@ -14,11 +14,15 @@ variants at load (parallel/tensor.py).
 - a swap of 8 layers to W4 while a request streams grows the KV pool of every rank by the same
   tokens, the stream finishes, the restore gives every rank its exact capacity back, and greedy
   output after it equals the output before; a refused swap changes nothing on any rank;
+- under a burst, rank 0's controller swaps and every rank applies the same transitions;
 - launches the sharding cannot serve stop in the launcher with one line.
 """
 
 from __future__ import annotations
 
+import re
+import threading
+import time
 import types
 
 import pytest
@@ -28,6 +32,7 @@ import torch
 # (parse, corpus_ids and tokenizer are those modules' fixtures)
 from test_morph_parallel import parse  # noqa: F401
 from test_morph_runtime_server import (  # noqa: F401
+    ADMIN,
     USER,
     Stream,
     corpus_ids,
@@ -38,10 +43,11 @@ from test_morph_runtime_server import (  # noqa: F401
 )
 
 PRECISION_MAP = "0-3:4,20-23:8"
-BUDGET_PER_RANK = 250 * 10**6  # a rank holds a third of the ~540 MB of float32 weights
+# A rank holds a third of the ~540 MB of float32 weights (151.5 MB with the map): this leaves
+# it 2114 KV tokens, which the burst below nearly fills.
+BUDGET_PER_RANK = 184 * 10**6
 SWAPPED = [17, 14, 13, 15, 12, 25, 16, 26]  # the first 8 of the LIS profile order
-COMMON = ("--dtype", "float32", "--enable-morph", "--disable-morph-controller",
-          "--morph-precision-map", PRECISION_MAP)
+COMMON = ("--dtype", "float32", "--enable-morph", "--morph-precision-map", PRECISION_MAP)
 # The default model under TP 3, per rank: 3 query heads, 1 KV head of 64, 512 of 1536 MLP rows.
 KV_BYTES_PER_TOKEN_PER_RANK = 2 * 30 * 1 * 64 * 4
 
@@ -52,6 +58,7 @@ def map_bits(layer: int) -> int:
 
 @pytest.fixture(scope="module")
 def tp3(server_factory, engines_awq):
+    # (the controller is on: rank 0's decides; the swaps below pin their layers)
     return server_factory(*COMMON, "--morph-engines", str(engines_awq), "--tp-size", "3",
                           "--morph-memory-budget", str(BUDGET_PER_RANK))
 
@@ -59,7 +66,7 @@ def tp3(server_factory, engines_awq):
 @pytest.fixture(scope="module")
 def tp1(server_factory, engines_awq):
     return server_factory(*COMMON, "--morph-engines", str(engines_awq), "--max-total-tokens",
-                          "4096")
+                          "4096", "--disable-morph-controller")
 
 
 def generate(server, ids, n_new) -> tuple[list[int], list[float]]:
@@ -160,14 +167,14 @@ def test_a_shard_that_splits_a_w4_group_is_refused():
 
 def test_tp3_with_a_precision_map_equals_tp1_token_for_token(tp3, tp1, corpus_ids,
                                                             record_property):
-    prompts = [prompt_ids(corpus_ids, seed, 24 + 8 * seed) for seed in range(3)]
+    prompts = [prompt_ids(corpus_ids, seed, 24 + 8 * seed) for seed in range(2)]
     gap = 0.0
     for ids in prompts:
         got, got_lp = generate(tp3, ids, 16)
         want, want_lp = generate(tp1, ids, 16)
         assert got == want
         gap = max(gap, *(abs(a - b) for a, b in zip(got_lp, want_lp)))
-    record_property("max_logprob_gap_nats", gap)  # (in --junitxml; measured 2e-6 here)
+    record_property("max_logprob_gap_nats", gap)  # (in --junitxml; measured 7.6e-6 here)
     assert gap < 1e-4
     s = status(tp3)
     assert [layer["bits"] for layer in s["layers"]] == [map_bits(i) for i in range(30)]
@@ -191,13 +198,13 @@ def test_every_rank_holds_a_third_and_the_same_pool(tp3, tp1):
 
 
 def test_swap_mid_stream_grows_every_rank_alike_and_restore_is_exact(tp3, corpus_ids):
-    prompts = [prompt_ids(corpus_ids, 10 + seed, 32) for seed in range(2)]
+    prompts = [prompt_ids(corpus_ids, 10, 32)]
     before = [generate(tp3, ids, 16)[0] for ids in prompts]
     start = status(tp3)
     start_rank = ranks_alike(start)
     ids = prompt_ids(corpus_ids, 20, 48)
-    reference = generate(tp3, ids, 64)[0]
-    stream = Stream(tp3, ids, 64)
+    reference = generate(tp3, ids, 48)[0]
+    stream = Stream(tp3, ids, 48)
     stream.wait_for(8)
     tokens_before_swap = list(stream.ids)
 
@@ -212,7 +219,7 @@ def test_swap_mid_stream_grows_every_rank_alike_and_restore_is_exact(tp3, corpus
     # every rank turned what its shards freed into whole KV tokens of its own size
     assert rank["kv_capacity_tokens"] - start_rank["kv_capacity_tokens"] == \
         (freed + start_rank["free_budget_bytes"]) // KV_BYTES_PER_TOKEN_PER_RANK
-    stream.wait_for(len(tokens_before_swap) + 16)
+    stream.wait_for(len(tokens_before_swap) + 12)  # decoding goes on at W4
 
     r = swap(tp3, SWAPPED, 16)
     assert r.status_code == 200, r.text
@@ -221,7 +228,7 @@ def test_swap_mid_stream_grows_every_rank_alike_and_restore_is_exact(tp3, corpus
                 "free_budget_bytes"):
         assert rank[key] == start_rank[key], key
     out = stream.join()
-    assert len(out) == 64 and stream.finish_reason["type"] == "length"
+    assert len(out) == 48 and stream.finish_reason["type"] == "length"
     assert out[:len(tokens_before_swap)] == reference[:len(tokens_before_swap)]
     assert [generate(tp3, p, 16)[0] for p in prompts] == before
 
@@ -235,10 +242,64 @@ def test_a_refused_swap_changes_nothing_on_any_rank(tp3):
         {k: v for k, v in start.items() if k != "status_code"}
 
 
+def _controller_transitions(log_text: str) -> dict[int, list[tuple[str, str, int]]]:
+    """Each rank's controller transitions, from its scheduler's log lines."""
+    per_rank: dict[int, list[tuple[str, str, int]]] = {0: [], 1: [], 2: []}
+    for m in re.finditer(r"TP(\d)\] sglang-morph: (swap|restore) layers (\[[^\]]*\]) "
+                         r"\[[^\]]*\] -> (\d+) bits \(controller\)", log_text):
+        per_rank[int(m[1])].append((m[2], m[3], int(m[4])))
+    return per_rank
+
+
+def test_rank0s_controller_swaps_every_rank_alike_under_a_burst(tp3, corpus_ids):
+    start = status(tp3)
+    start_rank = ranks_alike(start)
+    assert start["controller"] is True
+    assert start["tensor_parallel"]["controller"].startswith("rank 0 decides")
+    n_reqs, prompt, new = 9, 200, 16
+    assert n_reqs * (prompt + new) > 0.9 * start["kv_capacity_tokens"]  # above kv_usage_high
+    outputs: dict[int, int] = {}
+
+    def one(seed):
+        r = requests.post(f"{tp3.url}/generate", headers=USER, timeout=900, json={
+            "input_ids": prompt_ids(corpus_ids, seed, prompt), "sampling_params": {
+                "temperature": 0, "max_new_tokens": new, "ignore_eos": True}})
+        outputs[seed] = len(r.json()["output_ids"]) if r.status_code == 200 else -1
+
+    threads = [threading.Thread(target=one, args=(400 + i,)) for i in range(n_reqs)]
+    for th in threads:
+        th.start()
+    peak = 0
+    while any(th.is_alive() for th in threads):
+        # (answered between two batches: a 9-request prefill takes tens of seconds under TP 3)
+        r = requests.get(f"{tp3.url}/morph/status", headers=USER, timeout=600)
+        rank = ranks_alike(r.json())  # every answer: all three ranks alike
+        peak = max(peak, sum(b != map_bits(i) for i, b in enumerate(rank["layer_bits"])))
+        time.sleep(1.0)
+    for th in threads:
+        th.join()
+    assert sorted(outputs.values()) == [new] * n_reqs
+    after = ranks_alike(status(tp3))
+    moved = [i for i, b in enumerate(after["layer_bits"]) if b != start_rank["layer_bits"][i]]
+    assert peak > 0 or moved
+    # hand what the controller still holds back (its quiet restores take tens of seconds)
+    if moved:
+        r = requests.post(f"{tp3.url}/morph/swap", headers=ADMIN, timeout=600,
+                          json={"layers": moved, "bits": 16, "pin": False})
+        assert r.status_code == 200, r.text
+    end = ranks_alike(status(tp3))
+    for key in ("layer_bits", "kv_capacity_tokens", "weight_bytes", "kv_bytes"):
+        assert end[key] == start_rank[key], key
+    # rank 0 decided, every rank applied the same transitions in the same order (each logs a
+    # transition before it answers the status request that follows it)
+    per_rank = _controller_transitions(tp3.log_path.read_text())
+    assert per_rank[0] and per_rank[0][0][0] == "swap", per_rank
+    assert per_rank[1] == per_rank[0] and per_rank[2] == per_rank[0], per_rank
+
+
 # ----- launches that are refused ----------------------------------------------------------------
 
 @pytest.mark.parametrize("flags,line", [
-    (("--tp-size", "3"), "--enable-morph with --tp-size 3 needs --disable-morph-controller"),
     (("--tp-size", "3", "--dp-size", "2", "--disable-morph-controller"),
      "--enable-morph does not support --tp-size and --dp-size together yet"),
     (("--tp-size", "2", "--disable-morph-controller"),
@@ -256,7 +317,7 @@ def test_unsupported_tensor_parallel_launches_are_refused(parse, flags, line):
 def test_tensor_parallel_budget_is_per_rank(parse, default_model_path):
     from sglang_morph.engines.startup import checkpoint_weight_bytes, local_hf_config
 
-    args = parse("--tp-size", "3", "--disable-morph-controller", "--morph-memory-budget", "250MB")
+    args = parse("--tp-size", "3", "--morph-memory-budget", "250MB")
     weights = checkpoint_weight_bytes(default_model_path, local_hf_config(str(default_model_path)),
                                       2)
     # the launcher's pool is an upper bound each rank trims to its own weights: the budget less

@@ -254,7 +254,7 @@ def _after_scheduler_init(_result: None, scheduler: Any, *args: Any, **kwargs: A
     from sglang.utils import TypeBasedDispatcher
 
     from sglang_morph.executor.runtime import MorphRuntime
-    from sglang_morph.server.messages import MORPH_REQUESTS
+    from sglang_morph.server.messages import MORPH_REQUESTS, MorphActionReq
 
     from sglang_morph.parallel.pipeline import stage_config
 
@@ -268,7 +268,8 @@ def _after_scheduler_init(_result: None, scheduler: Any, *args: Any, **kwargs: A
         raise MorphPluginError(f"sglang-morph: error: --enable-morph does not support this "
                                f"configuration: {e}") from e
     scheduler._request_dispatcher += TypeBasedDispatcher(
-        [(req_type, runtime.handle_control) for req_type in MORPH_REQUESTS])
+        [(req_type, runtime.handle_control) for req_type in MORPH_REQUESTS]
+        + [(MorphActionReq, runtime.handle_action)])  # TP rank 0's controller, to every rank
     scheduler.morph_runtime = runtime
     logger.info(
         "sglang-morph enabled in scheduler: %s, %d decoder layers, kv_capacity_tokens=%d, "
@@ -286,6 +287,14 @@ def _before_get_next_batch(scheduler: Any, *args: Any, **kwargs: Any) -> None:
     runtime = getattr(scheduler, "morph_runtime", None)
     if runtime is not None:
         runtime.on_step()
+
+
+def _after_poll_timeout_aborts(result: list, scheduler: Any) -> list:
+    """TP rank 0 (the only caller): its controller's action joins the rank-0 inputs that
+    SGLang broadcasts to every rank this step (parallel/tensor.py)."""
+    runtime = getattr(scheduler, "morph_runtime", None)
+    tensor = getattr(runtime, "tensor", None)
+    return result + tensor.outgoing() if tensor is not None else result
 
 
 def _after_get_output_streamer_class(result: type, scheduler: Any) -> type | None:
@@ -311,6 +320,9 @@ HOOKS: tuple[Hook, ...] = (
     # Between two forward passes: the morph runtime samples pressure and applies its actions.
     Hook(sym.HOOK_NEXT_BATCH, _before_get_next_batch, "BEFORE", only_if_imported=_IN_SCHEDULER),
     Hook(sym.HOOK_RETRACT_DECODE, _after_retract_decode, "AFTER",
+         only_if_imported=_IN_SCHEDULER),
+    # Under TP: rank 0's controller actions ride SGLang's broadcast of the step's inputs.
+    Hook(sym.HOOK_RANK0_LOCAL_INPUTS, _after_poll_timeout_aborts, "AFTER",
          only_if_imported=_IN_SCHEDULER),
     # Precision provenance: the output streamer reports what precisions produced each response.
     Hook(sym.HOOK_OUTPUT_STREAMER_CLASS, _after_get_output_streamer_class, "AFTER",

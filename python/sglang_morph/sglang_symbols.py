@@ -51,6 +51,8 @@ HOOK_LOAD_MODEL = f"{_RUNNER}.load_model"
 HOOK_NEXT_BATCH = f"{_SCHEDULER}.get_next_batch_to_run"
 HOOK_RETRACT_DECODE = f"{_BATCH}.ScheduleBatch.retract_decode"
 HOOK_TOKENIZER_MANAGER_INIT = f"{_TOKENIZER_MANAGER}.__init__"
+# TP rank 0's local inputs (SGLang's timeout aborts), broadcast to every rank with the step's.
+HOOK_RANK0_LOCAL_INPUTS = f"{_SCHEDULER}._poll_timeout_aborts"
 
 # Used in the launcher / HTTP process (checked there, before any process is spawned).
 HTTP_SYMBOLS: tuple[Symbol, ...] = (
@@ -86,7 +88,7 @@ HTTP_SYMBOLS: tuple[Symbol, ...] = (
 # Used in the scheduler process.
 SCHEDULER_SYMBOLS: tuple[Symbol, ...] = (
     *(Symbol(t, "hook") for t in (HOOK_SCHEDULER_INIT, HOOK_LOAD_MODEL, HOOK_NEXT_BATCH,
-                                  HOOK_RETRACT_DECODE)),
+                                  HOOK_RETRACT_DECODE, HOOK_RANK0_LOCAL_INPUTS)),
     Symbol(f"{_SCHEDULER}.emit_metrics_constants", "call"),
     *_group(_SCHEDULER, "read", "server_args model_config tp_worker waiting_queue "
             "running_batch last_batch chunked_req new_token_ratio_tracker "

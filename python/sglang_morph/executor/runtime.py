@@ -356,14 +356,13 @@ class MorphRuntime:
             running_kv_release=tuple(release),
         )
         self.last_signals = self.monitor.observe(snapshot)
-        if self.controller is not None:
+        if self.controller is not None and (self.tensor is None or self.tensor.decides()):
             action = self.controller.decide(self.last_signals, self.layer_bits,
                                             pinned=frozenset(self.pinned))
-            if action is not None:
-                try:
-                    self.apply(action, source="controller")
-                except MorphRequestError as e:
-                    logger.info("sglang-morph: controller action not applied: %s", e)
+            if action is not None and self.tensor is not None:
+                self.tensor.send(action)  # every rank applies it at the same step
+            elif action is not None:
+                self._apply_controller_action(action)
         if self._metrics is not None:
             self._metrics.kv_used_tokens.set(snapshot.kv_used_tokens)
         idle = not waiting and snapshot.num_running_reqs == 0
@@ -371,6 +370,21 @@ class MorphRuntime:
             self._next_idle_check_s = now + IDLE_CHECK_INTERVAL_S
             self._resized_since_check = False
             self.check_integrity()
+
+    def _apply_controller_action(self, action: SwapLayers) -> None:
+        try:
+            self.apply(action, source="controller")
+        except MorphRequestError as e:
+            logger.info("sglang-morph: controller action not applied: %s", e)
+
+    def handle_action(self, req: Any) -> None:
+        """The dispatcher's entry for TP rank 0's controller actions, on every rank."""
+        if self.tensor is not None:
+            self.tensor.received()
+        # (an operator's swap in the same broadcast, ahead of it, may have pinned some)
+        layers = tuple(i for i in req.layers if i not in self.pinned)
+        if layers:
+            self._apply_controller_action(SwapLayers(layers, req.bits, req.reason))
 
     # ----- commands --------------------------------------------------------------------------
 

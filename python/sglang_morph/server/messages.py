@@ -43,6 +43,16 @@ class MorphModeReq(_MorphReq, kw_only=True):
     replica: int | None = None
 
 
+class MorphActionReq(_MorphReq, kw_only=True):
+    """A controller action under tensor parallelism: TP rank 0's controller decides and sends
+    this to its own scheduler input, so that SGLang's broadcast of each step's inputs hands it
+    to every rank at the same step (``parallel/tensor.py``). No answer."""
+
+    layers: list[int]
+    bits: int
+    reason: str
+
+
 class MorphControlOutput(BaseReq, kw_only=True):
     status_code: int
     body: dict[str, Any]
@@ -51,4 +61,4 @@ class MorphControlOutput(BaseReq, kw_only=True):
 
 MORPH_REQUESTS = (MorphStatusReq, MorphSwapReq, MorphModeReq)
 
-hook_custom_types(*MORPH_REQUESTS, MorphControlOutput)
+hook_custom_types(*MORPH_REQUESTS, MorphActionReq, MorphControlOutput)
