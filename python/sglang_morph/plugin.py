@@ -93,7 +93,7 @@ def _after_from_cli_args(server_args: Any, _cls: Any, args: Any) -> None:
 # (sglang_morph.parallel.pipeline: each stage morphs its own layers), on one node; so are data
 # parallelism (parallel/replicas.py: each replica morphs on its own) and tensor parallelism
 # (parallel/tensor.py: each rank swaps its shards at the same step), one at a time (checked in
-# check_supported and parallel.tensor.check_launch).
+# check_supported).
 _PARALLEL_FLAGS = ("attn_dp_size", "attn_cp_size", "dcp_size", "nnodes")
 # KV caches the resizer cannot grow or shrink (it supports the device radix cache only).
 _KV_CACHE_FLAGS = ("enable_hierarchical_cache", "enable_lmcache", "enable_hisparse",
@@ -116,11 +116,14 @@ def check_supported(server_args: Any) -> None:
                 f"--enable-morph does not support {flag(name)} {value} yet: layer swaps and KV "
                 f"resizing run per tensor-parallel rank, pipeline stage or data-parallel "
                 f"replica on one node (--tp-size N, --pp-size N or --dp-size N is supported)")
-    if (getattr(server_args, "pp_size", 1) or 1) > 1 and (getattr(server_args, "dp_size", 1)
-                                                          or 1) > 1:
-        # Each is tested alone; replicas of pipelines would need both routings of /morph.
+    # One parallel layout at a time: each is tested alone, and two at once would need both
+    # routings of /morph (e.g. replicas of pipelines).
+    layouts = [name for name in ("tp_size", "pp_size", "dp_size")
+               if (getattr(server_args, name, 1) or 1) > 1]
+    if len(layouts) > 1:
         raise morph_config.MorphConfigError(
-            "--enable-morph does not support --pp-size and --dp-size together yet: use one")
+            f"--enable-morph does not support {flag(layouts[0])} and {flag(layouts[1])} "
+            f"together yet: use one")
     for name in _KV_CACHE_FLAGS:
         if getattr(server_args, name, False):
             raise morph_config.MorphConfigError(
@@ -216,7 +219,7 @@ def _after_load_model(_result: None, runner: Any) -> None:
         return
     from sglang_morph.config import FULL_PRECISION_BITS
     from sglang_morph.engines.startup import plan_startup
-    from sglang_morph.executor.variants import LayerVariantInstaller, StagedVariants
+    from sglang_morph.executor.variants import LayerVariantInstaller, StagedVariants, held_layers
     from sglang_morph.parallel.tensor import sharder
 
     try:
@@ -224,8 +227,7 @@ def _after_load_model(_result: None, runner: Any) -> None:
         # Every variant into host memory now (pinned on CUDA, so copies can be asynchronous):
         # a transition never reads the engines directory while serving.
         # A pipeline stage holds (and stages the variants of) start_layer..end_layer-1 only.
-        owned = range(getattr(runner.model.model, "start_layer", 0),
-                      getattr(runner.model.model, "end_layer", len(plan.layer_bits)))
+        owned = held_layers(runner.model)
         staged = StagedVariants(plan.manifest, plan.engines_dir,
                                 pin_memory=str(runner.device).startswith("cuda"), layers=owned,
                                 shard=sharder(runner.model))  # a TP rank keeps its shards

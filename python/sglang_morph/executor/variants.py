@@ -186,6 +186,13 @@ class AppliedMove:
     previous_full_precision: dict[int, _FullPrecision | None]
 
 
+def held_layers(model: torch.nn.Module) -> range:
+    """The decoder layers this process holds: all of them, or a pipeline stage's
+    ``start_layer``..``end_layer - 1`` (SGLang's PPMissingLayer placeholders elsewhere)."""
+    inner = model.model
+    return range(getattr(inner, "start_layer", 0), getattr(inner, "end_layer", len(inner.layers)))
+
+
 class LayerVariantInstaller:
     """Sets decoder layers of an SGLang model to precisions staged in a ``StagedVariants``.
 
@@ -212,9 +219,8 @@ class LayerVariantInstaller:
         self._bits = [FULL_PRECISION_BITS] * len(self.layers)
         self._full_precision: dict[int, _FullPrecision] = {}
         # Under pipeline parallelism the other stages' layers are SGLang's PPMissingLayer
-        # placeholders; only start_layer..end_layer-1 can be moved (their bits stay 16 here).
-        self.owned = range(getattr(model.model, "start_layer", 0),
-                           getattr(model.model, "end_layer", len(self.layers)))
+        # placeholders; only the held ones can be moved (the others' bits stay 16 here).
+        self.owned = held_layers(model)
 
     @property
     def bits(self) -> tuple[int, ...]:

@@ -62,11 +62,7 @@ def check_launch(server_args: Any, cfg: MorphConfig, hf_config: dict[str, Any] |
     tp = getattr(server_args, "tp_size", 1) or 1
     if tp <= 1:
         return
-    for other in ("pp_size", "dp_size"):
-        if (getattr(server_args, other, 1) or 1) > 1:
-            raise MorphConfigError(
-                f"--enable-morph does not support --tp-size and --{other.replace('_', '-')} "
-                f"together yet: use one")
+    # (--tp-size with --pp-size or --dp-size: refused by plugin.check_supported, called first)
     if hf_config is None:
         return
     heads = hf_config["num_attention_heads"]
