@@ -1,0 +1,201 @@
+"""Measure KunServe's chunk cost model on this machine, through a real SGLang server.
+
+Prefill chunks: for every (p cached tokens, c new tokens, b requests) point, ``b`` random
+prompts of ``p`` tokens are prefilled once (the radix cache keeps them), then the same prompts
+extended by ``c`` fresh tokens run as one batch with ``max_new_tokens=1``; SGLang reports
+``cached_tokens`` (checked to equal ``p``) and its own ``e2e_latency`` per request, which is
+the forward of the ``c`` tokens plus the fixed per-request path (IPC, scheduling, sampling,
+detokenizing) that the model's ``gamma`` absorbs.
+
+Decode steps: ``b`` fresh prompts of ``p`` tokens run once with ``max_new_tokens=1`` and once
+(other fresh prompts, the same prefill) with ``N``; ``(e2e(N) - e2e(1)) / (N - 1)`` is one
+decode step of the batch, at the mean context ``p + N/2`` (the model is linear in ``p`` for
+``c = 1``, so the mean step is the step at the mean context).
+
+Every point is the median of ``--repeats`` runs. A fixed quarter of the points (seeded) is held
+out; the fit uses the rest, and the held-out mean relative error is reported per phase.
+
+    .venv/bin/python -m benchmark.kunserve_costs [--out benchmark/results/kunserve]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+from pathlib import Path
+
+import httpx
+import numpy as np
+
+from benchmark.harness import git_state, load_average, machine_info, running_server
+from sglang_morph.kunserve.cost import (
+    Chunk,
+    ForwardTiming,
+    PhaseCosts,
+    fit_chunk_cost,
+    relative_errors,
+    timings_to_json,
+)
+
+PREFILL_CACHED = (0, 64, 256, 512, 1024, 2048)
+PREFILL_NEW = (16, 64, 128, 256, 512, 1024)
+PREFILL_BATCH = (1, 2)
+DECODE_CONTEXT = (32, 256, 512, 1024, 2048)
+DECODE_BATCH = (1, 2, 4, 8)
+DECODE_STEPS = 34  # 33 decode steps after the prefill's token: cached p+1 .. p+33, mean p+17
+MAX_BATCH_TOKENS = 8192  # one forward (no chunked prefill splitting a point)
+HELD_OUT_SHARE = 0.25
+VOCAB_LOW, VOCAB_HIGH = 1000, 40000  # ordinary tokens of the default model's vocabulary
+SERVER_ARGS = ("--chunked-prefill-size", str(MAX_BATCH_TOKENS),
+               "--max-prefill-tokens", str(MAX_BATCH_TOKENS))
+
+
+class Client:
+    def __init__(self, url: str, seed: int):
+        self.http = httpx.Client(base_url=url, timeout=600.0)
+        self.rng = np.random.default_rng(seed)
+
+    def tokens(self, n: int) -> list[int]:
+        return self.rng.integers(VOCAB_LOW, VOCAB_HIGH, n).tolist()
+
+    def generate(self, prompts: list[list[int]], max_new_tokens: int) -> list[dict]:
+        r = self.http.post("/generate", json={
+            "input_ids": prompts,
+            "sampling_params": {"temperature": 0, "max_new_tokens": max_new_tokens,
+                                "ignore_eos": True}})
+        r.raise_for_status()
+        out = r.json()
+        return out if isinstance(out, list) else [out]
+
+    def e2e_s(self, outs: list[dict]) -> float:
+        # One forward serves the whole batch: the slowest member's path is the batch's.
+        return max(float(o["meta_info"]["e2e_latency"]) for o in outs)
+
+
+def prefill_point(client: Client, p: int, c: int, b: int) -> float:
+    prefixes = [client.tokens(p) for _ in range(b)]
+    if p:
+        client.generate(prefixes, 1)
+    outs = client.generate([pre + client.tokens(c) for pre in prefixes], 1)
+    cached = [int(o["meta_info"]["cached_tokens"]) for o in outs]
+    if cached != [p] * b:
+        raise RuntimeError(f"prefill point p={p} c={c} b={b}: cached_tokens {cached}, "
+                           f"expected {p} each (radix cache off or evicted?)")
+    return client.e2e_s(outs)
+
+
+def decode_point(client: Client, p: int, b: int) -> float:
+    one = client.e2e_s(client.generate([client.tokens(p) for _ in range(b)], 1))
+    many = client.e2e_s(client.generate([client.tokens(p) for _ in range(b)], DECODE_STEPS))
+    return (many - one) / (DECODE_STEPS - 1)
+
+
+def measure(client: Client, repeats: int, deadline: float) -> list[ForwardTiming]:
+    points: list[tuple[str, int, int, int]] = []
+    for b in PREFILL_BATCH:
+        for p in PREFILL_CACHED:
+            for c in PREFILL_NEW:
+                if b * (p + c) <= MAX_BATCH_TOKENS:
+                    points.append(("prefill", p, c, b))
+    for b in DECODE_BATCH:
+        for p in DECODE_CONTEXT:
+            if b * p <= MAX_BATCH_TOKENS:
+                points.append(("decode", p, 1, b))
+    # Warm-up: first forwards of each shape pay one-time costs (allocator, kernels).
+    prefill_point(client, 64, 64, 1)
+    decode_point(client, 64, 1)
+    timings = []
+    for k, (phase, p, c, b) in enumerate(points):
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"measurement ran past its time limit at point {k}/{len(points)}")
+        runs = [prefill_point(client, p, c, b) if phase == "prefill" else decode_point(client, p, b)
+                for _ in range(repeats)]
+        seconds = statistics.median(runs)
+        cached = p if phase == "prefill" else p + DECODE_STEPS // 2
+        timings.append(ForwardTiming(tuple(Chunk(cached, c) for _ in range(b)), seconds))
+        print(f"[{k + 1}/{len(points)}] {phase} p={p} c={c} b={b}: {seconds * 1e3:.1f} ms "
+              f"(runs {', '.join(f'{r * 1e3:.1f}' for r in runs)})", flush=True)
+    return timings
+
+
+def split_held_out(timings: list[ForwardTiming], seed: int):
+    rng = np.random.default_rng(seed)
+    held = set(rng.permutation(len(timings))[: round(HELD_OUT_SHARE * len(timings))].tolist())
+    train = [t for i, t in enumerate(timings) if i not in held]
+    test = [t for i, t in enumerate(timings) if i in held]
+    return train, test
+
+
+def fit_and_evaluate(timings: list[ForwardTiming], seed: int, source: str) -> dict:
+    report, models = {}, {}
+    for phase in ("prefill", "decode"):
+        own = [t for t in timings if t.phase == phase]
+        train, test = split_held_out(own, seed)
+        model = fit_chunk_cost(train)
+        models[phase] = model
+        train_err, test_err = relative_errors(model, train), relative_errors(model, test)
+        report[phase] = {"points": len(own), "train_points": len(train),
+                         "held_out_points": len(test),
+                         "train_mean_error": float(train_err.mean()),
+                         "held_out_mean_error": float(test_err.mean()),
+                         "held_out_max_error": float(test_err.max())}
+    fit = PhaseCosts(models["prefill"], models["decode"], source)
+    return {"fit": fit.to_json(), "errors": report}
+
+
+def write_markdown(path: Path, result: dict) -> None:
+    fit, err, meta = result["fit"], result["errors"], result["meta"]
+    lines = ["# KunServe chunk cost model, measured on this machine (real SGLang server)", "",
+             f"`{meta['command']}` at commit {meta['git']['commit']} "
+             f"(dirty: {meta['git']['dirty']}), {meta['machine']['cpu_model']}, "
+             f"{meta['machine']['cpu_cores']} cores, sglang {meta['machine']['versions']['sglang']}; "
+             f"load average before {meta['load_before']}, after {meta['load_after']}; "
+             f"`uptime`: {meta['uptime']}; {meta['seconds']:.0f} s.", "",
+             "cost(batch) = gamma + sum_i [alpha (p_i c_i + c_i^2 + c_i) + beta c_i]; "
+             "server-side `e2e_latency`, median of "
+             f"{meta['repeats']} runs per point, {HELD_OUT_SHARE:.0%} of points held out.", "",
+             "| phase | alpha (s) | beta (s/token) | gamma (s) | points | train mean err | "
+             "held-out mean err | held-out max err |", "|---|---|---|---|---|---|---|---|"]
+    for phase in ("prefill", "decode"):
+        f, e = fit[phase], err[phase]
+        lines.append(f"| {phase} | {f['alpha_s']:.3e} | {f['beta_s']:.3e} | {f['gamma_s']:.3e} | "
+                     f"{e['points']} | {e['train_mean_error']:.1%} | "
+                     f"{e['held_out_mean_error']:.1%} | {e['held_out_max_error']:.1%} |")
+    path.write_text("\n".join(lines) + "\n")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", type=Path, default=Path("benchmark/results/kunserve"))
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--time-limit-s", type=float, default=13 * 60,
+                    help="stop (with an error) past this many seconds of measuring")
+    args = ap.parse_args()
+    if args.repeats < 1:
+        ap.error("--repeats must be >= 1")
+    args.out.mkdir(parents=True, exist_ok=True)
+    import subprocess
+
+    started = time.monotonic()
+    load_before = load_average()
+    with running_server(SERVER_ARGS, args.out / "costs_server.log") as server:
+        timings = measure(Client(server.url, args.seed), args.repeats,
+                          started + args.time_limit_s)
+    meta = {"command": "python -m benchmark.kunserve_costs", "git": git_state(),
+            "machine": machine_info(), "repeats": args.repeats, "seed": args.seed,
+            "server_args": list(SERVER_ARGS), "load_before": load_before,
+            "load_after": load_average(), "seconds": time.monotonic() - started,
+            "uptime": subprocess.run(["uptime"], capture_output=True, text=True).stdout.strip()}
+    source = f"{meta['machine']['cpu_model']}, commit {meta['git']['commit']}"
+    result = {**fit_and_evaluate(timings, args.seed, source), "meta": meta,
+              "timings": timings_to_json(timings)}
+    (args.out / "costs.json").write_text(json.dumps(result, indent=1))
+    write_markdown(args.out / "costs.md", result)
+    print(json.dumps(result["errors"], indent=1))
+
+
+if __name__ == "__main__":
+    main()

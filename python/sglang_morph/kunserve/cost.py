@@ -1,0 +1,181 @@
+"""KunServe's chunk cost model: how long one forward of a batch of request chunks takes.
+
+A request that already holds ``p`` tokens of KV and runs ``c`` new tokens through the model
+(a prefill chunk behind a cached prefix; a decode step is ``c = 1``) costs, in KunServe's
+model, ``alpha * (p*c + c^2 + c) + beta * c``: the attention of the ``c`` new tokens reads the
+``p`` cached ones and each other (``p*c + c^2``), and every token goes through the linears
+(``c``). One forward of a batch adds one fixed ``gamma`` (weights read once, launch and
+scheduling overhead), so a batch of chunks costs
+
+    gamma + sum_i [alpha * (p_i*c_i + c_i^2 + c_i) + beta * c_i].
+
+Prefill and decode are fitted apart (``PhaseCosts``): a decode step is bound by reading the
+weights and the KV, a prefill chunk by arithmetic, so one ``(alpha, beta, gamma)`` for both
+would fit neither. Fitting is least squares on relative error with non-negative coefficients
+(``scipy.optimize.nnls``, as ``plan/cost.py``): times span orders of magnitude, and a negative
+coefficient would make a longer chunk cheaper, which a micro-batch balancer must never believe.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+from collections.abc import Iterable, Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+PHASES = ("prefill", "decode")
+
+
+@dataclasses.dataclass(frozen=True)
+class Chunk:
+    """One request's share of a forward: ``new_tokens`` run behind ``cached_tokens`` of KV."""
+
+    cached_tokens: int  # p
+    new_tokens: int  # c
+
+    def __post_init__(self) -> None:
+        if self.cached_tokens < 0 or self.new_tokens < 1:
+            raise ValueError(f"a chunk needs cached_tokens >= 0 and new_tokens >= 1, got "
+                             f"p={self.cached_tokens}, c={self.new_tokens}")
+
+    @property
+    def phase(self) -> str:
+        return "decode" if self.new_tokens == 1 and self.cached_tokens > 0 else "prefill"
+
+
+def batch_features(chunks: Sequence[Chunk]) -> np.ndarray:
+    """``[attention-ish, tokens, 1]``: the coefficients' multipliers for one forward."""
+    if not chunks:
+        raise ValueError("a forward needs at least one chunk")
+    p = np.array([ch.cached_tokens for ch in chunks], dtype=np.float64)
+    c = np.array([ch.new_tokens for ch in chunks], dtype=np.float64)
+    return np.array([float(np.sum(p * c + c * c + c)), float(np.sum(c)), 1.0])
+
+
+@dataclasses.dataclass(frozen=True)
+class ChunkCostModel:
+    """``seconds(chunks) = alpha_s * sum(p*c + c^2 + c) + beta_s * sum(c) + gamma_s``.
+
+    Invariant (``check_integrity``): every coefficient finite and >= 0, so the cost never
+    decreases when a chunk grows or joins the batch (what balancing relies on).
+    """
+
+    alpha_s: float
+    beta_s: float
+    gamma_s: float
+
+    def __post_init__(self) -> None:
+        self.check_integrity()
+
+    def check_integrity(self) -> None:
+        for name in ("alpha_s", "beta_s", "gamma_s"):
+            value = getattr(self, name)
+            if not math.isfinite(value) or value < 0:
+                raise ValueError(f"chunk cost model: {name} must be finite and >= 0, got {value}")
+
+    @property
+    def coefficients(self) -> np.ndarray:
+        return np.array([self.alpha_s, self.beta_s, self.gamma_s])
+
+    def seconds(self, chunks: Sequence[Chunk]) -> float:
+        return float(batch_features(chunks) @ self.coefficients)
+
+    def chunk_seconds(self, chunk: Chunk) -> float:
+        """One chunk's share without the per-forward ``gamma`` (what a balancer adds up)."""
+        return self.seconds([chunk]) - self.gamma_s
+
+
+@dataclasses.dataclass(frozen=True)
+class ForwardTiming:
+    """One measured forward: its chunks and ``seconds`` (server-side), all of one phase."""
+
+    chunks: tuple[Chunk, ...]
+    seconds: float
+
+    def __post_init__(self) -> None:
+        if not self.chunks:
+            raise ValueError("a timing needs at least one chunk")
+        if not (math.isfinite(self.seconds) and self.seconds > 0):
+            raise ValueError(f"a timing needs seconds > 0, got {self.seconds}")
+        if len({ch.phase for ch in self.chunks}) != 1:
+            raise ValueError("a timing mixes prefill and decode chunks; fit them apart")
+
+    @property
+    def phase(self) -> str:
+        return self.chunks[0].phase
+
+
+def fit_chunk_cost(timings: Sequence[ForwardTiming]) -> ChunkCostModel:
+    """Non-negative least squares on relative error over ``timings`` (one phase).
+
+    Refuses what cannot determine three coefficients: fewer than 3 timings, one phase mixed
+    with another, or features that do not vary (every point the same size).
+    """
+    from scipy.optimize import nnls
+
+    timings = list(timings)
+    if len(timings) < 3:
+        raise ValueError(f"fitting alpha, beta, gamma needs at least 3 timings, got {len(timings)}")
+    phases = {t.phase for t in timings}
+    if len(phases) != 1:
+        raise ValueError(f"timings of several phases {sorted(phases)}: fit each phase apart")
+    x = np.stack([batch_features(t.chunks) for t in timings])
+    y = np.array([t.seconds for t in timings])
+    if np.linalg.matrix_rank(x) < 2:
+        raise ValueError("the timings' features do not vary: measure several chunk sizes")
+    # Column scaling keeps NNLS well conditioned (the first feature reaches 1e7).
+    scale = np.abs(x).max(axis=0)
+    solution, _ = nnls(x / y[:, None] / scale, np.ones(len(y)))
+    alpha, beta, gamma = (float(v) for v in solution / scale)
+    return ChunkCostModel(alpha, beta, gamma)
+
+
+def relative_errors(model: ChunkCostModel, timings: Iterable[ForwardTiming]) -> np.ndarray:
+    timings = list(timings)
+    predicted = np.array([model.seconds(t.chunks) for t in timings])
+    measured = np.array([t.seconds for t in timings])
+    return np.abs(predicted - measured) / measured
+
+
+@dataclasses.dataclass(frozen=True)
+class PhaseCosts:
+    """The fitted model of each phase on one machine; a batch of only decode steps
+    (``c = 1`` behind a prefix) is costed by ``decode``, anything else by ``prefill``."""
+
+    prefill: ChunkCostModel
+    decode: ChunkCostModel
+    source: str = ""  # where the timings came from (machine, commit)
+
+    def model(self, chunks: Sequence[Chunk]) -> ChunkCostModel:
+        return self.decode if all(ch.phase == "decode" for ch in chunks) else self.prefill
+
+    def seconds(self, chunks: Sequence[Chunk]) -> float:
+        return self.model(chunks).seconds(chunks)
+
+    def to_json(self) -> dict[str, Any]:
+        return {"source": self.source,
+                **{phase: dataclasses.asdict(getattr(self, phase)) for phase in PHASES}}
+
+    @classmethod
+    def from_json(cls, raw: dict[str, Any]) -> "PhaseCosts":
+        return cls(ChunkCostModel(**raw["prefill"]), ChunkCostModel(**raw["decode"]),
+                   raw.get("source", ""))
+
+    @classmethod
+    def load(cls, path: Path) -> "PhaseCosts":
+        raw = json.loads(Path(path).read_text())
+        return cls.from_json(raw["fit"] if "fit" in raw else raw)
+
+
+def timings_to_json(timings: Sequence[ForwardTiming]) -> list[dict[str, Any]]:
+    return [{"chunks": [[ch.cached_tokens, ch.new_tokens] for ch in t.chunks],
+             "seconds": t.seconds} for t in timings]
+
+
+def timings_from_json(raw: Sequence[dict[str, Any]]) -> list[ForwardTiming]:
+    return [ForwardTiming(tuple(Chunk(int(p), int(c)) for p, c in t["chunks"]),
+                          float(t["seconds"])) for t in raw]
