@@ -1,0 +1,309 @@
+"""M2 (memory) and L2 (latency): fitted on fingerprints, extrapolated to the full depth.
+
+**M2.** Per bit-width and per memory figure (``weight_bytes``, ``kv_bytes``,
+``activation_peak_bytes``, ``rss_hwm_bytes``; see ``measure``), one scheduler process of TP size
+``t`` holding ``n`` decoder layers is modelled as
+
+    m = fixed[t] + n * per_layer[t]                      (PP 1, and every PP stage ...)
+        + first_delta / t   on the first stage of a pipeline (PP > 1)
+        + last_delta / t    on the last stage
+        + (first_delta + last_delta - E) / t   on a middle stage
+
+``fixed`` holds what one process has besides its layers (Python, torch, SGLang, the embedding,
+the LM head, the logits), ``per_layer`` the weights, KV pool share and transients of a layer,
+and the deltas the pipeline overhead of a stage: what a first stage lacks (LM head, final norm,
+logits) and what a last stage lacks or adds (the embedding; its own LM head copy when the
+embedding is tied). A middle stage has neither end's tensors: both deltas, less the embedding
+``E`` counted in both (its bytes are exact from the shapes, ``plan.model``; zero for the KV and
+activation figures, which hold no embedding). They are solved by least squares from the
+fingerprints: TP1/PP1 at 1 and 2 layers (fixed[1], per_layer[1]), TP1/PP2 at 2 layers (one layer
+per stage: both deltas), TP t/PP1 at 1 and 2 layers (fixed[t], per_layer[t]). A 1-layer
+fingerprint cannot run PP 2 (each stage needs a layer), so the pipeline terms come from the
+2-layer one alone. Under TP x PP (plain SGLang at 16 bits; no fingerprint runs it) the deltas
+are divided by ``t``: the embedding and LM head are vocab-parallel, sharded over the TP ranks.
+
+**L2** (the paper's equations). Per bit-width and TP size, each PP 1 fingerprint is timed at two
+output lengths; ``E2E(n) = TTFT + (n - 1) * TPOT`` gives TTFT and TPOT. Both are then linear in
+the depth ``L`` (a fixed cost: embedding, LM head, sampling, scheduling, HTTP; plus a per-layer
+cost) and in the batch ``B`` (the batch sizes timed):
+
+    T(L, B) = f0 + f1 B + L (g0 + g1 B) + (PP - 1)(h0 + h1 B)
+
+where the last term, a pipeline hop per extra stage, comes from the TP1/PP2 2-layer fingerprint
+timed like the others (a PP 2 stage boundary costs the same whatever the depth; under TP x PP the
+TP 1 hop is reused, an assumption).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Iterable, Sequence
+from typing import Any
+
+import numpy as np
+
+from sglang_morph.deploy.space import Configuration, stage_layers
+
+MEMORY_FIGURES = ("weight_bytes", "kv_bytes", "activation_peak_bytes", "rss_hwm_bytes")
+# Figures that hold the embedding (a middle pipeline stage does not).
+_HOLDS_EMBEDDING = ("weight_bytes", "rss_hwm_bytes")
+PHASES = ("ttft", "tpot")
+
+
+def lstsq(x: np.ndarray, y: np.ndarray) -> np.ndarray:
+    if x.shape[0] < x.shape[1] or np.linalg.matrix_rank(x) < x.shape[1]:
+        raise ValueError(f"{x.shape[0]} measurements cannot determine {x.shape[1]} unknowns "
+                         f"(rank {np.linalg.matrix_rank(x)})")
+    return np.linalg.lstsq(x, y, rcond=None)[0]
+
+
+# ---- M2 -----------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class ProcessMemory:
+    """One scheduler process of a measured server: its position and one memory figure."""
+
+    tp: int
+    pp: int
+    stage: int
+    layers: int  # decoder layers this process holds
+    value_bytes: float
+
+
+@dataclasses.dataclass(frozen=True)
+class MemoryFit:
+    """Invariant: ``fixed_bytes`` and ``per_layer_bytes`` have the same TP sizes."""
+
+    figure: str
+    fixed_bytes: dict[int, float]
+    per_layer_bytes: dict[int, float]
+    first_delta_bytes: float
+    last_delta_bytes: float
+    embedding_bytes: int
+
+    def check_integrity(self) -> None:
+        if set(self.fixed_bytes) != set(self.per_layer_bytes) or 1 not in self.fixed_bytes:
+            raise ValueError(f"{self.figure}: needs TP 1 and the same TP sizes in both terms")
+
+    def process_bytes(self, tp: int, pp: int, stage: int, layers: int) -> float:
+        if tp not in self.fixed_bytes:
+            raise ValueError(f"{self.figure}: no fingerprint measured TP {tp}")
+        m = self.fixed_bytes[tp] + layers * self.per_layer_bytes[tp]
+        if pp > 1:
+            first, last = stage == 0, stage == pp - 1
+            e = self.embedding_bytes if self.figure in _HOLDS_EMBEDDING else 0
+            delta = (self.first_delta_bytes if first else self.last_delta_bytes if last
+                     else self.first_delta_bytes + self.last_delta_bytes - e)
+            m += delta / tp
+        return m
+
+
+def fit_memory(figure: str, points: Sequence[ProcessMemory], embedding_bytes: int) -> MemoryFit:
+    tps = sorted({p.tp for p in points if p.pp == 1})
+    has_pp = any(p.pp > 1 for p in points)
+    columns = [("fixed", t) for t in tps] + [("layer", t) for t in tps]
+    columns += [("first", 0), ("last", 0)] if has_pp else []
+    x = np.zeros((len(points), len(columns)))
+    for i, p in enumerate(points):
+        if p.pp > 1 and p.tp != 1:
+            raise ValueError("pipeline fingerprints are TP 1")
+        x[i, columns.index(("fixed", p.tp))] = 1
+        x[i, columns.index(("layer", p.tp))] = p.layers
+        if p.pp > 1:
+            if p.stage == 0:
+                x[i, columns.index(("first", 0))] = 1
+            elif p.stage == p.pp - 1:
+                x[i, columns.index(("last", 0))] = 1
+            else:
+                raise ValueError("pipeline fingerprints have no middle stage")
+    solution = lstsq(x, np.array([p.value_bytes for p in points], dtype=np.float64))
+    value = dict(zip(columns, solution.tolist()))
+    fit = MemoryFit(figure, {t: value[("fixed", t)] for t in tps},
+                    {t: value[("layer", t)] for t in tps},
+                    value.get(("first", 0), 0.0), value.get(("last", 0), 0.0), embedding_bytes)
+    fit.check_integrity()
+    return fit
+
+
+@dataclasses.dataclass(frozen=True)
+class MemoryEstimate:
+    """Bytes per figure: ``total`` over all processes and ``peak`` of the largest one."""
+
+    total_bytes: dict[str, float]
+    peak_bytes: dict[str, float]
+
+    @property
+    def accounted_total_bytes(self) -> float:
+        return sum(self.total_bytes[f] for f in MEMORY_FIGURES if f != "rss_hwm_bytes")
+
+    @property
+    def accounted_peak_bytes(self) -> float:
+        return self.peak_bytes["accounted_bytes"]
+
+
+def estimate_memory(fits: dict[str, MemoryFit], cfg: Configuration,
+                    num_layers: int) -> MemoryEstimate:
+    """Every process of ``cfg`` on the full model (SGLang's default stage split)."""
+    totals: dict[str, float] = {}
+    peaks: dict[str, float] = {}
+    accounted = []
+    for stage, n in enumerate(stage_layers(num_layers, cfg.pp)):
+        per = {f: fits[f].process_bytes(cfg.tp, cfg.pp, stage, n) for f in fits}
+        accounted.append(sum(v for f, v in per.items() if f != "rss_hwm_bytes"))
+        for f, v in per.items():
+            totals[f] = totals.get(f, 0.0) + v * cfg.tp
+            peaks[f] = max(peaks.get(f, 0.0), v)
+    peaks["accounted_bytes"] = max(accounted)
+    return MemoryEstimate(totals, peaks)
+
+
+# ---- L2 -----------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class LatencyPoint:
+    """TTFT and TPOT of one server at one batch size (solved from two output lengths)."""
+
+    tp: int
+    pp: int
+    layers: int
+    batch: int
+    ttft_s: float
+    tpot_s: float
+
+
+def ttft_tpot(e2e_by_length: dict[int, float]) -> tuple[float, float]:
+    """``E2E(n) = TTFT + (n - 1) TPOT`` at two lengths -> (TTFT, TPOT)."""
+    if len(e2e_by_length) != 2:
+        raise ValueError(f"need two output lengths, got {sorted(e2e_by_length)}")
+    (n1, e1), (n2, e2) = sorted(e2e_by_length.items())
+    tpot = (e2 - e1) / (n2 - n1)
+    return e1 - (n1 - 1) * tpot, tpot
+
+
+_LATENCY_FEATURES = ("1", "B", "L", "L*B", "(PP-1)", "(PP-1)*B")
+
+
+def _latency_row(layers: int, batch: int, pp: int, n_features: int) -> np.ndarray:
+    row = np.array([1, batch, layers, layers * batch, pp - 1, (pp - 1) * batch], np.float64)
+    return row[:n_features]
+
+
+@dataclasses.dataclass(frozen=True)
+class LatencyFit:
+    """Coefficients of ``_LATENCY_FEATURES`` per phase; features the measurements cannot
+    determine (one batch size: no ``B`` terms; no PP fingerprint: no hop) are left out and 0."""
+
+    tp: int
+    coefficients: dict[str, tuple[float, ...]]
+
+    def seconds(self, phase: str, layers: int, batch: int, pp: int) -> float:
+        c = np.zeros(len(_LATENCY_FEATURES))
+        values = self.coefficients[phase]
+        c[:len(values)] = values
+        return float(_latency_row(layers, batch, pp, len(_LATENCY_FEATURES)) @ c)
+
+
+def fit_latency(points: Sequence[LatencyPoint], tp: int,
+                hop_from: LatencyFit | None = None) -> LatencyFit:
+    """Fit one TP size's points; ``hop_from`` lends its pipeline terms when these points have
+    no PP fingerprint."""
+    points = [p for p in points if p.tp == tp]
+    one_batch = len({p.batch for p in points}) == 1
+    has_pp = any(p.pp > 1 for p in points)
+    keep = [0, 2] if one_batch else [0, 1, 2, 3]
+    if has_pp:
+        keep += [4] if one_batch else [4, 5]
+    coefficients = {}
+    for phase in PHASES:
+        x = np.array([_latency_row(p.layers, p.batch, p.pp, 6)[keep] for p in points])
+        y = np.array([p.ttft_s if phase == "ttft" else p.tpot_s for p in points])
+        full = np.zeros(6)
+        full[keep] = lstsq(x, y)
+        if not has_pp and hop_from is not None:
+            full[4:] = hop_from.coefficients[phase][4:6] if len(
+                hop_from.coefficients[phase]) == 6 else 0.0
+        coefficients[phase] = tuple(full.tolist())
+    return LatencyFit(tp, coefficients)
+
+
+# ---- from measurement records -------------------------------------------------------------
+
+
+def process_points(records: Iterable[dict[str, Any]], bits: int, figure: str
+                   ) -> list[ProcessMemory]:
+    out = []
+    for r in records:
+        if r["bits"] != bits:
+            continue
+        split = stage_layers(r["num_layers"], r["pp"])
+        for p in r["processes"]:
+            if p.get(figure) is not None:
+                out.append(ProcessMemory(r["tp"], r["pp"], p["pp_rank"], split[p["pp_rank"]],
+                                         float(p[figure])))
+    return out
+
+
+def latency_points(records: Iterable[dict[str, Any]], bits: int) -> list[LatencyPoint]:
+    out = []
+    for r in records:
+        if r["bits"] != bits or not r["latency"]:
+            continue
+        by_batch: dict[int, dict[int, float]] = {}
+        for point in r["latency"]:
+            by_batch.setdefault(point["batch"], {})[point["output_tokens"]] = \
+                point["e2e_median_s"]
+        for batch, e2e in sorted(by_batch.items()):
+            ttft, tpot = ttft_tpot(e2e)
+            out.append(LatencyPoint(r["tp"], r["pp"], r["num_layers"], batch, ttft, tpot))
+    return out
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelEstimates:
+    """Everything fitted for one model: per bit-width, the memory fits per figure and the
+    latency fits per TP size."""
+
+    num_layers: int
+    memory: dict[int, dict[str, MemoryFit]]
+    latency: dict[int, dict[int, LatencyFit]]
+
+    def memory_of(self, cfg: Configuration) -> MemoryEstimate:
+        return estimate_memory(self.memory[cfg.bits], cfg, self.num_layers)
+
+    def latency_of(self, cfg: Configuration, batch: int) -> tuple[float, float]:
+        fit = self.latency[cfg.bits][cfg.tp]
+        return (fit.seconds("ttft", self.num_layers, batch, cfg.pp),
+                fit.seconds("tpot", self.num_layers, batch, cfg.pp))
+
+    def covers(self, cfg: Configuration) -> str | None:
+        """None, or why the fingerprints measured cannot estimate ``cfg``."""
+        if cfg.bits not in self.memory or cfg.bits not in self.latency:
+            return f"no fingerprint was profiled at {cfg.bits} bits"
+        if cfg.tp not in self.latency[cfg.bits] or \
+                cfg.tp not in self.memory[cfg.bits]["rss_hwm_bytes"].fixed_bytes:
+            return f"no fingerprint was profiled at {cfg.bits} bits and TP {cfg.tp}"
+        return None
+
+
+def fit_records(records: Sequence[dict[str, Any]], num_layers: int,
+                embedding_bytes: int) -> ModelEstimates:
+    """M2 and L2 from a profile's fingerprint records."""
+    memory: dict[int, dict[str, MemoryFit]] = {}
+    latency: dict[int, dict[int, LatencyFit]] = {}
+    for bits in sorted({r["bits"] for r in records}, reverse=True):
+        memory[bits] = {}
+        for figure in MEMORY_FIGURES:
+            points = process_points(records, bits, figure)
+            if points:
+                memory[bits][figure] = fit_memory(figure, points, embedding_bytes)
+        points = latency_points(records, bits)
+        tps = sorted({p.tp for p in points})
+        latency[bits] = {}
+        if 1 in tps:
+            latency[bits][1] = fit_latency(points, 1)
+        for tp in tps:
+            if tp != 1:
+                latency[bits][tp] = fit_latency(points, tp, hop_from=latency[bits].get(1))
+    return ModelEstimates(num_layers, memory, latency)

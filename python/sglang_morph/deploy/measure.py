@@ -1,0 +1,247 @@
+"""Serving one configuration (of a fingerprint or of the full model) and measuring it.
+
+Memory on a CPU has no device allocator to ask, so it is defined twice, per scheduler process
+(one per TP rank x PP stage: the processes that hold weights and KV):
+
+- **accounted** = weights + KV + activation peak. Weights and KV are the bytes the process's
+  tensors hold, from ``/morph/status`` (``weight_bytes`` sums the served modules' tensors,
+  ``kv_bytes`` the pool; per stage under PP, per rank under TP). The activation peak is what
+  serving adds on top: the process's RSS high-water mark over the workload minus its RSS just
+  before it (the mark is reset first, ``echo 5 > /proc/<pid>/clear_refs``, so the peak of
+  loading does not hide it).
+- **rss_hwm** = the process's ``VmHWM`` over its whole life (load and workload): what the
+  machine must have for it, Python, torch, SGLang and staged variants included.
+
+16-bit configurations are measured with ``--enable-morph`` and no engines when the layout
+allows it (nothing is staged or installed; ``/morph/status`` reports the served tensors); plain
+SGLang TP x PP has no status, so only its RSS is measured.
+
+Latency (L2's inputs): end-to-end seconds of ``batch`` concurrent greedy requests of
+``prompt_tokens`` fixed token ids and ``n`` new tokens (``ignore_eos``: a 1-layer model's text
+is noise and must not stop early) at two output lengths; ``estimate`` solves
+``E2E(n) = TTFT + (n - 1) * TPOT`` from the two. The median of ``repetitions`` is kept (on a
+shared machine other processes only add time; the median is steadier than one run).
+
+The CPU-seconds of every process of the server (start-up included: it is the price of
+profiling) are read from ``/proc/<pid>/stat`` before the server stops.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import dataclasses
+import os
+import re
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+from sglang_morph.config import FULL_PRECISION_BITS
+from sglang_morph.deploy.space import REPO, Configuration, serve_argv
+
+_TITLE = re.compile(r"^sglang::scheduler")
+_CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
+
+
+@dataclasses.dataclass(frozen=True)
+class Workload:
+    """What each server is asked to do. Invariant: two distinct output lengths."""
+
+    prompt_tokens: int = 128
+    output_tokens: tuple[int, int] = (8, 40)
+    batches: tuple[int, ...] = (1, 4)
+    repetitions: int = 3
+    kv_tokens: int = 4096  # --max-total-tokens of every rank / stage
+
+    def check_integrity(self) -> None:
+        if len(set(self.output_tokens)) != 2 or min(self.output_tokens) < 2:
+            raise ValueError("L2 needs two distinct output lengths of at least 2 tokens")
+        if self.prompt_tokens < 1 or not self.batches or min(self.batches) < 1:
+            raise ValueError(f"bad workload {self}")
+        if max(self.batches) * (self.prompt_tokens + max(self.output_tokens)) > self.kv_tokens:
+            raise ValueError("the largest batch does not fit the KV pool")
+
+
+# ---- processes ----------------------------------------------------------------------------
+
+
+def _group_pids(pgid: int) -> list[int]:
+    pids = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                if os.getpgid(int(entry.name)) == pgid:
+                    pids.append(int(entry.name))
+            except ProcessLookupError:
+                pass
+    return pids
+
+
+def _title(pid: int) -> str:
+    return Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")[0].decode(errors="replace")
+
+
+def scheduler_processes(pgid: int) -> dict[tuple[int, int], int]:
+    """``{(pp_rank, tp_rank): pid}`` of a server's scheduler processes, from the titles SGLang
+    gives them (``sglang::scheduler_PP1_TP0``; no suffix for one rank)."""
+    out = {}
+    for pid in _group_pids(pgid):
+        try:
+            title = _title(pid)
+        except OSError:
+            continue
+        if _TITLE.match(title):
+            pp = re.search(r"PP(\d+)", title)
+            tp = re.search(r"TP(\d+)", title)
+            out[(int(pp.group(1)) if pp else 0, int(tp.group(1)) if tp else 0)] = pid
+    return out
+
+
+def status_kib(pid: int, key: str) -> int:
+    """A ``/proc/<pid>/status`` field in bytes (``VmRSS``, ``VmHWM``)."""
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith(key + ":"):
+            return int(line.split()[1]) * 1024
+    raise KeyError(f"{key} not in /proc/{pid}/status")
+
+
+def reset_hwm(pid: int) -> None:
+    Path(f"/proc/{pid}/clear_refs").write_text("5")
+
+
+def group_cpu_seconds(pgid: int) -> float:
+    """User + system CPU seconds of every live process of the group and of the children they
+    already reaped."""
+    total = 0
+    for pid in _group_pids(pgid):
+        try:
+            fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        total += sum(int(x) for x in fields[11:15])  # utime stime cutime cstime
+    return total / _CLOCK_TICKS
+
+
+# ---- accounted memory ---------------------------------------------------------------------
+
+
+def accounted_per_process(status: dict[str, Any], tp: int) -> dict[tuple[int, int], dict]:
+    """``{(pp_rank, tp_rank): {weight_bytes, kv_bytes, kv_capacity_tokens}}`` from
+    ``/morph/status`` (per stage under PP; every rank's own figures under TP)."""
+    keys = ("weight_bytes", "kv_bytes", "kv_capacity_tokens")
+    if "stages" in status:
+        return {(s["stage"], 0): {k: s[k] for k in keys} for s in status["stages"]}
+    if status.get("tp_ranks"):
+        return {(0, r["tp_rank"]): {k: r[k] for k in keys} for r in status["tp_ranks"]}
+    return {(0, rank): {k: status[k] for k in keys} for rank in range(tp)}
+
+
+# ---- latency ------------------------------------------------------------------------------
+
+
+def _request(url: str, ids: list[int], new_tokens: int) -> float:
+    started = time.perf_counter()
+    r = httpx.post(f"{url}/generate", timeout=600, json={
+        "input_ids": ids,
+        "sampling_params": {"temperature": 0, "max_new_tokens": new_tokens, "ignore_eos": True}})
+    elapsed = time.perf_counter() - started
+    if r.status_code != 200:
+        raise RuntimeError(f"/generate answered {r.status_code}: {r.text[:300]}")
+    got = len(r.json()["output_ids"])
+    if got != new_tokens:
+        raise RuntimeError(f"asked {new_tokens} new tokens, got {got}")
+    return elapsed
+
+
+def e2e_seconds(url: str, batch: int, prompt_tokens: int, new_tokens: int) -> float:
+    """Mean end-to-end seconds of ``batch`` requests sent together. Each request has its own
+    prompt (no shared prefix for the radix cache to reuse)."""
+    prompts = [[1000 + 7 * b + (i * 13) % 4000 for i in range(prompt_tokens)]
+               for b in range(batch)]
+    with concurrent.futures.ThreadPoolExecutor(batch) as pool:
+        times = list(pool.map(lambda ids: _request(url, ids, new_tokens), prompts))
+    return sum(times) / len(times)
+
+
+# ---- one server ---------------------------------------------------------------------------
+
+
+def _harness():
+    # The servers are the benchmarks' and tests' own (benchmark/harness.py, repo root).
+    if str(REPO) not in sys.path:
+        sys.path.insert(0, str(REPO))
+    from benchmark import harness
+
+    return harness
+
+
+def measure_server(cfg: Configuration, model_dir: Path, engines_dir: Path | None,
+                   num_layers: int, workload: Workload, log_path: Path, kind: str,
+                   with_latency: bool = True) -> dict[str, Any]:
+    """Start ``cfg`` of ``model_dir``, warm it, measure memory and latency, stop it."""
+    harness = _harness()
+    workload.check_integrity()
+    extra: tuple[str, ...] = ()
+    # 16 bits: --enable-morph with no engines gives /morph/status at the cost of nothing,
+    # except under TP x PP, which the plugin refuses (plain SGLang serves it).
+    morph_status = cfg.bits != FULL_PRECISION_BITS or not (cfg.tp > 1 and cfg.pp > 1)
+    if cfg.bits == FULL_PRECISION_BITS and morph_status:
+        extra = ("--enable-morph", "--disable-morph-controller")
+    argv = serve_argv(cfg, model_dir, engines_dir, workload.kv_tokens,
+                      max_running_requests=max(workload.batches), extra=extra)[1:]
+    started = time.monotonic()
+    uptime_before = Path("/proc/uptime").read_text().split()[0]
+    server = harness.start_server(argv, log_path, start_timeout_s=600)
+    try:
+        start_s = time.monotonic() - started
+        pgid = server.proc.pid
+        procs = scheduler_processes(pgid)
+        if len(procs) != cfg.processes:
+            raise RuntimeError(f"{cfg.name}: found {len(procs)} scheduler processes "
+                               f"({sorted(procs)}), expected {cfg.processes}")
+        # One short request first: kernels, caches and allocator pools settle before the mark.
+        e2e_seconds(server.url, 1, 16, 2)
+        load_hwm = {k: status_kib(pid, "VmHWM") for k, pid in procs.items()}
+        rss_idle = {k: status_kib(pid, "VmRSS") for k, pid in procs.items()}
+        for pid in procs.values():
+            reset_hwm(pid)
+        points = []
+        if with_latency:
+            for batch in workload.batches:
+                for n in workload.output_tokens:
+                    runs = [e2e_seconds(server.url, batch, workload.prompt_tokens, n)
+                            for _ in range(workload.repetitions)]
+                    points.append({"batch": batch, "output_tokens": n, "e2e_s": runs,
+                                   "e2e_median_s": statistics.median(runs)})
+        else:  # memory only: one pass at the largest batch and length
+            e2e_seconds(server.url, max(workload.batches), workload.prompt_tokens,
+                        max(workload.output_tokens))
+        serve_hwm = {k: status_kib(pid, "VmHWM") for k, pid in procs.items()}
+        accounted = {}
+        if morph_status:
+            status = httpx.get(f"{server.url}/morph/status", timeout=60).json()
+            accounted = accounted_per_process(status, cfg.tp)
+        cpu_s = group_cpu_seconds(pgid)
+        processes = []
+        for key in sorted(procs):
+            pp_rank, tp_rank = key
+            acc = accounted.get(key, {})
+            processes.append({
+                "pp_rank": pp_rank, "tp_rank": tp_rank,
+                "weight_bytes": acc.get("weight_bytes"), "kv_bytes": acc.get("kv_bytes"),
+                "kv_capacity_tokens": acc.get("kv_capacity_tokens"),
+                "rss_idle_bytes": rss_idle[key],
+                "activation_peak_bytes": max(serve_hwm[key] - rss_idle[key], 0),
+                "rss_hwm_bytes": max(load_hwm[key], serve_hwm[key]),
+            })
+    finally:
+        server.stop()
+    return {"kind": kind, "config": cfg.name, "bits": cfg.bits, "tp": cfg.tp, "pp": cfg.pp,
+            "num_layers": num_layers, "argv": ["scripts/serve.sh", *argv],
+            "start_s": start_s, "wall_s": time.monotonic() - started, "cpu_s": cpu_s,
+            "uptime_s_at_start": float(uptime_before), "load_average": list(os.getloadavg()),
+            "processes": processes, "latency": points}

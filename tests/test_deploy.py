@@ -1,0 +1,351 @@
+"""iServe (``sglang_morph.deploy``) without servers: the M2/L2 solves recover known
+coefficients from synthetic fingerprint measurements, every intent picks the best row of a
+given table, the placement policies, the configuration space, and bad input on the CLI."""
+
+from __future__ import annotations
+
+import itertools
+import json
+
+import numpy as np
+import pytest
+
+from sglang_morph.deploy import __main__ as cli
+from sglang_morph.deploy import estimate, intents, placement, space
+
+# Ground truth of the synthetic measurements (bytes / seconds), per TP size.
+FIXED = {1: 900e6, 3: 700e6}
+PER_LAYER = {1: 12e6, 3: 5e6}
+FIRST_DELTA, LAST_DELTA, EMBEDDING = -3e6, 40e6, 56_623_104
+LAT = {  # per TP: (f0, f1, g0, g1, h0, h1) of TTFT and of TPOT
+    1: {"ttft": (0.05, 0.01, 0.004, 0.003, 0.02, 0.002),
+        "tpot": (0.02, 0.001, 0.001, 0.0002, 0.006, 0.0005)},
+    3: {"ttft": (0.09, 0.02, 0.009, 0.004, 0.0, 0.0),
+        "tpot": (0.05, 0.002, 0.004, 0.0003, 0.0, 0.0)},
+}
+OUTPUTS = (8, 40)
+
+
+def true_process_bytes(tp, pp, stage, layers):
+    """The generative model, written out independently of estimate.MemoryFit."""
+    m = FIXED[tp] + layers * PER_LAYER[tp]
+    if pp > 1:
+        if stage == 0:
+            m += FIRST_DELTA / tp
+        elif stage == pp - 1:
+            m += LAST_DELTA / tp
+        else:
+            m += (FIRST_DELTA + LAST_DELTA - EMBEDDING) / tp
+    return m
+
+
+def true_seconds(phase, tp, layers, batch, pp):
+    f0, f1, g0, g1, h0, h1 = LAT[tp][phase]
+    hop = LAT[1][phase][4:] if tp != 1 else (h0, h1)  # TP x PP reuses TP 1's hop
+    return f0 + f1 * batch + layers * (g0 + g1 * batch) + (pp - 1) * (hop[0] + hop[1] * batch)
+
+
+def synthetic_record(bits, tp, pp, layers, scale=1.0, time_scale=None):
+    time_scale = scale if time_scale is None else time_scale
+    split = space.stage_layers(layers, pp)
+    processes = []
+    for stage, rank in itertools.product(range(pp), range(tp)):
+        value = true_process_bytes(tp, pp, stage, split[stage]) * scale
+        processes.append({"pp_rank": stage, "tp_rank": rank, "weight_bytes": value,
+                          "kv_bytes": value / 10, "activation_peak_bytes": value / 100,
+                          "rss_hwm_bytes": value * 2, "kv_capacity_tokens": 4096})
+    latency = []
+    for batch in (1, 4):
+        ttft = true_seconds("ttft", tp, layers, batch, pp) * time_scale
+        tpot = true_seconds("tpot", tp, layers, batch, pp) * time_scale
+        for n in OUTPUTS:
+            e2e = ttft + (n - 1) * tpot
+            latency.append({"batch": batch, "output_tokens": n, "e2e_s": [e2e],
+                            "e2e_median_s": e2e})
+    return {"kind": "fingerprint", "config": space.Configuration(bits, tp, pp).name,
+            "bits": bits, "tp": tp, "pp": pp, "num_layers": layers, "cpu_s": 10.0,
+            "processes": processes, "latency": latency}
+
+
+def fingerprint_records(bits_scale=None):
+    """Lower bit-widths: less memory, more time (as with our CPU kernels at batch > 1)."""
+    bits_scale = bits_scale or {16: 1.0, 8: 0.7, 4: 0.5}
+    return [synthetic_record(bits, cfg.tp, cfg.pp, n, bits_scale[bits], 1 / bits_scale[bits])
+            for bits in bits_scale
+            for cfg, n in cli.fingerprint_runs((bits,), (1, 3))]
+
+
+# ---- M2 / L2 ------------------------------------------------------------------------------
+
+
+def test_fingerprint_runs_are_the_three_parallel_configurations():
+    runs = [(c.name, n) for c, n in cli.fingerprint_runs((8,), (1, 3))]
+    assert runs == [("W8-TP1-PP1", 1), ("W8-TP1-PP1", 2), ("W8-TP1-PP2", 2),
+                    ("W8-TP3-PP1", 1), ("W8-TP3-PP1", 2)]
+
+
+def test_memory_solve_recovers_per_layer_fixed_and_pipeline_terms():
+    fits = estimate.fit_records(fingerprint_records({16: 1.0}), 30, EMBEDDING)
+    fit = fits.memory[16]["weight_bytes"]
+    for tp in (1, 3):
+        assert fit.fixed_bytes[tp] == pytest.approx(FIXED[tp], rel=1e-9)
+        assert fit.per_layer_bytes[tp] == pytest.approx(PER_LAYER[tp], rel=1e-9)
+    assert fit.first_delta_bytes == pytest.approx(FIRST_DELTA, rel=1e-9)
+    assert fit.last_delta_bytes == pytest.approx(LAST_DELTA, rel=1e-9)
+    # Extrapolated to 30 layers, every layout, against the generative model.
+    for tp, pp in itertools.product((1, 3), (1, 2, 3)):
+        cfg = space.Configuration(16, tp, pp)
+        got = fits.memory_of(cfg)
+        split = space.stage_layers(30, pp)
+        want = [true_process_bytes(tp, pp, s, n) for s, n in enumerate(split)]
+        assert got.total_bytes["weight_bytes"] == pytest.approx(tp * sum(want), rel=1e-9)
+        assert got.peak_bytes["weight_bytes"] == pytest.approx(max(want), rel=1e-9)
+    # A middle stage holds no embedding: KV and activation figures subtract nothing.
+    kv = fits.memory[16]["kv_bytes"]
+    assert kv.process_bytes(1, 3, 1, 10) == pytest.approx(
+        (FIXED[1] + 10 * PER_LAYER[1] + FIRST_DELTA + LAST_DELTA) / 10, rel=1e-9)
+
+
+def test_memory_solve_refuses_measurements_that_cannot_determine_it():
+    one_depth = [estimate.ProcessMemory(1, 1, 0, 1, 5.0), estimate.ProcessMemory(1, 1, 0, 1, 5.1)]
+    with pytest.raises(ValueError, match="cannot determine"):
+        estimate.fit_memory("weight_bytes", one_depth, 0)
+
+
+def test_ttft_tpot_from_two_output_lengths():
+    ttft, tpot = estimate.ttft_tpot({40: 0.5 + 39 * 0.02, 8: 0.5 + 7 * 0.02})
+    assert ttft == pytest.approx(0.5) and tpot == pytest.approx(0.02)
+    with pytest.raises(ValueError):
+        estimate.ttft_tpot({8: 1.0})
+
+
+def test_latency_solve_recovers_fixed_per_layer_batch_and_hop_terms():
+    fits = estimate.fit_records(fingerprint_records({8: 1.0}), 30, EMBEDDING)
+    for tp in (1, 3):
+        for phase in ("ttft", "tpot"):
+            got = fits.latency[8][tp].coefficients[phase]
+            want = LAT[tp][phase][:4] + (LAT[1][phase][4:] if tp == 3 else LAT[1][phase][4:])
+            assert got == pytest.approx(want, rel=1e-7, abs=1e-12)
+    for tp, pp, batch in itertools.product((1, 3), (1, 2, 3), (1, 2, 8)):
+        ttft, tpot = fits.latency_of(space.Configuration(8, tp, pp), batch)
+        assert ttft == pytest.approx(true_seconds("ttft", tp, 30, batch, pp), rel=1e-7)
+        assert tpot == pytest.approx(true_seconds("tpot", tp, 30, batch, pp), rel=1e-7)
+
+
+# ---- configuration space ------------------------------------------------------------------
+
+DEFAULT_CONFIG = {"num_attention_heads": 9, "num_key_value_heads": 3, "num_hidden_layers": 30}
+
+
+def test_space_servable_here_and_exclusion_reasons():
+    servable = [c.name for c in space.space() if space.exclusion_reason(c, DEFAULT_CONFIG) is None]
+    assert len(space.space()) == 18 and len(servable) == 14
+    for bits in (8, 4):
+        for pp in (2, 3):
+            reason = space.exclusion_reason(space.Configuration(bits, 3, pp), DEFAULT_CONFIG)
+            assert "refuses --tp-size with --pp-size" in reason
+    assert space.exclusion_reason(space.Configuration(16, 3, 3), DEFAULT_CONFIG) is None
+    assert "9 query / 3 KV heads" in space.exclusion_reason(space.Configuration(16, 2, 1),
+                                                            DEFAULT_CONFIG)
+
+
+def test_stage_layers_match_sglang(monkeypatch):
+    from sglang.srt.distributed.utils import get_pp_indices
+
+    monkeypatch.delenv("SGLANG_PP_LAYER_PARTITION", raising=False)
+    for layers, pp in itertools.product((2, 7, 30), (1, 2, 3)):
+        want = [b - a for a, b in (get_pp_indices(layers, r, pp) for r in range(pp))]
+        assert list(space.stage_layers(layers, pp)) == want
+
+
+def test_serve_argv_per_configuration(tmp_path):
+    w4 = space.serve_argv(space.Configuration(4, 1, 2), tmp_path, tmp_path / "e", 4096, 4)
+    assert w4[w4.index("--pp-size") + 1] == "2" and "--tp-size" not in w4
+    assert w4[w4.index("--morph-precision-map") + 1] == "*:4"
+    assert "--disable-morph-controller" in w4 and w4[w4.index("--max-total-tokens") + 1] == "4096"
+    fp = space.serve_argv(space.Configuration(16, 3, 2), None, None, 4096)
+    assert "--enable-morph" not in fp and fp[fp.index("--tp-size") + 1] == "3"
+    with pytest.raises(ValueError, match="engines"):
+        space.serve_argv(space.Configuration(8, 1, 1), tmp_path, None, 4096)
+
+
+# ---- intents ------------------------------------------------------------------------------
+
+
+def table():
+    """A hand-made table; the expected winner of each intent is computed below by brute force."""
+    rows = []
+    rng = np.random.default_rng(3)
+    for cfg in space.space():
+        if space.exclusion_reason(cfg, DEFAULT_CONFIG):
+            continue
+        ttft, tpot = rng.uniform(0.05, 2.0), rng.uniform(0.01, 0.3)
+        e2e = ttft + 31 * tpot
+        memory = rng.uniform(1e9, 8e9)
+        rows.append(intents.Candidate(cfg, ttft, tpot, memory, memory / cfg.processes,
+                                      cfg.processes * e2e * 10 / 3600,
+                                      {16: 29.03, 8: 28.92, 4: 34.40}[cfg.bits], e2e))
+    return rows
+
+
+def winner(spec):
+    ranked = intents.rank(table(), spec)
+    return next(c for c, why in ranked if why is None)
+
+
+def test_min_latency_and_min_cost_pick_the_table_minimum():
+    rows = table()
+    assert winner(intents.IntentSpec("min-latency")) == min(rows, key=lambda c: c.e2e_s)
+    for cost in intents.COSTS:
+        got = winner(intents.IntentSpec("min-cost", cost=cost))
+        assert got == min(rows, key=lambda c: c.cost(cost)), cost
+    by_memory = min(rows, key=lambda c: c.memory_bytes)
+    assert winner(intents.IntentSpec("min-cost", cost="memory")) == by_memory
+
+
+def test_latency_target_picks_the_cheapest_that_meets_it():
+    rows = table()
+    slo_ttft, slo_tpot = 1.0, 0.15
+    meets = [c for c in rows if c.ttft_s <= slo_ttft and c.tpot_s <= slo_tpot]
+    assert meets and len(meets) < len(rows)
+    spec = intents.IntentSpec("latency-target", ttft_slo_s=slo_ttft, tpot_slo_s=slo_tpot)
+    assert winner(spec) == min(meets, key=lambda c: c.cost("memory-x-latency"))
+    ranked = intents.rank(rows, spec)
+    assert {c.cfg for c, why in ranked if why is None} == {c.cfg for c in meets}
+
+
+def test_cost_budget_picks_the_fastest_within_it():
+    rows = table()
+    budget = sorted(c.memory_bytes for c in rows)[4]
+    spec = intents.IntentSpec("cost-budget", max_memory_bytes=budget)
+    within = [c for c in rows if c.memory_bytes <= budget]
+    assert winner(spec) == min(within, key=lambda c: c.e2e_s)
+
+
+def test_accuracy_limit_excludes_w4_for_any_intent():
+    rows = table()
+    spec = intents.IntentSpec("min-latency", max_perplexity=30.0)
+    assert winner(spec) == min((c for c in rows if c.cfg.bits != 4), key=lambda c: c.e2e_s)
+    reasons = [why for c, why in intents.rank(rows, spec) if c.cfg.bits == 4]
+    assert all("perplexity 34.40 > 30.0" in r for r in reasons)
+
+
+def test_intent_needs_its_limits():
+    with pytest.raises(ValueError, match="ttft-slo"):
+        intents.IntentSpec("latency-target").check_integrity()
+    with pytest.raises(ValueError, match="max-memory"):
+        intents.IntentSpec("cost-budget").check_integrity()
+    with pytest.raises(ValueError, match="positive"):
+        intents.IntentSpec("min-latency", max_perplexity=-1).check_integrity()
+
+
+def test_measured_perplexities_are_read_per_bit_width():
+    ppl = intents.perplexity_by_bits()
+    assert set(ppl) == {16, 8, 4} and ppl[4] > ppl[16]
+
+
+# ---- placement ----------------------------------------------------------------------------
+
+
+def cluster():
+    return placement.Cluster([placement.Device("big", 20 * 10**9, 4, 0.1),
+                              placement.Device("small", 5 * 10**9, 2, 0.0),
+                              placement.Device("busy", 10 * 10**9, 2, 0.9)])
+
+
+def test_placement_policies():
+    c = cluster()
+    assert c.choose("least-loaded", 4e9, 1).name == "small"
+    assert c.choose("packing", 4e9, 1).name == "small"
+    assert c.choose("packing", 6e9, 1).name == "busy"  # best fit, whatever its load
+    assert c.choose("hybrid", 6e9, 1).name == "big"  # busy would exceed the load threshold
+    assert c.choose("least-loaded", 30e9, 1) is None
+    # Placing takes memory and adds the processes' share of the cores.
+    after = c.place(c.choose("least-loaded", 4e9, 1), 4e9, 1)
+    assert after.memory_bytes == 1 * 10**9 and after.load == pytest.approx(0.5)
+    assert c.choose("least-loaded", 4e9, 1).name == "big"
+
+
+def test_cluster_integrity():
+    with pytest.raises(ValueError, match="repeat"):
+        placement.Cluster([placement.Device("a", 1), placement.Device("a", 1)]).check_integrity()
+    with pytest.raises(ValueError, match="load"):
+        placement.Device("a", 1, 1, 1.5).check_integrity()
+
+
+# ---- the CLI ------------------------------------------------------------------------------
+
+
+@pytest.fixture()
+def profile_file(tmp_path, default_model_path):
+    records = fingerprint_records()
+    path = tmp_path / "profile.json"
+    path.write_text(json.dumps({"model_dir": str(default_model_path), "engines_dir": "/e",
+                                "num_layers": 30, "embedding_bytes": EMBEDDING,
+                                "workload": {"kv_tokens": 4096}, "records": records}))
+    return path
+
+
+def run_cli(capsys, *argv):
+    code = cli.main(list(argv))
+    out = capsys.readouterr()
+    return code, out.out, out.err
+
+
+def test_select_prints_one_command_for_the_chosen_configuration(profile_file, capsys):
+    code, out, err = run_cli(capsys, "select", "--profile", str(profile_file), "--intent",
+                             "min-latency", "--device", "n0:100GB:4:0.2", "--device",
+                             "n1:100GB:4:0.0", "--placement", "least-loaded", "--batch", "4")
+    assert code == 0, err
+    result = json.loads(out)
+    (model,) = result["models"]
+    ranking = model["ranking"]
+    assert model["chosen"]["config"] == ranking[0]["config"]
+    assert ranking[0]["e2e_s"] == min(r["e2e_s"] for r in ranking)
+    assert model["device"] == "n1"
+    assert set(model["excluded"]) == {"W8-TP3-PP2", "W8-TP3-PP3", "W4-TP3-PP2", "W4-TP3-PP3"}
+    assert "scripts/serve.sh" in model["serve"]["command"] and model["serve"]["command"] in err
+
+
+def test_select_skips_configurations_no_device_can_hold(profile_file, capsys):
+    base = ("select", "--profile", str(profile_file), "--intent", "min-latency")
+    code, out, _ = run_cli(capsys, *base, "--device", "huge:1000GB")
+    ranking = json.loads(out)["models"][0]["ranking"]
+    room_gb = ranking[0]["memory_gb"] - 0.01  # the fastest no longer fits
+    fitting = [r for r in ranking if r["memory_gb"] <= room_gb]
+    assert fitting
+    code, out, err = run_cli(capsys, *base, "--device", f"tiny:{room_gb}GB",
+                             "--placement", "packing")
+    assert code == 0, err
+    model = json.loads(out)["models"][0]
+    assert model["chosen"]["config"] == fitting[0]["config"]
+    assert model["ranking"][0]["infeasible"].startswith("no device has")
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--intent", "latency-target", "--device", "a:1GB"], "needs --ttft-slo-s"),
+    (["--intent", "min-latency", "--device", "a"], "NAME:MEMORY"),
+    (["--intent", "min-latency", "--device", "a:lots"], "bad memory size"),
+    (["--intent", "min-latency", "--device", "a:1GB:2:3"], "load in [0, 1]"),
+    (["--intent", "min-latency", "--device", "a:1GB", "--device", "a:2GB"], "repeat"),
+    (["--intent", "min-latency", "--device", "a:1MB"], "no configuration meets"),
+    (["--intent", "min-latency", "--device", "a:9GB", "--batch", "0"], "--batch must be"),
+    (["--intent", "min-latency", "--device", "a:1GB", "--max-perplexity", "-3"], "positive"),
+])
+def test_select_bad_input_is_a_cli_error(profile_file, capsys, argv, message):
+    code, out, err = run_cli(capsys, "select", "--profile", str(profile_file), *argv)
+    assert code == 2 and out == "" and message in err and err.startswith("error: ")
+
+
+def test_missing_profile_and_launch_with_two_models_are_cli_errors(profile_file, tmp_path,
+                                                                   capsys):
+    code, _, err = run_cli(capsys, "select", "--profile", str(tmp_path / "none.json"),
+                           "--intent", "min-latency", "--device", "a:9GB")
+    assert code == 2 and "does not exist" in err
+    code, _, err = run_cli(capsys, "select", "--profile", str(profile_file), "--profile",
+                           str(profile_file), "--intent", "min-latency", "--device", "a:99GB",
+                           "--launch")
+    assert code == 2 and "exactly one --profile" in err
+    (tmp_path / "bad.json").write_text("{}")
+    code, _, err = run_cli(capsys, "estimate", "--profile", str(tmp_path / "bad.json"))
+    assert code == 2 and "not a usable profile" in err
