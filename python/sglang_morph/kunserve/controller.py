@@ -1,0 +1,228 @@
+"""When to drop and when to restore, from a global view of the data-parallel replicas.
+
+Pure policy (plain dataclasses in, typed actions out; no SGLang, no clock of its own), so the
+live monitor, the tests and the cluster simulator drive the same object:
+
+    ClusterView (every replica's KV and queue) -> KunServeController.decide -> Drop | Restore | None
+
+- **Drop** when the predicted KV demand exceeds what the current layout holds for
+  ``drop_persist`` consecutive views: a single spike that the pool absorbs is not worth a
+  transition. The plan is ``planner.plan_drop`` on the replicas not in a group yet; when no
+  plan holds the demand the controller says so once (``KvCentric``) and the serving engine
+  keeps queueing/retracting as it does without KunServe.
+- **Restore** a group when, for ``restore_persist`` consecutive views, its KV usage is under
+  ``restore_usage`` (the paper's 50%) and its predicted demand fits the restored (smaller)
+  pools with room to spare (``restore_headroom``), and ``planner.plan_restore`` homes every
+  live request on one member, so the shrunk pools hold all live KV and no request is lost.
+  The headroom and the persistence are the hysteresis: right after a restore the demand must
+  grow again by the headroom before a drop, and the other way round.
+- ``min_dwell_s`` between transitions of the same replicas: a drop moves KV and a restore
+  moves weights back; flapping would pay both for nothing.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+
+from sglang_morph.kunserve.planner import (
+    DropPlan,
+    DropPlannerConfig,
+    KvCentricFallback,
+    LiveRequest,
+    ReplicaDemand,
+    ReplicaGroup,
+    RestorePlan,
+    RestoreRefused,
+    plan_drop,
+    plan_restore,
+)
+
+
+@dataclasses.dataclass(frozen=True)
+class ReplicaSnapshot:
+    """One replica (or, inside a group, one member) as the monitor sees it now.
+
+    ``kv_used_tokens``: live KV of its running requests; ``kv_growth_tokens``: what those
+    requests are still expected to add (remaining output tokens); ``waiting_tokens``: prompt +
+    expected output of its queued requests. ``live`` lists the running requests (a group's
+    members list the same requests: each holds every request's KV for its layers; the
+    group's view takes them once).
+    """
+
+    replica: int
+    kv_capacity_tokens: int
+    kv_used_tokens: int
+    kv_growth_tokens: int = 0
+    waiting_tokens: int = 0
+    live: tuple[LiveRequest, ...] = ()
+
+    def __post_init__(self) -> None:
+        if min(self.kv_capacity_tokens, self.kv_used_tokens, self.kv_growth_tokens,
+               self.waiting_tokens) < 0:
+            raise ValueError(f"replica {self.replica}: negative token count in {self}")
+
+    @property
+    def demand_tokens(self) -> int:
+        return self.kv_used_tokens + self.kv_growth_tokens + self.waiting_tokens
+
+
+@dataclasses.dataclass(frozen=True)
+class ClusterView:
+    """Every replica at one instant, and the groups currently merged (empty: all independent).
+
+    Invariant (``check_integrity``): the groups' replicas are distinct replicas of the view.
+    """
+
+    time_s: float
+    replicas: tuple[ReplicaSnapshot, ...]
+    groups: tuple[ReplicaGroup, ...] = ()
+
+    def check_integrity(self) -> None:
+        ids = [r.replica for r in self.replicas]
+        grouped = [r for g in self.groups for r in g.replicas]
+        if len(set(ids)) != len(ids) or len(set(grouped)) != len(grouped):
+            raise ValueError("a replica appears twice in the view")
+        if not set(grouped) <= set(ids):
+            raise ValueError(f"groups name replicas {sorted(set(grouped) - set(ids))} not in view")
+
+    def replica(self, index: int) -> ReplicaSnapshot:
+        return next(r for r in self.replicas if r.replica == index)
+
+
+@dataclasses.dataclass(frozen=True)
+class ControllerConfig:
+    drop_persist: int = 2  # consecutive views with demand over capacity before a drop
+    restore_usage: float = 0.5  # a group restores below this KV usage (of its capacity)
+    restore_headroom: float = 0.8  # ... and when its demand fits this share of the restored pools
+    restore_persist: int = 3
+    min_dwell_s: float = 5.0
+    # When no plan holds the whole demand, apply the deepest allowed grouping anyway (it still
+    # holds more than the replicas alone) and leave the rest to KV-centric handling.
+    partial_drop: bool = True
+
+    def __post_init__(self) -> None:
+        if self.drop_persist < 1 or self.restore_persist < 1 or self.min_dwell_s < 0:
+            raise ValueError(f"bad controller config {self}")
+        if not 0 < self.restore_usage <= 1 or not 0 < self.restore_headroom <= 1:
+            raise ValueError("restore_usage and restore_headroom must be in (0, 1]")
+
+
+@dataclasses.dataclass(frozen=True)
+class Drop:
+    plan: DropPlan
+    reason: str
+
+
+@dataclasses.dataclass(frozen=True)
+class Restore:
+    plan: RestorePlan
+    reason: str
+
+
+@dataclasses.dataclass(frozen=True)
+class KvCentric:
+    fallback: KvCentricFallback
+
+
+Action = Drop | Restore | KvCentric
+
+
+class KunServeController:
+    """Decides one action per view (or none). The only state is the hysteresis: how many
+    views in a row asked for a drop / a group's restore, when each replica last changed, and
+    whether the current shortfall was already reported as KV-centric."""
+
+    def __init__(self, planner: DropPlannerConfig, cfg: ControllerConfig = ControllerConfig()):
+        self.planner = planner
+        self.cfg = cfg
+        self._over_views = 0
+        self._calm_views: dict[tuple[int, ...], int] = {}
+        self._changed_at: dict[int, float] = {}
+        self._reported_fallback = False
+
+    def _dwelt(self, replicas: Sequence[int], now_s: float) -> bool:
+        return all(now_s - self._changed_at.get(r, -float("inf")) >= self.cfg.min_dwell_s
+                   for r in replicas)
+
+    def decide(self, view: ClusterView) -> Action | None:
+        view.check_integrity()
+        restore = self._restore(view)
+        if restore is not None:
+            return restore
+        return self._drop(view)
+
+    def applied(self, action: Action, now_s: float) -> None:
+        """The executor applied ``action`` at ``now_s`` (a refused one is not reported)."""
+        if isinstance(action, Drop):
+            replicas = [r for g in action.plan.groups if g.size > 1 for r in g.replicas]
+            self._over_views = 0
+        elif isinstance(action, Restore):
+            replicas = list(action.plan.group.replicas)
+            self._calm_views.pop(action.plan.group.replicas, None)
+        else:
+            return
+        for r in replicas:
+            self._changed_at[r] = now_s
+
+    # ---- drop -------------------------------------------------------------------------------
+
+    def _drop(self, view: ClusterView) -> Action | None:
+        grouped = {r for g in view.groups for r in g.replicas}
+        free = [r for r in view.replicas if r.replica not in grouped]
+        demand = sum(r.demand_tokens for r in free)
+        capacity = sum(r.kv_capacity_tokens for r in free)
+        if len(free) < 2 or demand <= capacity:
+            self._over_views = 0
+            self._reported_fallback = False
+            return None
+        self._over_views += 1
+        if self._over_views < self.cfg.drop_persist:
+            return None
+        if not self._dwelt([r.replica for r in free], view.time_s):
+            return None
+        plan = plan_drop(self.planner, [ReplicaDemand(r.replica, r.kv_used_tokens,
+                                                      r.demand_tokens) for r in free])
+        if isinstance(plan, KvCentricFallback):
+            if self.cfg.partial_drop and plan.deepest is not None:
+                return Drop(plan.deepest, f"partial: {plan.reason}; the rest is handled by KV")
+            if self._reported_fallback:
+                return None
+            self._reported_fallback = True
+            return KvCentric(plan)
+        self._reported_fallback = False
+        if not plan.merges:  # the planner's exact capacities hold it after all
+            return None
+        return Drop(plan, f"predicted KV demand {demand} tokens over capacity {capacity} for "
+                          f"{self._over_views} views")
+
+    # ---- restore ----------------------------------------------------------------------------
+
+    def _restore(self, view: ClusterView) -> Restore | None:
+        seen = set()
+        for group in view.groups:
+            key = group.replicas
+            seen.add(key)
+            members = [view.replica(r) for r in group.replicas]
+            live = {req.rid: req for m in members for req in m.live}
+            used = sum(req.kv_tokens for req in live.values())
+            # Every member holds every request's KV (for its layers): count them once.
+            demand = used + max(m.kv_growth_tokens for m in members) + sum(
+                m.waiting_tokens for m in members)
+            restored_tokens = group.size * self.planner.full_replica().kv_capacity_tokens
+            calm = (used < self.cfg.restore_usage * group.capacity_tokens
+                    and demand <= self.cfg.restore_headroom * restored_tokens)
+            self._calm_views[key] = self._calm_views.get(key, 0) + 1 if calm else 0
+            if self._calm_views[key] < self.cfg.restore_persist:
+                continue
+            if not self._dwelt(group.replicas, view.time_s):
+                continue
+            plan = plan_restore(self.planner, group, list(live.values()))
+            if isinstance(plan, RestoreRefused):
+                continue  # the live KV does not pack into the restored pools yet: wait
+            return Restore(plan, f"group {key}: KV usage {used}/{group.capacity_tokens} under "
+                                 f"{self.cfg.restore_usage:.0%}, demand {demand} fits the "
+                                 f"restored {restored_tokens} tokens")
+        for key in set(self._calm_views) - seen:
+            del self._calm_views[key]
+        return None

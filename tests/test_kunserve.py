@@ -1,0 +1,479 @@
+"""KunServe's engine-agnostic pieces (issue 13): drop planner, chunk cost model, lookahead
+micro-batching, controller policy and the cluster simulation. Pure Python, no server."""
+
+from __future__ import annotations
+
+import itertools
+import random
+
+import networkx as nx
+import numpy as np
+import pytest
+
+from sglang_morph.kunserve.controller import (
+    ClusterView,
+    ControllerConfig,
+    Drop,
+    KunServeController,
+    KvCentric,
+    ReplicaSnapshot,
+    Restore,
+)
+from sglang_morph.kunserve.cost import (
+    Chunk,
+    ChunkCostModel,
+    ForwardTiming,
+    PhaseCosts,
+    fit_chunk_cost,
+    relative_errors,
+)
+from sglang_morph.kunserve.lookahead import (
+    BatchItem,
+    StagedMicroBatch,
+    by_lookahead,
+    by_request_count,
+    micro_batch_seconds,
+    pipeline_schedule,
+    serve_batch_bubbles,
+)
+from sglang_morph.kunserve.planner import (
+    DropPlan,
+    DropPlannerConfig,
+    KvCentricFallback,
+    LiveRequest,
+    ReplicaDemand,
+    RestorePlan,
+    RestoreRefused,
+    make_group,
+    plan_drop,
+    plan_restore,
+    split_layers,
+)
+from sglang_morph.plan.memory import MemoryModel, full_precision_layers
+from sglang_morph.plan.model import SIMULATED_MODELS, ModelSpec
+from sglang_morph.plan.workload import Workload
+
+BUDGET_BYTES = 365_000_000  # SmolLM2-135M whole: ~270 MB of weights + ~4k KV tokens
+
+
+@pytest.fixture(scope="module")
+def spec(default_model_path) -> ModelSpec:
+    return ModelSpec.from_model_dir(default_model_path)
+
+
+@pytest.fixture(scope="module")
+def planner(spec) -> DropPlannerConfig:
+    return DropPlannerConfig(MemoryModel.from_spec(spec, bits=(16,)), BUDGET_BYTES)
+
+
+# ---- planner: exact bytes -----------------------------------------------------------------
+
+
+@pytest.mark.parametrize("k", [1, 7, 15, 29])
+def test_two_member_group_frees_exactly_what_the_memory_model_says(spec, planner, k):
+    """A keeps [0, k), B keeps [k, L): freed bytes equal plan/memory.py's stage bytes, and
+    the same bytes derived by hand from the layer shapes (tied head: neither drops it)."""
+    memory, layers = planner.memory, spec.num_layers
+    whole = memory.model_weight_bytes(full_precision_layers(layers))
+    a, b = planner.member(0, range(0, k)), planner.member(1, range(k, layers))
+    w = Workload(1, 1, 1)
+    assert a.freed_bytes == whole - memory.stage_memory(
+        range(0, k), full_precision_layers(k), w, True, False).weight_bytes
+    assert b.freed_bytes == whole - memory.stage_memory(
+        range(k, layers), full_precision_layers(layers - k), w, False, True).weight_bytes
+    layer_bytes = spec.layer_linear_bytes(16) + spec.norm_bytes_per_layer
+    assert spec.tie_word_embeddings  # the default model: B keeps a copy of the embedding as head
+    assert a.freed_bytes == (layers - k) * layer_bytes + spec.hidden_size * spec.dtype_bytes
+    assert b.freed_bytes == k * layer_bytes
+    for m in (a, b):
+        m.check_integrity()
+        per_token = len(m.layers) * spec.kv_bytes_per_token_per_layer()
+        assert m.kv_bytes_per_token == per_token
+        assert m.kv_capacity_tokens == (BUDGET_BYTES - m.budget.weight_bytes) // per_token
+        assert m.budget.kv_bytes == m.kv_capacity_tokens * per_token <= m.budget.total_bytes - m.budget.weight_bytes
+
+
+def test_untied_head_and_pages(spec):
+    """An untied model: the first member drops the LM head, the last drops the embedding;
+    capacities are whole pages."""
+    llama = SIMULATED_MODELS["llama-2-13b"]
+    cfg = DropPlannerConfig(MemoryModel.from_spec(llama, bits=(16,)), 40 * 10**9,
+                            page_size_tokens=16)
+    a, b = cfg.member(0, range(0, 20)), cfg.member(1, range(20, 40))
+    layer = llama.layer_linear_bytes(16) + llama.norm_bytes_per_layer
+    head = llama.embedding_bytes + llama.hidden_size * llama.dtype_bytes
+    assert a.freed_bytes == 20 * layer + head
+    assert b.freed_bytes == 20 * layer + llama.embedding_bytes
+    for m in (a, b):
+        m.check_integrity(page_size_tokens=16)
+        assert m.kv_capacity_tokens % 16 == 0
+
+
+def test_split_layers_tiles_in_order():
+    for layers in (1, 5, 30, 80):
+        for members in range(1, min(layers, 9) + 1):
+            ranges = split_layers(layers, members)
+            assert [r.start for r in ranges[1:]] == [r.stop for r in ranges[:-1]]
+            assert ranges[0].start == 0 and ranges[-1].stop == layers
+            assert max(map(len, ranges)) - min(map(len, ranges)) <= 1
+    with pytest.raises(ValueError):
+        split_layers(4, 5)
+
+
+def test_planner_config_rejects_a_budget_without_kv(spec):
+    with pytest.raises(ValueError, match="no KV page"):
+        DropPlannerConfig(MemoryModel.from_spec(spec, bits=(16,)), 200_000_000)
+
+
+# ---- planner: greedy vs brute force ------------------------------------------------------
+
+
+def _partitions(items):
+    if not items:
+        yield []
+        return
+    first, rest = items[0], items[1:]
+    for part in _partitions(rest):
+        for i in range(len(part)):
+            yield part[:i] + [[first] + part[i]] + part[i + 1:]
+        yield [[first]] + part
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_greedy_plan_is_the_shallowest_plan_that_holds_the_demand(planner, seed):
+    """Brute force over every partition of up to 6 replicas: no grouping that holds the demand
+    keeps more groups than the greedy's, nor, with as many groups, a smaller largest group."""
+    rng = random.Random(seed)
+    n = rng.randint(2, 6)
+    limit = rng.choice([2, 3, n])
+    cfg = DropPlannerConfig(planner.memory, BUDGET_BYTES, max_group_size=limit)
+    full = cfg.full_replica().kv_capacity_tokens
+    used = [rng.randint(0, full) for _ in range(n)]
+    view = [ReplicaDemand(r, u, u + rng.randint(0, 6 * full)) for r, u in enumerate(used)]
+    demand = sum(d.kv_demand_tokens for d in view)
+    best = None  # (groups, -largest) of the best covering partition
+    for part in _partitions(list(range(n))):
+        if max(map(len, part)) > limit:
+            continue
+        if sum(make_group(cfg, sorted(g)).capacity_tokens for g in part) >= demand:
+            key = (len(part), -max(map(len, part)))
+            best = key if best is None or key > best else best
+    plan = plan_drop(cfg, view)
+    if best is None:
+        assert isinstance(plan, KvCentricFallback)
+        assert plan.shortfall_tokens > 0
+        return
+    assert isinstance(plan, DropPlan)
+    assert (len(plan.groups), -max(g.size for g in plan.groups)) == best
+    assert plan.capacity_tokens >= demand
+    # Each merge joined two of the smallest groups there were at that moment.
+    groups = [(r,) for r in range(n)]
+    for a, b in plan.merges:
+        sizes = sorted(len(g) for g in groups)
+        assert sorted([len(a), len(b)]) == sizes[:2] or len(a) + len(b) > limit or \
+            sizes[0] + sizes[1] > limit
+        assert a in groups and b in groups
+        groups = [g for g in groups if g not in (a, b)] + [tuple(sorted(a + b))]
+    assert sorted(groups) == sorted(g.replicas for g in plan.groups)
+
+
+def test_merge_order_two_smallest_first(planner):
+    full = planner.full_replica().kv_capacity_tokens
+    view = [ReplicaDemand(r, 0, 2 * full) for r in range(4)]
+    plan = plan_drop(planner, view)
+    assert plan.merges == (((0,), (1,)), ((2,), (3,)))
+    assert [g.replicas for g in plan.groups] == [(0, 1), (2, 3)]
+    assert plan.freed_bytes == sum(m.freed_bytes for g in plan.groups for m in g.members)
+    # Live KV of the dropped layers leaves each member: used x dropped layers x per layer.
+    no_live = plan_drop(planner, [ReplicaDemand(r, 100, 2 * full) for r in range(4)])
+    per_layer = planner.kv_bytes_per_token_per_layer
+    assert no_live.kv_migration_bytes == {r: 100 * 15 * per_layer for r in range(4)}
+
+
+def test_no_drop_needed_and_no_plan_fallbacks(planner):
+    full = planner.full_replica().kv_capacity_tokens
+    calm = plan_drop(planner, [ReplicaDemand(r, 10, full) for r in range(3)])
+    assert isinstance(calm, DropPlan) and not calm.merges
+    assert all(g.size == 1 for g in calm.groups)
+    huge = plan_drop(DropPlannerConfig(planner.memory, BUDGET_BYTES, max_group_size=2),
+                     [ReplicaDemand(r, 0, 100 * full) for r in range(4)])
+    assert isinstance(huge, KvCentricFallback)
+    assert huge.deepest is not None and all(g.size == 2 for g in huge.deepest.groups)
+    assert huge.best_capacity_tokens == huge.deepest.capacity_tokens < huge.demand_tokens
+    alone = plan_drop(DropPlannerConfig(planner.memory, BUDGET_BYTES, max_group_size=1),
+                      [ReplicaDemand(r, 0, 2 * full) for r in range(2)])
+    assert isinstance(alone, KvCentricFallback) and alone.deepest is None
+    with pytest.raises(ValueError):
+        plan_drop(planner, [ReplicaDemand(0, 1, 2), ReplicaDemand(0, 1, 2)])
+    with pytest.raises(ValueError):
+        ReplicaDemand(0, 5, 4)
+
+
+def test_restore_homes_every_request_or_refuses(planner):
+    group = make_group(planner, (0, 1))
+    full = planner.full_replica().kv_capacity_tokens
+    live = [LiveRequest(f"r{i}", full // 3) for i in range(5)]
+    plan = plan_restore(planner, group, live)
+    assert isinstance(plan, RestorePlan)
+    assert set(plan.home) == {r.rid for r in live}
+    for m in plan.restored:
+        assert sum(r.kv_tokens for r in live if plan.home[r.rid] == m.replica) <= m.kv_capacity_tokens
+        assert m.layers == range(planner.num_layers)
+    too_many = [LiveRequest(f"r{i}", full // 3 + 1) for i in range(6)]
+    assert isinstance(plan_restore(planner, group, too_many), RestoreRefused)
+    # Fits in total but not per replica: a request's KV cannot be split.
+    halves = [LiveRequest("a", full // 2 + 1), LiveRequest("b", full // 2 + 1),
+              LiveRequest("c", full // 2 + 1)]
+    assert isinstance(plan_restore(planner, group, halves), RestoreRefused)
+
+
+# ---- cost model ----------------------------------------------------------------------------
+
+
+def _synthetic(model: ChunkCostModel, rng, noise: float, n: int = 60, decode: bool = False):
+    out = []
+    for _ in range(n):
+        b = rng.choice([1, 2, 4])
+        if decode:
+            chunks = tuple(Chunk(rng.randint(16, 4000), 1) for _ in range(b))
+        else:
+            chunks = tuple(Chunk(rng.choice([0, 64, 512, 2048]), rng.choice([16, 128, 1024]))
+                           for _ in range(b))
+        seconds = model.seconds(chunks) * (1 + rng.uniform(-noise, noise))
+        out.append(ForwardTiming(chunks, seconds))
+    return out
+
+
+@pytest.mark.parametrize("decode", [False, True])
+def test_fit_recovers_known_coefficients(decode):
+    truth = ChunkCostModel(3e-9, 4e-5, 0.012) if not decode else ChunkCostModel(2e-7, 1e-3, 0.03)
+    rng = random.Random(1)
+    exact = fit_chunk_cost(_synthetic(truth, rng, 0.0, decode=decode))
+    assert np.allclose(exact.coefficients, truth.coefficients, rtol=1e-6)
+    noisy_points = _synthetic(truth, rng, 0.02, decode=decode)
+    noisy = fit_chunk_cost(noisy_points)
+    assert np.allclose(noisy.coefficients, truth.coefficients, rtol=0.15)
+    assert relative_errors(noisy, noisy_points).mean() < 0.02
+
+
+def test_fit_rejects_bad_input():
+    with pytest.raises(ValueError, match="at least 3"):
+        fit_chunk_cost([ForwardTiming((Chunk(0, 16),), 0.1)] * 2)
+    with pytest.raises(ValueError, match="do not vary"):
+        fit_chunk_cost([ForwardTiming((Chunk(0, 16),), 0.1)] * 5)
+    with pytest.raises(ValueError, match="phases"):
+        fit_chunk_cost([ForwardTiming((Chunk(0, 16),), 0.1), ForwardTiming((Chunk(5, 1),), 0.1),
+                        ForwardTiming((Chunk(0, 64),), 0.2)])
+    with pytest.raises(ValueError, match="seconds > 0"):
+        ForwardTiming((Chunk(0, 16),), 0.0)
+    with pytest.raises(ValueError, match="seconds > 0"):
+        ForwardTiming((Chunk(0, 16),), float("nan"))
+    with pytest.raises(ValueError, match="mixes"):
+        ForwardTiming((Chunk(0, 16), Chunk(10, 1)), 0.1)
+    with pytest.raises(ValueError):
+        Chunk(-1, 4)
+    with pytest.raises(ValueError):
+        Chunk(0, 0)
+    with pytest.raises(ValueError, match=">= 0"):
+        ChunkCostModel(-1e-9, 0.0, 0.0)
+
+
+def test_phase_costs_round_trip(tmp_path):
+    costs = PhaseCosts(ChunkCostModel(1e-9, 1e-4, 0.01), ChunkCostModel(1e-7, 1e-3, 0.02), "x")
+    assert PhaseCosts.from_json(costs.to_json()) == costs
+    assert costs.seconds([Chunk(100, 1), Chunk(5, 1)]) == costs.decode.seconds(
+        [Chunk(100, 1), Chunk(5, 1)])
+    assert costs.seconds([Chunk(0, 8)]) == costs.prefill.seconds([Chunk(0, 8)])
+
+
+# ---- lookahead ------------------------------------------------------------------------------
+
+COSTS = PhaseCosts(ChunkCostModel(2e-8, 1e-4, 5e-3), ChunkCostModel(1e-7, 2e-4, 2e-2))
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_lookahead_places_every_token_once_in_order_and_balances(seed):
+    rng = random.Random(seed)
+    items = [BatchItem(f"r{i}", 0, rng.randint(16, 2000)) for i in range(rng.randint(2, 12))]
+    for k in (2, 3, 4):
+        mbs = by_lookahead(items, k, COSTS)
+        assert len(mbs) <= k
+        seen: dict[str, int] = {}
+        for mb in mbs:
+            for it in mb:
+                assert it.cached_tokens == seen.get(it.rid, 0)  # chunks contiguous, in order
+                seen[it.rid] = it.cached_tokens + it.new_tokens
+        assert seen == {it.rid: it.new_tokens for it in items}
+        costs = [micro_batch_seconds(COSTS, mb) for mb in mbs]
+        total = sum(micro_batch_seconds(COSTS, (it,)) - COSTS.prefill.gamma_s for it in items)
+        if total > 20 * k * COSTS.prefill.gamma_s:  # a batch big enough to cut k ways
+            assert len(mbs) == k
+            assert max(costs) / min(costs) < 1.05
+    counted = by_request_count(items, 2)
+    assert [it for mb in counted for it in mb] == items
+
+
+def _reference_makespan(mbs: list[StagedMicroBatch], transfer_s: float) -> float:
+    """Longest path through the dependency graph (networkx), independent of PipelineState."""
+    g = nx.DiGraph()
+    stages = len(mbs[0].stage_seconds)
+    for i, mb in enumerate(mbs):
+        for j, t in enumerate(mb.stage_seconds):
+            g.add_edge(("s", i, j), ("e", i, j), weight=t)
+            if j:
+                g.add_edge(("e", i, j - 1), ("s", i, j), weight=transfer_s)
+            if i:
+                g.add_edge(("e", i - 1, j), ("s", i, j), weight=0.0)
+        for prev in range(i):
+            if mbs[prev].iteration < mb.iteration and mbs[prev].rids & mb.rids:
+                g.add_edge(("e", prev, stages - 1), ("s", i, 0), weight=transfer_s)
+    return nx.dag_longest_path_length(g, weight="weight")
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_pipeline_schedule_matches_a_longest_path_reference(seed):
+    rng = random.Random(seed)
+    mbs = []
+    for it in range(4):
+        for k in range(rng.randint(1, 3)):
+            rids = frozenset(rng.sample(["a", "b", "c", "d"], rng.randint(1, 3)))
+            mbs.append(StagedMicroBatch(it, rids, tuple(rng.uniform(0.01, 0.1) for _ in range(2))))
+    transfer = rng.choice([0.0, 0.005])
+    run = pipeline_schedule(mbs, transfer)
+    assert run.makespan_s == pytest.approx(_reference_makespan(mbs, transfer))
+    busy = sum(sum(mb.stage_seconds) for mb in mbs)
+    assert run.bubble_share == pytest.approx(1 - busy / (2 * run.makespan_s))
+
+
+def test_bubble_share_closed_form_and_lookahead_helps():
+    # K equal micro-batches of t on S stages, one iteration: bubble (S-1)/(K+S-1).
+    mbs = [StagedMicroBatch(0, frozenset({str(i)}), (0.1, 0.1, 0.1)) for i in range(4)]
+    assert pipeline_schedule(mbs).bubble_share == pytest.approx(2 / 6)
+    # A long prompt next to short ones: by count the first micro-batch is far heavier.
+    prompts = [("long", 3000, 40)] + [(f"s{i}", 100, 40) for i in range(5)]
+    runs = serve_batch_bubbles(COSTS, prompts, [0.5, 0.5])
+    assert runs["lookahead"].bubble_share < runs["by_request_count"].bubble_share
+    assert runs["lookahead"].busy_s == pytest.approx(runs["by_request_count"].busy_s, rel=0.05)
+
+
+# ---- controller ----------------------------------------------------------------------------
+
+
+def _view(t, planner, used, waiting, groups=(), live=None):
+    full = planner.full_replica().kv_capacity_tokens
+    snaps = []
+    grouped = {r: g for g in groups for r in g.replicas}
+    for r, (u, w) in enumerate(zip(used, waiting)):
+        cap = grouped[r].capacity_tokens if r in grouped else full
+        reqs = tuple(live[r]) if live else ()
+        snaps.append(ReplicaSnapshot(r, cap, u, 0, w, reqs))
+    return ClusterView(t, tuple(snaps), tuple(groups))
+
+
+def test_controller_drops_after_persisting_overload_only(planner):
+    full = planner.full_replica().kv_capacity_tokens
+    ctl = KunServeController(planner, ControllerConfig(drop_persist=2, min_dwell_s=0))
+    assert ctl.decide(_view(0, planner, [full // 2] * 2, [0, 0])) is None
+    assert ctl.decide(_view(1, planner, [full] * 2, [full, full])) is None  # first view over
+    action = ctl.decide(_view(2, planner, [full] * 2, [full, full]))
+    assert isinstance(action, Drop)
+    assert [g.replicas for g in action.plan.groups] == [(0, 1)]
+    # A calm view in between restarts the count.
+    ctl = KunServeController(planner, ControllerConfig(drop_persist=2, min_dwell_s=0))
+    ctl.decide(_view(0, planner, [full] * 2, [full, full]))
+    ctl.decide(_view(1, planner, [10] * 2, [0, 0]))
+    assert ctl.decide(_view(2, planner, [full] * 2, [full, full])) is None
+
+
+def test_controller_reports_kv_centric_once(planner):
+    full = planner.full_replica().kv_capacity_tokens
+    cfg = DropPlannerConfig(planner.memory, BUDGET_BYTES, max_group_size=1)
+    ctl = KunServeController(cfg, ControllerConfig(drop_persist=1, min_dwell_s=0))
+    first = ctl.decide(_view(0, cfg, [full] * 2, [full, full]))
+    assert isinstance(first, KvCentric) and first.fallback.shortfall_tokens > 0
+    assert ctl.decide(_view(1, cfg, [full] * 2, [full, full])) is None
+
+
+def test_controller_restores_below_half_usage_when_live_kv_fits(planner):
+    full = planner.full_replica().kv_capacity_tokens
+    group = make_group(planner, (0, 1))
+    live = [LiveRequest(f"r{i}", full // 4) for i in range(4)]  # fits: 2 per member
+    views = [_view(t, planner, [full] * 2, [0, 0], [group], {0: live, 1: live}) for t in range(5)]
+    ctl = KunServeController(planner, ControllerConfig(restore_persist=3, min_dwell_s=0))
+    assert [ctl.decide(v) for v in views[:2]] == [None, None]
+    action = ctl.decide(views[2])
+    assert isinstance(action, Restore)
+    assert action.plan.group.replicas == (0, 1)
+    assert set(action.plan.home) == {r.rid for r in live}
+
+
+def test_controller_never_restores_when_live_kv_would_not_fit(planner):
+    """Under 50% of the group's pool, but more live KV than the restored pools can take (or
+    not packable per replica): the controller waits, whatever the persistence."""
+    full = planner.full_replica().kv_capacity_tokens
+    group = make_group(planner, (0, 1))
+    live = [LiveRequest(f"r{i}", full // 2 + 1) for i in range(3)]  # 3 halves, 2 pools
+    assert sum(r.kv_tokens for r in live) < 0.5 * group.capacity_tokens  # usage is "low"
+    ctl = KunServeController(planner, ControllerConfig(restore_persist=1, min_dwell_s=0,
+                                                       restore_headroom=1.0))
+    for t in range(6):
+        assert ctl.decide(_view(t, planner, [0, 0], [0, 0], [group], {0: live, 1: live})) is None
+    over = [LiveRequest(f"q{i}", 2 * full // 7 + 1) for i in range(7)]  # > 2 pools in total
+    assert 2 * full < sum(r.kv_tokens for r in over) < 0.5 * group.capacity_tokens
+    for t in range(6):
+        assert ctl.decide(_view(t, planner, [0, 0], [0, 0], [group], {0: over, 1: over})) is None
+
+
+def test_controller_dwell_time_between_transitions(planner):
+    full = planner.full_replica().kv_capacity_tokens
+    ctl = KunServeController(planner, ControllerConfig(drop_persist=1, restore_persist=1,
+                                                       min_dwell_s=10))
+    drop = ctl.decide(_view(0, planner, [full] * 2, [full, full]))
+    assert isinstance(drop, Drop)
+    ctl.applied(drop, 0.0)
+    group = drop.plan.groups[0]
+    live = {0: [LiveRequest("a", 5)], 1: [LiveRequest("a", 5)]}
+    assert ctl.decide(_view(5, planner, [5, 5], [0, 0], [group], live)) is None
+    assert isinstance(ctl.decide(_view(11, planner, [5, 5], [0, 0], [group], live)), Restore)
+
+
+# ---- simulation ----------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def sim_setup(spec, planner):
+    from benchmark.kunserve_sim import Calibration, Request
+
+    cal = Calibration(PhaseCosts(ChunkCostModel(3e-8, 2e-4, 0.02),
+                                 ChunkCostModel(5e-7, 2e-3, 0.03), "test"),
+                      1e-4, 2e9, 5e9, spec.hidden_size * spec.dtype_bytes)
+    rng = random.Random(7)
+    # A burst at t=0..2 s far over two replicas' KV, then a trickle.
+    reqs = [Request(f"b{i}", rng.uniform(0, 2), rng.randint(200, 900), rng.randint(20, 120))
+            for i in range(40)]
+    reqs += [Request(f"t{i}", 30 + 2 * i, 100, 20) for i in range(10)]
+    cfg = DropPlannerConfig(planner.memory, BUDGET_BYTES, max_group_size=2)
+    return cal, sorted(reqs, key=lambda r: r.arrival_s), cfg
+
+
+@pytest.mark.parametrize("kunserve", [False, True])
+def test_simulation_conserves_requests_and_is_deterministic(sim_setup, kunserve):
+    from benchmark.kunserve_sim import Drop as _  # noqa: F401  (the sim imports the controller)
+    from benchmark.kunserve_sim import latency_stats, simulate
+
+    cal, reqs, cfg = sim_setup
+    ctl_cfg = ControllerConfig(min_dwell_s=1.0)
+    sim = simulate(reqs, 2, cfg, cal, kunserve, monitor_s=0.5, controller_cfg=ctl_cfg)
+    assert sorted(r.rid for r in sim.finished) == sorted(r.rid for r in reqs)
+    for r in sim.finished:
+        assert r.generated == r.output_tokens == len(r.token_times_s)
+        assert r.token_times_s == sorted(r.token_times_s)
+        assert r.token_times_s[0] > r.arrival_s
+    again = simulate(reqs, 2, cfg, cal, kunserve, monitor_s=0.5, controller_cfg=ctl_cfg)
+    assert latency_stats(again.finished) == latency_stats(sim.finished)
+    assert again.transitions == sim.transitions
+    kinds = [t["kind"] for t in sim.transitions]
+    if kunserve:
+        assert kinds[:2] == ["drop", "restore"]  # the burst merges the pair, the lull splits it
+    else:
+        assert kinds == []
