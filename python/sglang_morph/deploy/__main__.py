@@ -29,12 +29,9 @@ from pathlib import Path
 
 from sglang_morph.deploy import estimate, intents, placement, space
 from sglang_morph.deploy.measure import Workload
+from sglang_morph.plan.__main__ import CliError, parse_size  # one CLI error for both tools
 
 FINGERPRINT_LAYERS = (1, 2)
-
-
-class CliError(Exception):
-    pass
 
 
 def _ints(text: str, flag: str) -> tuple[int, ...]:
@@ -48,28 +45,21 @@ def _ints(text: str, flag: str) -> tuple[int, ...]:
 
 
 def _size(text: str, flag: str) -> int:
-    from sglang_morph.plan.__main__ import CliError as PlanCliError, parse_size
-
     try:
         return parse_size(text)
-    except PlanCliError as e:
+    except CliError as e:
         raise CliError(f"{flag}: {e}") from None
 
 
 def _model_and_engines(args) -> tuple[Path, Path | None]:
-    from sglang_morph.plan.__main__ import CliError as PlanCliError, _default_engines, \
-        _default_model_dir
+    from sglang_morph.plan.__main__ import _default_engines, _default_model_dir
 
     model_dir = Path(args.model_path) if args.model_path else _default_model_dir()
     if not (model_dir / "config.json").is_file():
         raise CliError(f"--model-path {model_dir}: no config.json there")
     if args.engines == "none":
         return model_dir, None
-    try:
-        engines = Path(args.engines) if args.engines else _default_engines(model_dir)
-    except PlanCliError as e:
-        raise CliError(str(e)) from None
-    return model_dir, engines
+    return model_dir, Path(args.engines) if args.engines else _default_engines(model_dir)
 
 
 # ---- fingerprint --------------------------------------------------------------------------

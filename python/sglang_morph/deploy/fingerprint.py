@@ -33,10 +33,8 @@ import shutil
 from pathlib import Path
 from typing import Any
 
-from filelock import FileLock
-
 from sglang_morph.engines.manifest import MANIFEST_FILE, EngineManifest, sha256_of_file
-from sglang_morph.models import cache_dir
+from sglang_morph.models import build_once, cache_dir
 
 WEIGHTS_FILE = "model.safetensors"
 MARKER_FILE = "fingerprint.json"
@@ -107,7 +105,7 @@ def fingerprint_root(model_dir: Path, engines_dir: Path | None, num_layers: int)
 
 def make_fingerprint(model_dir: Path, engines_dir: Path | None, num_layers: int) -> Fingerprint:
     """The fingerprint of ``model_dir``'s first ``num_layers`` layers, built on first use
-    (atomic, locked against concurrent builds)."""
+    (``models.build_once``: atomic, locked)."""
     model_dir = Path(model_dir)
     config = json.loads((model_dir / "config.json").read_text())
     total = config["num_hidden_layers"]
@@ -121,28 +119,18 @@ def make_fingerprint(model_dir: Path, engines_dir: Path | None, num_layers: int)
     fp = Fingerprint(num_layers, root / "model",
                      root / "engines" if engines_dir is not None else None,
                      model_dir, Path(engines_dir) if engines_dir is not None else None)
-    if (root / MARKER_FILE).is_file():
-        return fp
-    root.parent.mkdir(parents=True, exist_ok=True)
-    with FileLock(f"{root}.lock"):
-        if (root / MARKER_FILE).is_file():  # built by the process we waited for
-            return fp
-        shutil.rmtree(root, ignore_errors=True)
-        partial = root.parent / f".{root.name}.partial-{os.getpid()}"
-        shutil.rmtree(partial, ignore_errors=True)
-        (partial / "model").mkdir(parents=True)
-        try:
-            _write_model(model_dir, config, num_layers, partial / "model")
-            if engines_dir is not None:
-                _write_engines(Path(engines_dir), partial / "engines", partial / "model",
-                               num_layers)
-            (partial / MARKER_FILE).write_text(json.dumps(
-                {"num_layers": num_layers, "source_model_dir": str(model_dir),
-                 "source_engines_dir": str(engines_dir) if engines_dir else None}, indent=1))
-            os.rename(partial, root)
-        except BaseException:
-            shutil.rmtree(partial, ignore_errors=True)
-            raise
+
+    def build(partial: Path) -> None:
+        (partial / "model").mkdir()
+        _write_model(model_dir, config, num_layers, partial / "model")
+        if engines_dir is not None:
+            _write_engines(Path(engines_dir), partial / "engines", partial / "model",
+                           num_layers)
+        (partial / MARKER_FILE).write_text(json.dumps(
+            {"num_layers": num_layers, "source_model_dir": str(model_dir),
+             "source_engines_dir": str(engines_dir) if engines_dir else None}, indent=1))
+
+    build_once(root, lambda d: (d / MARKER_FILE).is_file(), build)
     fp.check_integrity()
     return fp
 

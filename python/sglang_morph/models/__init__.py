@@ -80,6 +80,29 @@ def cache_dir() -> Path:
     return Path(configured or DEFAULT_CACHE_DIR).expanduser()
 
 
+def build_once(target: Path, is_complete, build) -> Path:
+    """``target``, built by ``build(partial_dir)`` unless ``is_complete(target)``: locked
+    against concurrent builds, written into a partial directory and renamed into place, so a
+    reader never sees half a build (an interrupted one is removed)."""
+    if is_complete(target):
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with FileLock(f"{target}.lock"):
+        if is_complete(target):  # built by the process we waited for
+            return target
+        shutil.rmtree(target, ignore_errors=True)
+        partial_dir = target.parent / f".{target.name}.partial-{os.getpid()}"
+        shutil.rmtree(partial_dir, ignore_errors=True)
+        partial_dir.mkdir()
+        try:
+            build(partial_dir)
+            os.rename(partial_dir, target)
+        except BaseException:
+            shutil.rmtree(partial_dir, ignore_errors=True)
+            raise
+    return target
+
+
 def default_model_dir(spec: DefaultModelSpec = DEFAULT_MODEL) -> Path:
     """Where the converted model lives; it may not exist yet (see `default_model_path`)."""
     return cache_dir() / "models" / spec.dir_name

@@ -18,14 +18,10 @@ import dataclasses
 import hashlib
 import json
 import logging
-import os
-import shutil
 import sys
 from pathlib import Path
 
-from filelock import FileLock
-
-from sglang_morph.models import cache_dir, default_model_path
+from sglang_morph.models import build_once, cache_dir, default_model_path
 
 logger = logging.getLogger(__name__)
 
@@ -76,24 +72,8 @@ def tiny_model_dir(spec: TinyLlamaSpec = DEFAULT_TINY) -> Path:
 
 def tiny_model_path(spec: TinyLlamaSpec = DEFAULT_TINY) -> Path:
     """The model's directory, built on first use (atomic, locked against concurrent builds)."""
-    model_dir = tiny_model_dir(spec)
-    if (model_dir / SPEC_FILE).is_file():
-        return model_dir
-    model_dir.parent.mkdir(parents=True, exist_ok=True)
-    with FileLock(f"{model_dir}.lock"):
-        if (model_dir / SPEC_FILE).is_file():  # built by the process we waited for
-            return model_dir
-        shutil.rmtree(model_dir, ignore_errors=True)
-        partial_dir = model_dir.parent / f".{model_dir.name}.partial-{os.getpid()}"
-        shutil.rmtree(partial_dir, ignore_errors=True)
-        partial_dir.mkdir()
-        try:
-            _build(spec, partial_dir)
-            os.rename(partial_dir, model_dir)
-        except BaseException:
-            shutil.rmtree(partial_dir, ignore_errors=True)
-            raise
-    return model_dir
+    return build_once(tiny_model_dir(spec), lambda d: (d / SPEC_FILE).is_file(),
+                      lambda partial_dir: _build(spec, partial_dir))
 
 
 def _build(spec: TinyLlamaSpec, out_dir: Path) -> None:
