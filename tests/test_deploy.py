@@ -17,11 +17,10 @@ from sglang_morph.deploy import estimate, intents, placement, space
 FIXED = {1: 900e6, 3: 700e6}
 PER_LAYER = {1: 12e6, 3: 5e6}
 FIRST_DELTA, LAST_DELTA, EMBEDDING = -3e6, 40e6, 56_623_104
-LAT = {  # per TP: (f0, f1, g0, g1, h0, h1) of TTFT and of TPOT
-    1: {"ttft": (0.05, 0.01, 0.004, 0.003, 0.02, 0.002),
-        "tpot": (0.02, 0.001, 0.001, 0.0002, 0.006, 0.0005)},
-    3: {"ttft": (0.09, 0.02, 0.009, 0.004, 0.0, 0.0),
-        "tpot": (0.05, 0.002, 0.004, 0.0003, 0.0, 0.0)},
+LAT = {  # (f0, f1, g0, g1) of TTFT and TPOT per (TP, PP line)
+    (1, 1): {"ttft": (0.05, 0.01, 0.004, 0.003), "tpot": (0.02, 0.001, 0.001, 0.0002)},
+    (1, 2): {"ttft": (0.08, 0.012, 0.008, 0.006), "tpot": (0.03, 0.0015, 0.002, 0.0004)},
+    (3, 1): {"ttft": (0.09, 0.02, 0.009, 0.004), "tpot": (0.05, 0.002, 0.004, 0.0003)},
 }
 OUTPUTS = (8, 40)
 
@@ -40,9 +39,18 @@ def true_process_bytes(tp, pp, stage, layers):
 
 
 def true_seconds(phase, tp, layers, batch, pp):
-    f0, f1, g0, g1, h0, h1 = LAT[tp][phase]
-    hop = LAT[1][phase][4:] if tp != 1 else (h0, h1)  # TP x PP reuses TP 1's hop
-    return f0 + f1 * batch + layers * (g0 + g1 * batch) + (pp - 1) * (hop[0] + hop[1] * batch)
+    def line(key):
+        f0, f1, g0, g1 = LAT[key][phase]
+        return f0 + f1 * batch + layers * (g0 + g1 * batch)
+
+    f0, f1 = LAT[(1, 1)][phase][:2]
+    c0, c1 = LAT[(1, 2)][phase][:2]
+    hop = (c0 - f0) + (c1 - f1) * batch  # PP 2's fixed cost over PP 1's
+    if pp == 1:
+        return line((tp, 1))
+    if tp == 1:
+        return line((1, 2)) + (pp - 2) * hop
+    return line((tp, 1)) + (pp - 1) * hop  # TP x PP: TP 1's hop, an assumption
 
 
 def synthetic_record(bits, tp, pp, layers, scale=1.0, time_scale=None):
@@ -81,7 +89,7 @@ def fingerprint_records(bits_scale=None):
 def test_fingerprint_runs_are_the_three_parallel_configurations():
     runs = [(c.name, n) for c, n in cli.fingerprint_runs((8,), (1, 3))]
     assert runs == [("W8-TP1-PP1", 1), ("W8-TP1-PP1", 2), ("W8-TP1-PP2", 2),
-                    ("W8-TP3-PP1", 1), ("W8-TP3-PP1", 2)]
+                    ("W8-TP1-PP2", 3), ("W8-TP3-PP1", 1), ("W8-TP3-PP1", 2)]
 
 
 def test_memory_solve_recovers_per_layer_fixed_and_pipeline_terms():
@@ -121,11 +129,12 @@ def test_ttft_tpot_from_two_output_lengths():
 
 def test_latency_solve_recovers_fixed_per_layer_batch_and_hop_terms():
     fits = estimate.fit_records(fingerprint_records({8: 1.0}), 30, EMBEDDING)
-    for tp in (1, 3):
+    for (tp, pp), want in LAT.items():
+        fit = fits.latency[8][tp]
         for phase in ("ttft", "tpot"):
-            got = fits.latency[8][tp].coefficients[phase]
-            want = LAT[tp][phase][:4] + (LAT[1][phase][4:] if tp == 3 else LAT[1][phase][4:])
-            assert got == pytest.approx(want, rel=1e-7, abs=1e-12)
+            got = (fit.pp1 if pp == 1 else fit.pp2)[phase]
+            assert got == pytest.approx(want[phase], rel=1e-7, abs=1e-12)
+    assert fits.latency[8][3].pp2 is None and fits.latency[8][3].hop_from is fits.latency[8][1]
     for tp, pp, batch in itertools.product((1, 3), (1, 2, 3), (1, 2, 8)):
         ttft, tpot = fits.latency_of(space.Configuration(8, tp, pp), batch)
         assert ttft == pytest.approx(true_seconds("ttft", tp, 30, batch, pp), rel=1e-7)

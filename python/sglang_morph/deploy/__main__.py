@@ -32,6 +32,7 @@ from sglang_morph.deploy.measure import Workload
 from sglang_morph.plan.__main__ import CliError, parse_size  # one CLI error for both tools
 
 FINGERPRINT_LAYERS = (1, 2)
+PP_FINGERPRINT_LAYERS = (2, 3)
 
 
 def _ints(text: str, flag: str) -> tuple[int, ...]:
@@ -86,13 +87,14 @@ def cmd_fingerprint(args) -> dict:
 def fingerprint_runs(bits: tuple[int, ...], tp_sizes: tuple[int, ...]
                      ) -> list[tuple[space.Configuration, int]]:
     """(configuration, fingerprint layers) of M2 and L2: TP1/PP1 and TP t/PP1 at 1 and 2 layers,
-    TP1/PP2 at 2 layers (a 1-layer model has no second stage)."""
+    TP1/PP2 at 2 and 3 layers (a 1-layer model has no second stage; ``estimate`` says why PP
+    needs two depths of its own)."""
     runs = []
     for b in bits:
         for tp in sorted(set(tp_sizes) | {1}):
             runs += [(space.Configuration(b, tp, 1), n) for n in FINGERPRINT_LAYERS]
             if tp == 1:
-                runs.append((space.Configuration(b, 1, 2), 2))
+                runs += [(space.Configuration(b, 1, 2), n) for n in PP_FINGERPRINT_LAYERS]
     return runs
 
 

@@ -16,22 +16,28 @@ logits) and what a last stage lacks or adds (the embedding; its own LM head copy
 embedding is tied). A middle stage has neither end's tensors: both deltas, less the embedding
 ``E`` counted in both (its bytes are exact from the shapes, ``plan.model``; zero for the KV and
 activation figures, which hold no embedding). They are solved by least squares from the
-fingerprints: TP1/PP1 at 1 and 2 layers (fixed[1], per_layer[1]), TP1/PP2 at 2 layers (one layer
-per stage: both deltas), TP t/PP1 at 1 and 2 layers (fixed[t], per_layer[t]). A 1-layer
-fingerprint cannot run PP 2 (each stage needs a layer), so the pipeline terms come from the
-2-layer one alone. Under TP x PP (plain SGLang at 16 bits; no fingerprint runs it) the deltas
+fingerprints: TP1/PP1 at 1 and 2 layers (fixed[1], per_layer[1]), TP1/PP2 at 2 and 3 layers
+(stages of 1 + 1 and 1 + 2 layers: both deltas, and a check of per_layer[1] on a stage), TP t/PP1
+at 1 and 2 layers (fixed[t], per_layer[t]). A 1-layer fingerprint cannot run PP 2 (each stage
+needs a layer), so the pipeline runs use the 2-layer fingerprint and a 3-layer one (which L2
+needs, below). Under TP x PP (plain SGLang at 16 bits; no fingerprint runs it) the deltas
 are divided by ``t``: the embedding and LM head are vocab-parallel, sharded over the TP ranks.
 
-**L2** (the paper's equations). Per bit-width and TP size, each PP 1 fingerprint is timed at two
+**L2** (the paper's equations). Per bit-width and TP size, each fingerprint is timed at two
 output lengths; ``E2E(n) = TTFT + (n - 1) * TPOT`` gives TTFT and TPOT. Both are then linear in
 the depth ``L`` (a fixed cost: embedding, LM head, sampling, scheduling, HTTP; plus a per-layer
 cost) and in the batch ``B`` (the batch sizes timed):
 
-    T(L, B) = f0 + f1 B + L (g0 + g1 B) + (PP - 1)(h0 + h1 B)
+    T(L, B) = f0 + f1 B + L (g0 + g1 B)
 
-where the last term, a pipeline hop per extra stage, comes from the TP1/PP2 2-layer fingerprint
-timed like the others (a PP 2 stage boundary costs the same whatever the depth; under TP x PP the
-TP 1 hop is reused, an assumption).
+fitted on the PP 1 fingerprints (1 and 2 layers). A pipeline changes the per-layer cost, not
+only adds a hop: here a PP 1 rank runs two threads and a PP 2 stage one (serve.sh gives each
+rank its cores), so a layer takes about twice as long under PP. So PP gets its own line,
+fitted on TP1/PP2 fingerprints of 2 and 3 layers (a 1-layer model has no second stage; the
+3-layer one splits 1 + 2), and a pipeline of ``p > 2`` stages adds ``p - 2`` hops to it, a hop
+being what PP 2's fixed cost exceeds PP 1's. Under TP x PP (16 bits, plain SGLang; no
+fingerprint runs it) the TP 1 hop is added to the TP t/PP 1 line, ``p - 1`` times: an
+assumption this profile does not check.
 """
 
 from __future__ import annotations
@@ -182,50 +188,62 @@ def ttft_tpot(e2e_by_length: dict[int, float]) -> tuple[float, float]:
     return e1 - (n1 - 1) * tpot, tpot
 
 
-_LATENCY_FEATURES = ("1", "B", "L", "L*B", "(PP-1)", "(PP-1)*B")
+_LATENCY_FEATURES = ("1", "B", "L", "L*B")
 
 
-def _latency_row(layers: int, batch: int, pp: int, n_features: int) -> np.ndarray:
-    row = np.array([1, batch, layers, layers * batch, pp - 1, (pp - 1) * batch], np.float64)
-    return row[:n_features]
+def _latency_row(layers: int, batch: int) -> np.ndarray:
+    return np.array([1, batch, layers, layers * batch], np.float64)
+
+
+def _fit_phase(points: Sequence[LatencyPoint], phase: str) -> tuple[float, ...]:
+    """``f0, f1, g0, g1`` of ``T = f0 + f1 B + L (g0 + g1 B)``; with one batch size measured
+    the ``B`` terms cannot be told apart and are 0."""
+    keep = [0, 2] if len({p.batch for p in points}) == 1 else [0, 1, 2, 3]
+    x = np.array([_latency_row(p.layers, p.batch)[keep] for p in points])
+    y = np.array([p.ttft_s if phase == "ttft" else p.tpot_s for p in points])
+    full = np.zeros(4)
+    full[keep] = lstsq(x, y)
+    return tuple(full.tolist())
 
 
 @dataclasses.dataclass(frozen=True)
 class LatencyFit:
-    """Coefficients of ``_LATENCY_FEATURES`` per phase; features the measurements cannot
-    determine (one batch size: no ``B`` terms; no PP fingerprint: no hop) are left out and 0."""
+    """One TP size's L2: per phase, ``f0, f1, g0, g1`` at PP 1 (``pp1``) and, fitted on the
+    PP 2 fingerprints, at PP 2 (``pp2``; None when none was measured, then ``hop_from`` lends
+    its hop). A pipeline of ``p > 2`` stages adds ``p - 2`` hops, a hop being what PP 2's fixed
+    cost exceeds PP 1's (one stage boundary: a send, a receive, a process)."""
 
     tp: int
-    coefficients: dict[str, tuple[float, ...]]
+    pp1: dict[str, tuple[float, ...]]
+    pp2: dict[str, tuple[float, ...]] | None = None
+    hop_from: "LatencyFit | None" = None
+
+    def hop_s(self, phase: str, batch: int) -> float:
+        if self.pp2 is None:
+            if self.hop_from is None:
+                raise ValueError(f"TP {self.tp}: no pipeline fingerprint to estimate PP from")
+            return self.hop_from.hop_s(phase, batch)
+        pp2, pp1 = self.pp2[phase], self.pp1[phase]
+        return (pp2[0] - pp1[0]) + (pp2[1] - pp1[1]) * batch
 
     def seconds(self, phase: str, layers: int, batch: int, pp: int) -> float:
-        c = np.zeros(len(_LATENCY_FEATURES))
-        values = self.coefficients[phase]
-        c[:len(values)] = values
-        return float(_latency_row(layers, batch, pp, len(_LATENCY_FEATURES)) @ c)
+        if pp == 1 or self.pp2 is None:
+            base = float(_latency_row(layers, batch) @ np.asarray(self.pp1[phase]))
+            return base + (pp - 1) * self.hop_s(phase, batch) if pp > 1 else base
+        base = float(_latency_row(layers, batch) @ np.asarray(self.pp2[phase]))
+        return base + (pp - 2) * self.hop_s(phase, batch)
 
 
 def fit_latency(points: Sequence[LatencyPoint], tp: int,
                 hop_from: LatencyFit | None = None) -> LatencyFit:
-    """Fit one TP size's points; ``hop_from`` lends its pipeline terms when these points have
-    no PP fingerprint."""
     points = [p for p in points if p.tp == tp]
-    one_batch = len({p.batch for p in points}) == 1
-    has_pp = any(p.pp > 1 for p in points)
-    keep = [0, 2] if one_batch else [0, 1, 2, 3]
-    if has_pp:
-        keep += [4] if one_batch else [4, 5]
-    coefficients = {}
-    for phase in PHASES:
-        x = np.array([_latency_row(p.layers, p.batch, p.pp, 6)[keep] for p in points])
-        y = np.array([p.ttft_s if phase == "ttft" else p.tpot_s for p in points])
-        full = np.zeros(6)
-        full[keep] = lstsq(x, y)
-        if not has_pp and hop_from is not None:
-            full[4:] = hop_from.coefficients[phase][4:6] if len(
-                hop_from.coefficients[phase]) == 6 else 0.0
-        coefficients[phase] = tuple(full.tolist())
-    return LatencyFit(tp, coefficients)
+    pp1 = [p for p in points if p.pp == 1]
+    pp2 = [p for p in points if p.pp == 2]
+    if any(p.pp > 2 for p in points):
+        raise ValueError("pipeline fingerprints are PP 2")
+    return LatencyFit(tp, {phase: _fit_phase(pp1, phase) for phase in PHASES},
+                      {phase: _fit_phase(pp2, phase) for phase in PHASES} if pp2 else None,
+                      None if pp2 else hop_from)
 
 
 # ---- from measurement records -------------------------------------------------------------
