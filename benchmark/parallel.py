@@ -3,6 +3,8 @@
     python -m benchmark.parallel [--configs tp1,tp3,pp2,dp2] [--prompt-tokens 128]
         [--decode-tokens 32] [--repetitions 3] [--dtype bfloat16]
         [--out benchmark/results/parallel/parallel.json]
+    python -m benchmark.parallel --transitions [--configs tp1,tp3] [--swap-layers 8]
+        [--out benchmark/results/parallel/transitions.json]
 
 One server at a time (``scripts/serve.sh`` with the config's flags, default model, the
 ``SGLANG_CPU_OMP_THREADS_BIND`` serve.sh chooses), stopped before the next starts. Per config
@@ -14,6 +16,14 @@ served from cache):
 - decode, batch 1 and 2: one streamed ``/generate`` of B prompts and D new tokens each
   (``ignore_eos``); per-step time = the median gap between a sequence's successive tokens
   (under DP 2 the two sequences go to the two replicas).
+
+With ``--transitions`` it measures layer swaps instead, per config (``tp1``, ``tp3``, ``pp2``):
+a morph server (controller off, no memory budget: weights plus the 8192-token pool), the first
+``--swap-layers`` layers of the LIS order to W4 and back, ``--repetitions`` times, idle between
+requests. Per transition: the server's ``duration_s`` (TP rank 0's or, under PP, the last
+stage's own apply) and the ``POST /morph/swap`` round trip as the operator sees it (every rank
+or stage applied, and their outcomes compared, before the answer); KV capacity before, swapped
+and restored, and whether greedy output after the restore equals the output before.
 
 Reported: the median over repetitions (all runs in the JSON), and each config relative to
 ``tp1`` (= PP 1 = DP 1). On 2 cores several ranks share the cores, so parallelism is expected
@@ -34,8 +44,8 @@ from pathlib import Path
 import httpx
 from transformers import AutoTokenizer
 
-from benchmark.harness import (REPO_ROOT, git_state, load_average, machine_info,
-                               running_server)
+from benchmark.harness import (REPO_ROOT, build_engines, git_state, load_average,
+                               machine_info, running_server)
 from sglang_morph.models import default_model_path
 from sglang_morph.repo_data import WIKITEXT2_TEST
 
@@ -45,7 +55,11 @@ CONFIGS: dict[str, tuple[str, ...]] = {
     "pp2": ("--pp-size", "2"),
     "dp2": ("--dp-size", "2"),
 }
+MORPH_CONFIGS = ("tp1", "tp3", "pp2")  # DP swaps are one replica's: tp1's, per replica
 OUT_DEFAULT = REPO_ROOT / "benchmark" / "results" / "parallel" / "parallel.json"
+TRANSITIONS_OUT_DEFAULT = OUT_DEFAULT.with_name("transitions.json")
+SWAP_ORDER = REPO_ROOT / "benchmark" / "results" / "swap_order.json"
+GREEDY_PROMPT_IDS = list(range(1000, 1064))  # fixed ids: the output only has to repeat
 RAW_DIR = REPO_ROOT / "benchmark" / "results" / "raw"
 FLUSH_TIMEOUT_S = 30.0
 
@@ -132,6 +146,82 @@ def measure(name: str, args: argparse.Namespace, prompts: Prompts) -> dict:
             "median": {k: statistics.median(v) for k, v in runs.items()}}
 
 
+def _greedy(client: httpx.Client, url: str) -> list[int]:
+    r = client.post(f"{url}/generate", json={
+        "input_ids": GREEDY_PROMPT_IDS,
+        "sampling_params": {"temperature": 0, "max_new_tokens": 16, "ignore_eos": True}})
+    r.raise_for_status()
+    return r.json()["output_ids"]
+
+
+def _timed_swap(client: httpx.Client, url: str, layers: list[int], bits: int) -> dict:
+    t0 = time.perf_counter()
+    r = client.post(f"{url}/morph/swap", json={"layers": layers, "bits": bits})
+    wall_s = time.perf_counter() - t0
+    if r.status_code != 200:
+        raise RuntimeError(f"swap {layers} -> {bits} bits: {r.status_code} {r.text}")
+    body = r.json()
+    return {"round_trip_s": wall_s, "server_s": body["transitions"][-1]["duration_s"],
+            "action": body["transitions"][-1]["action"],
+            "kv_capacity_tokens": body["kv_capacity_tokens"]}
+
+
+def measure_transitions(name: str, args: argparse.Namespace, engines: Path,
+                        layers: list[int]) -> dict:
+    flags = ["--dtype", args.dtype, "--max-total-tokens", "8192", *CONFIGS[name],
+             "--enable-morph", "--morph-engines", str(engines), "--disable-morph-controller"]
+    rounds = []
+    with running_server(flags, RAW_DIR / f"parallel_{name}_morph_server.log") as server, \
+            httpx.Client(timeout=600) as client:
+        start = client.get(f"{server.url}/morph/status").json()["kv_capacity_tokens"]
+        reference = _greedy(client, server.url)
+        # Untimed warm-up: the first swap pays first-call setup of the W4 kernels' shapes.
+        _timed_swap(client, server.url, layers, 4)
+        _timed_swap(client, server.url, layers, 16)
+        for _ in range(args.repetitions):
+            swap = _timed_swap(client, server.url, layers, 4)
+            time.sleep(1.0)
+            restore = _timed_swap(client, server.url, layers, 16)
+            if (swap["action"], restore["action"]) != ("swap", "restore"):
+                raise RuntimeError(f"{name}: expected a swap and a restore, got "
+                                   f"{swap['action']}, {restore['action']}")
+            rounds.append({"swap": swap, "restore": restore,
+                           "greedy_after_restore_equals_before":
+                               _greedy(client, server.url) == reference})
+    median = {f"{kind}_{clock}": statistics.median(r[kind][clock] for r in rounds)
+              for kind in ("swap", "restore") for clock in ("server_s", "round_trip_s")}
+    return {"flags": flags, "kv_capacity_tokens_at_start": start,
+            "kv_capacity_tokens_swapped": rounds[-1]["swap"]["kv_capacity_tokens"],
+            "kv_capacity_tokens_restored": rounds[-1]["restore"]["kv_capacity_tokens"],
+            "rounds": rounds, "median": median}
+
+
+def render_transitions_markdown(result: dict) -> str:
+    rows = result["results"]
+    base = rows.get("tp1", {}).get("median")
+    lines = ["| config | swap s (server) | swap s (round trip) | x tp1 | restore s (server) | "
+             "restore s (round trip) | x tp1 | KV tokens start / swapped / restored | "
+             "greedy equal after restore |",
+             "|---|---:|---:|---:|---:|---:|---:|---|---|"]
+    for name, row in rows.items():
+        m = row["median"]
+        ratio = {k: (f"{m[k] / base[k]:.2f}" if base else "-")
+                 for k in ("swap_round_trip_s", "restore_round_trip_s")}
+        same = all(r["greedy_after_restore_equals_before"] for r in row["rounds"])
+        lines.append(
+            f"| {name} | {m['swap_server_s']:.3f} | {m['swap_round_trip_s']:.3f} | "
+            f"{ratio['swap_round_trip_s']} | {m['restore_server_s']:.3f} | "
+            f"{m['restore_round_trip_s']:.3f} | {ratio['restore_round_trip_s']} | "
+            f"{row['kv_capacity_tokens_at_start']} / {row['kv_capacity_tokens_swapped']} / "
+            f"{row['kv_capacity_tokens_restored']} | {'yes' if same else 'NO'} |")
+    s = result["settings"]
+    header = (f"{s['swap_layers']} layers of the LIS order to W4 and back, {s['dtype']}, idle "
+              f"server, median of {s['repetitions']}; commit {result['git']['commit']}"
+              f"{' (dirty tree)' if result['git']['dirty'] else ''}; load average "
+              f"{result['load_average_start']} at start, {result['load_average_end']} at end.")
+    return header + "\n\n" + "\n".join(lines) + "\n"
+
+
 def render_markdown(result: dict) -> str:
     rows = result["results"]
     base = rows.get("tp1", {}).get("median")
@@ -162,16 +252,25 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--decode-tokens", type=int, default=32)
     parser.add_argument("--repetitions", type=int, default=3)
     parser.add_argument("--dtype", default="bfloat16")
-    parser.add_argument("--out", type=Path, default=OUT_DEFAULT)
+    parser.add_argument("--out", type=Path)
+    parser.add_argument("--transitions", action="store_true",
+                        help="measure layer swaps and restores (configs tp1, tp3, pp2)")
+    parser.add_argument("--swap-layers", type=int, default=8)
+    parser.add_argument("--engines", type=Path, help="engines dir (default: build/reuse 8,4)")
     args = parser.parse_args(argv)
     names = [c.strip() for c in args.configs.split(",") if c.strip()]
-    unknown = sorted(set(names) - set(CONFIGS))
+    allowed = MORPH_CONFIGS if args.transitions else tuple(CONFIGS)
+    if args.transitions and args.configs == parser.get_default("configs"):
+        names = list(MORPH_CONFIGS)
+    unknown = sorted(set(names) - set(allowed))
     if unknown or not names:
-        parser.error(f"unknown configs {unknown}; choose from {', '.join(CONFIGS)}")
+        parser.error(f"unknown configs {unknown}; choose from {', '.join(allowed)}")
     if args.prompt_tokens < 1 or args.decode_tokens < 2 or args.repetitions < 1:
         parser.error("need --prompt-tokens >= 1, --decode-tokens >= 2, --repetitions >= 1")
+    order = json.loads(SWAP_ORDER.read_text())["order"]
+    if not 1 <= args.swap_layers <= len(order):
+        parser.error(f"--swap-layers must be in 1..{len(order)}")
 
-    prompts = Prompts(args.prompt_tokens)
     result = {
         "command": " ".join(["python -m benchmark.parallel", *(argv or sys.argv[1:])]),
         "started_utc": datetime.now(timezone.utc).isoformat(timespec="seconds"),
@@ -181,14 +280,24 @@ def main(argv: list[str] | None = None) -> int:
                      "repetitions": args.repetitions, "dtype": args.dtype},
         "results": {},
     }
+    if args.transitions:
+        engines = args.engines or build_engines("--bits", "8,4")
+        layers = order[: args.swap_layers]
+        result["settings"] = {"swap_layers": args.swap_layers, "layers": layers,
+                              "repetitions": args.repetitions, "dtype": args.dtype,
+                              "engines": str(engines)}
+    else:
+        prompts = Prompts(args.prompt_tokens)
     for name in names:
         print(f"[parallel] {name} ...", file=sys.stderr, flush=True)
-        result["results"][name] = measure(name, args, prompts)
+        result["results"][name] = (measure_transitions(name, args, engines, layers)
+                                   if args.transitions else measure(name, args, prompts))
     result["load_average_end"] = load_average()
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(result, indent=1) + "\n")
-    table = render_markdown(result)
-    args.out.with_suffix(".md").write_text(table)
+    out = args.out or (TRANSITIONS_OUT_DEFAULT if args.transitions else OUT_DEFAULT)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(result, indent=1) + "\n")
+    table = (render_transitions_markdown if args.transitions else render_markdown)(result)
+    out.with_suffix(".md").write_text(table)
     print(table)
     return 0
 

@@ -252,7 +252,7 @@ def test_long_prompt_is_admitted_only_while_the_pool_is_grown(server, corpus_ids
 
 def test_long_stream_keeps_going_across_swap_and_restore(server, corpus_ids):
     ids = prompt_ids(corpus_ids, 100, 64)
-    n_new = 240
+    n_new = 160  # 20 tokens before the swap, 60 between swap and restore, 80 of margin after
     reference = generate_ids(server, ids, n_new)  # this server, never swapped at this point
     stream = Stream(server, ids, n_new)
     stream.wait_for(20)
@@ -365,9 +365,11 @@ def test_controller_swaps_under_a_burst_and_restores_after(engines_awq, corpus_i
                 "input_ids": prompt_ids(corpus_ids, seed, 200),
                 "sampling_params": {"temperature": 0, "max_new_tokens": 32, "ignore_eos": True}})
 
-        threads = [threading.Thread(target=one, args=(400 + i,)) for i in range(24)]
-        burst_tokens = 24 * 232
-        assert burst_tokens > 2 * start["kv_capacity_tokens"]
+        # 12 requests need 1.6x the pool: enough for the controller to swap (about 8 layers to
+        # W8), few enough that its restores, 3 layers per 10 s quiet window, end within a minute.
+        threads = [threading.Thread(target=one, args=(400 + i,)) for i in range(12)]
+        burst_tokens = 12 * 232
+        assert burst_tokens > 1.5 * start["kv_capacity_tokens"]
         for th in threads:
             th.start()
         peak_layers = 0
