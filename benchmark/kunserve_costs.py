@@ -21,6 +21,7 @@ out; the fit uses the rest, and the held-out mean relative error is reported per
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import signal
 import statistics
@@ -39,16 +40,18 @@ from sglang_morph.kunserve.cost import (
     PhaseCosts,
     fit_chunk_cost,
     relative_errors,
+    timings_from_json,
     timings_to_json,
 )
 
-# About 10 minutes on this 2-core machine (prefill ~900 tokens/s, a decode step 50-150 ms).
+# About 7 minutes on this 2-core machine (prefill ~900 tokens/s, a decode step 50-150 ms);
+# batched points only up to BATCHED_TOKENS tokens in the forward.
 PREFILL_CACHED = (0, 256, 1024, 2048)
-PREFILL_NEW = (16, 64, 256, 512, 1024)
+PREFILL_NEW = (16, 128, 512, 1024)
 PREFILL_BATCH = (1, 2)
 DECODE_CONTEXT = (32, 512, 1024, 2048)
 DECODE_BATCH = (1, 4, 8)
-DECODE_STEPS = 34  # 33 decode steps after the prefill's token: cached p+1 .. p+33, mean p+17
+BATCHED_TOKENS = 4096
 MAX_BATCH_TOKENS = 8192  # one forward (no chunked prefill splitting a point)
 HELD_OUT_SHARE = 0.25
 VOCAB_LOW, VOCAB_HIGH = 1000, 40000  # ordinary tokens of the default model's vocabulary
@@ -96,16 +99,17 @@ def decode_point(client: Client, p: int, b: int) -> float:
     return (many - one) / (DECODE_STEPS - 1)
 
 
-def measure(client: Client, repeats: int, deadline: float) -> list[ForwardTiming]:
+def measure(client: Client, repeats: int, deadline: float,
+            progress: Path) -> list[ForwardTiming]:
     points: list[tuple[str, int, int, int]] = []
     for b in PREFILL_BATCH:
         for p in PREFILL_CACHED:
             for c in PREFILL_NEW:
-                if b * (p + c) <= MAX_BATCH_TOKENS:
+                if b == 1 or b * (p + c) <= BATCHED_TOKENS * 5 // 8:
                     points.append(("prefill", p, c, b))
     for b in DECODE_BATCH:
         for p in DECODE_CONTEXT:
-            if b * p <= MAX_BATCH_TOKENS:
+            if b * p <= BATCHED_TOKENS:
                 points.append(("decode", p, 1, b))
     # Warm-up: first forwards of each shape pay one-time costs (allocator, kernels).
     prefill_point(client, 64, 64, 1)
@@ -119,6 +123,8 @@ def measure(client: Client, repeats: int, deadline: float) -> list[ForwardTiming
         seconds = statistics.median(runs)
         cached = p if phase == "prefill" else p + DECODE_STEPS // 2
         timings.append(ForwardTiming(tuple(Chunk(cached, c) for _ in range(b)), seconds))
+        # Kept as it goes: a run cut short still leaves what it measured.
+        progress.write_text(json.dumps(timings_to_json(timings)))
         print(f"[{k + 1}/{len(points)}] {phase} p={p} c={c} b={b}: {seconds * 1e3:.1f} ms "
               f"(runs {', '.join(f'{r * 1e3:.1f}' for r in runs)})", flush=True)
     return timings
@@ -132,41 +138,62 @@ def split_held_out(timings: list[ForwardTiming], seed: int):
     return train, test
 
 
+VARIANTS = {"kunserve": False, "kunserve + delta p^2": True}
+
+
 def fit_and_evaluate(timings: list[ForwardTiming], seed: int, source: str) -> dict:
-    report, models = {}, {}
-    for phase in ("prefill", "decode"):
-        own = [t for t in timings if t.phase == phase]
-        train, test = split_held_out(own, seed)
-        model = fit_chunk_cost(train)
-        models[phase] = model
-        train_err, test_err = relative_errors(model, train), relative_errors(model, test)
-        report[phase] = {"points": len(own), "train_points": len(train),
-                         "held_out_points": len(test),
-                         "train_mean_error": float(train_err.mean()),
-                         "held_out_mean_error": float(test_err.mean()),
-                         "held_out_max_error": float(test_err.max())}
-    fit = PhaseCosts(models["prefill"], models["decode"], source)
-    return {"fit": fit.to_json(), "errors": report}
+    """Both variants of the model per phase (KunServe's, and with the ``p^2`` term SGLang's
+    torch_native attention adds), fitted on the same training points; the simulation and the
+    lookahead use the variant with the lower held-out prefill error."""
+    fits: dict[str, dict] = {}
+    models: dict[str, dict] = {}
+    for variant, squared in VARIANTS.items():
+        fits[variant], models[variant] = {}, {}
+        for phase in ("prefill", "decode"):
+            own = [t for t in timings if t.phase == phase]
+            train, test = split_held_out(own, seed)
+            model = fit_chunk_cost(train, prefix_squared=squared)
+            models[variant][phase] = model
+            train_err, test_err = relative_errors(model, train), relative_errors(model, test)
+            fits[variant][phase] = {
+                "coefficients": dataclasses.asdict(model), "points": len(own),
+                "train_points": len(train), "held_out_points": len(test),
+                "train_mean_error": float(train_err.mean()),
+                "held_out_mean_error": float(test_err.mean()),
+                "held_out_max_error": float(test_err.max())}
+    chosen = min(VARIANTS, key=lambda v: fits[v]["prefill"]["held_out_mean_error"])
+    fit = PhaseCosts(models[chosen]["prefill"], models[chosen]["decode"],
+                     f"{source}, {chosen}")
+    return {"fit": fit.to_json(), "chosen": chosen, "fits": fits}
 
 
 def write_markdown(path: Path, result: dict) -> None:
-    fit, err, meta = result["fit"], result["errors"], result["meta"]
+    meta = result["meta"]
     lines = ["# KunServe chunk cost model, measured on this machine (real SGLang server)", "",
-             f"`{meta['command']}` at commit {meta['git']['commit']} "
+             f"Measured with `{meta['command']}` at commit {meta['git']['commit']} "
              f"(dirty: {meta['git']['dirty']}), {meta['machine']['cpu_model']}, "
-             f"{meta['machine']['cpu_cores']} cores, sglang {meta['machine']['versions']['sglang']}; "
-             f"load average before {meta['load_before']}, after {meta['load_after']}; "
-             f"`uptime`: {meta['uptime']}; {meta['seconds']:.0f} s.", "",
-             "cost(batch) = gamma + sum_i [alpha (p_i c_i + c_i^2 + c_i) + beta c_i]; "
+             f"{meta['machine']['cpu_cores']} cores, sglang {meta['machine']['versions']['sglang']}, "
+             f"default dtype, torch_native attention; load average before {meta['load_before']}, "
+             f"after {meta['load_after']}; `uptime` after: {meta['uptime']}; "
+             f"{meta['seconds']:.0f} s. Fitted at commit {result['fitted_at']}.", "",
+             "cost(batch) = gamma + sum_i [alpha (p_i c_i + c_i^2 + c_i) + beta c_i] "
+             "(+ delta sum_i p_i^2 in the second variant: SGLang's torch_native extend pads each "
+             "request's query to the whole sequence, so its attention also grows with p^2); "
              "server-side `e2e_latency`, median of "
-             f"{meta['repeats']} runs per point, {HELD_OUT_SHARE:.0%} of points held out.", "",
-             "| phase | alpha (s) | beta (s/token) | gamma (s) | points | train mean err | "
-             "held-out mean err | held-out max err |", "|---|---|---|---|---|---|---|---|"]
-    for phase in ("prefill", "decode"):
-        f, e = fit[phase], err[phase]
-        lines.append(f"| {phase} | {f['alpha_s']:.3e} | {f['beta_s']:.3e} | {f['gamma_s']:.3e} | "
-                     f"{e['points']} | {e['train_mean_error']:.1%} | "
-                     f"{e['held_out_mean_error']:.1%} | {e['held_out_max_error']:.1%} |")
+             f"{meta['repeats']} runs per point, {HELD_OUT_SHARE:.0%} of the points held out "
+             f"(seed {meta['seed']}). Used by the simulation and the lookahead: "
+             f"**{result['chosen']}**.", "",
+             "| model | phase | alpha (s) | beta (s/token) | gamma (s) | delta (s) | points | "
+             "train mean err | held-out mean err | held-out max err |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
+    for variant, phases in result["fits"].items():
+        for phase, e in phases.items():
+            f = e["coefficients"]
+            lines.append(
+                f"| {variant} | {phase} | {f['alpha_s']:.3e} | {f['beta_s']:.3e} | "
+                f"{f['gamma_s']:.3e} | {f['delta_s']:.3e} | {e['points']} | "
+                f"{e['train_mean_error']:.1%} | {e['held_out_mean_error']:.1%} | "
+                f"{e['held_out_max_error']:.1%} |")
     path.write_text("\n".join(lines) + "\n")
 
 
@@ -177,9 +204,18 @@ def main() -> None:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--time-limit-s", type=float, default=14 * 60,
                     help="stop (with an error) past this many seconds of measuring")
+    ap.add_argument("--refit", action="store_true",
+                    help="fit the timings already in OUT/costs.json again (no server)")
     args = ap.parse_args()
     if args.repeats < 1:
         ap.error("--repeats must be >= 1")
+    if args.refit:
+        raw = json.loads((args.out / "costs.json").read_text())
+        timings = timings_from_json(raw["timings"])
+        meta = raw["meta"]
+        source = f"{meta['machine']['cpu_model']}, commit {meta['git']['commit']}"
+        write_results(args.out, timings, meta, source)
+        return
     args.out.mkdir(parents=True, exist_ok=True)
     # A background run ignores SIGINT; SIGTERM must still stop the server (the with block).
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
@@ -188,18 +224,23 @@ def main() -> None:
     load_before = load_average()
     with running_server(SERVER_ARGS, args.out / "costs_server.log") as server:
         timings = measure(Client(server.url, args.seed), args.repeats,
-                          started + args.time_limit_s)
+                          started + args.time_limit_s, args.out / "costs_progress.json")
     meta = {"command": "python -m benchmark.kunserve_costs", "git": git_state(),
             "machine": machine_info(), "repeats": args.repeats, "seed": args.seed,
             "server_args": list(SERVER_ARGS), "load_before": load_before,
             "load_after": load_average(), "seconds": time.monotonic() - started,
             "uptime": subprocess.run(["uptime"], capture_output=True, text=True).stdout.strip()}
     source = f"{meta['machine']['cpu_model']}, commit {meta['git']['commit']}"
-    result = {**fit_and_evaluate(timings, args.seed, source), "meta": meta,
+    write_results(args.out, timings, meta, source)
+
+
+def write_results(out: Path, timings: list[ForwardTiming], meta: dict, source: str) -> None:
+    result = {**fit_and_evaluate(timings, meta["seed"], source),
+              "fitted_at": git_state()["commit"], "meta": meta,
               "timings": timings_to_json(timings)}
-    (args.out / "costs.json").write_text(json.dumps(result, indent=1))
-    write_markdown(args.out / "costs.md", result)
-    print(json.dumps(result["errors"], indent=1))
+    (out / "costs.json").write_text(json.dumps(result, indent=1))
+    write_markdown(out / "costs.md", result)
+    print(json.dumps(result["fits"], indent=1))
 
 
 if __name__ == "__main__":

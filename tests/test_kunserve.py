@@ -225,6 +225,16 @@ def test_restore_homes_every_request_or_refuses(planner):
     halves = [LiveRequest("a", full // 2 + 1), LiveRequest("b", full // 2 + 1),
               LiveRequest("c", full // 2 + 1)]
     assert isinstance(plan_restore(planner, group, halves), RestoreRefused)
+    # Owned requests stay with their owner, even where packing freely would fit.
+    owned = [LiveRequest("a", full // 2, owner=1), LiveRequest("b", full // 2, owner=1),
+             LiveRequest("c", full // 2)]
+    plan = plan_restore(planner, group, owned)
+    assert plan.home == {"a": 1, "b": 1, "c": 0}
+    assert plan.kv_inbound_bytes[1] == 2 * (full // 2) * 15 * planner.kv_bytes_per_token_per_layer
+    crowded = owned + [LiveRequest("d", 2, owner=1)]
+    assert isinstance(plan_restore(planner, group, crowded), RestoreRefused)
+    with pytest.raises(ValueError, match="owner"):
+        plan_restore(planner, group, [LiveRequest("x", 1, owner=7)])
 
 
 # ---- cost model ----------------------------------------------------------------------------
@@ -254,6 +264,14 @@ def test_fit_recovers_known_coefficients(decode):
     noisy = fit_chunk_cost(noisy_points)
     assert np.allclose(noisy.coefficients, truth.coefficients, rtol=0.15)
     assert relative_errors(noisy, noisy_points).mean() < 0.02
+    # With a p^2 term (a backend that recomputes the prefix's attention), the 4-term fit
+    # recovers it and the 3-term fit, which cannot, is worse.
+    backend = ChunkCostModel(3e-9, 4e-5, 0.012, 2e-7)
+    points = _synthetic(backend, rng, 0.0)
+    assert np.allclose(fit_chunk_cost(points, prefix_squared=True).coefficients,
+                       backend.coefficients, rtol=1e-6)
+    assert (relative_errors(fit_chunk_cost(points), points).mean()
+            > relative_errors(fit_chunk_cost(points, prefix_squared=True), points).mean())
 
 
 def test_fit_rejects_bad_input():

@@ -9,6 +9,12 @@ scheduling overhead), so a batch of chunks costs
 
     gamma + sum_i [alpha * (p_i*c_i + c_i^2 + c_i) + beta * c_i].
 
+Some attention backends do more: SGLang's ``torch_native`` backend (the CPU path here) runs
+a prefill chunk's attention over the whole sequence, cached prefix included (its query is
+padded to ``p + c`` rows), which adds a term in ``p^2`` that KunServe's model does not have.
+``delta_s * sum(p^2)`` covers it; ``delta_s = 0`` is KunServe's model exactly, and fitting
+with ``prefix_squared=False`` keeps it there.
+
 Prefill and decode are fitted apart (``PhaseCosts``): a decode step is bound by reading the
 weights and the KV, a prefill chunk by arithmetic, so one ``(alpha, beta, gamma)`` for both
 would fit neither. Fitting is least squares on relative error with non-negative coefficients
@@ -48,17 +54,20 @@ class Chunk:
 
 
 def batch_features(chunks: Sequence[Chunk]) -> np.ndarray:
-    """``[attention-ish, tokens, 1]``: the coefficients' multipliers for one forward."""
+    """``[sum(p*c + c^2 + c), sum(c), 1, sum(p^2)]``: the multipliers of alpha, beta, gamma,
+    delta for one forward."""
     if not chunks:
         raise ValueError("a forward needs at least one chunk")
     p = np.array([ch.cached_tokens for ch in chunks], dtype=np.float64)
     c = np.array([ch.new_tokens for ch in chunks], dtype=np.float64)
-    return np.array([float(np.sum(p * c + c * c + c)), float(np.sum(c)), 1.0])
+    return np.array([float(np.sum(p * c + c * c + c)), float(np.sum(c)), 1.0,
+                     float(np.sum(p * p))])
 
 
 @dataclasses.dataclass(frozen=True)
 class ChunkCostModel:
-    """``seconds(chunks) = alpha_s * sum(p*c + c^2 + c) + beta_s * sum(c) + gamma_s``.
+    """``seconds(chunks) = alpha_s * sum(p*c + c^2 + c) + beta_s * sum(c) + gamma_s
+    + delta_s * sum(p^2)`` (``delta_s = 0``: KunServe's model).
 
     Invariant (``check_integrity``): every coefficient finite and >= 0, so the cost never
     decreases when a chunk grows or joins the batch (what balancing relies on).
@@ -67,19 +76,20 @@ class ChunkCostModel:
     alpha_s: float
     beta_s: float
     gamma_s: float
+    delta_s: float = 0.0
 
     def __post_init__(self) -> None:
         self.check_integrity()
 
     def check_integrity(self) -> None:
-        for name in ("alpha_s", "beta_s", "gamma_s"):
+        for name in ("alpha_s", "beta_s", "gamma_s", "delta_s"):
             value = getattr(self, name)
             if not math.isfinite(value) or value < 0:
                 raise ValueError(f"chunk cost model: {name} must be finite and >= 0, got {value}")
 
     @property
     def coefficients(self) -> np.ndarray:
-        return np.array([self.alpha_s, self.beta_s, self.gamma_s])
+        return np.array([self.alpha_s, self.beta_s, self.gamma_s, self.delta_s])
 
     def seconds(self, chunks: Sequence[Chunk]) -> float:
         return float(batch_features(chunks) @ self.coefficients)
@@ -109,29 +119,33 @@ class ForwardTiming:
         return self.chunks[0].phase
 
 
-def fit_chunk_cost(timings: Sequence[ForwardTiming]) -> ChunkCostModel:
-    """Non-negative least squares on relative error over ``timings`` (one phase).
+def fit_chunk_cost(timings: Sequence[ForwardTiming],
+                   prefix_squared: bool = False) -> ChunkCostModel:
+    """Non-negative least squares on relative error over ``timings`` (one phase); with
+    ``prefix_squared`` the ``delta * p^2`` term is fitted too, otherwise it stays 0.
 
-    Refuses what cannot determine three coefficients: fewer than 3 timings, one phase mixed
-    with another, or features that do not vary (every point the same size).
+    Refuses what cannot determine the coefficients: fewer timings than coefficients, one
+    phase mixed with another, or features that do not vary (every point the same size).
     """
     from scipy.optimize import nnls
 
     timings = list(timings)
-    if len(timings) < 3:
-        raise ValueError(f"fitting alpha, beta, gamma needs at least 3 timings, got {len(timings)}")
+    n_coef = 4 if prefix_squared else 3
+    if len(timings) < n_coef:
+        raise ValueError(f"fitting {n_coef} coefficients needs at least {n_coef} timings, got "
+                         f"{len(timings)}")
     phases = {t.phase for t in timings}
     if len(phases) != 1:
         raise ValueError(f"timings of several phases {sorted(phases)}: fit each phase apart")
-    x = np.stack([batch_features(t.chunks) for t in timings])
+    x = np.stack([batch_features(t.chunks) for t in timings])[:, :n_coef]
     y = np.array([t.seconds for t in timings])
     if np.linalg.matrix_rank(x) < 2:
         raise ValueError("the timings' features do not vary: measure several chunk sizes")
-    # Column scaling keeps NNLS well conditioned (the first feature reaches 1e7).
+    # Column scaling keeps NNLS well conditioned (the attention features reach 1e7).
     scale = np.abs(x).max(axis=0)
+    scale[scale == 0] = 1.0
     solution, _ = nnls(x / y[:, None] / scale, np.ones(len(y)))
-    alpha, beta, gamma = (float(v) for v in solution / scale)
-    return ChunkCostModel(alpha, beta, gamma)
+    return ChunkCostModel(*(float(v) for v in solution / scale))
 
 
 def relative_errors(model: ChunkCostModel, timings: Iterable[ForwardTiming]) -> np.ndarray:
