@@ -52,6 +52,7 @@ PREFILL_BATCH = (1, 2)
 DECODE_CONTEXT = (32, 512, 1024, 2048)
 DECODE_BATCH = (1, 4, 8)
 BATCHED_TOKENS = 4096
+DECODE_STEPS = 34  # 33 decode steps after the prefill's token: cached p+1 .. p+33, mean p+17
 MAX_BATCH_TOKENS = 8192  # one forward (no chunked prefill splitting a point)
 HELD_OUT_SHARE = 0.25
 VOCAB_LOW, VOCAB_HIGH = 1000, 40000  # ordinary tokens of the default model's vocabulary
