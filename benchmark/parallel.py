@@ -1,6 +1,6 @@
 """Per-step prefill and decode time of multi-rank SGLang on this CPU (TP, PP, DP).
 
-    python -m benchmark.parallel [--configs tp1,tp3,pp2,dp2] [--prompt-tokens 128]
+    python -m benchmark.parallel [--configs tp1,tp3,pp2,pp3,dp2] [--prompt-tokens 128]
         [--decode-tokens 32] [--repetitions 3] [--dtype bfloat16]
         [--out benchmark/results/parallel/parallel.json]
     python -m benchmark.parallel --transitions [--configs tp1,tp3] [--swap-layers 8]
@@ -53,6 +53,7 @@ CONFIGS: dict[str, tuple[str, ...]] = {
     "tp1": (),
     "tp3": ("--tp-size", "3"),
     "pp2": ("--pp-size", "2"),
+    "pp3": ("--pp-size", "3"),
     "dp2": ("--dp-size", "2"),
 }
 MORPH_CONFIGS = ("tp1", "tp3", "pp2")  # DP swaps are one replica's: tp1's, per replica
