@@ -1,9 +1,10 @@
 """MorphServe under SGLang pipeline parallelism (issue 11, PP): ``--enable-morph --pp-size 2``.
 
 One PP 2 server (float32, greedy, even split: layers 0-14 and 15-29) with a precision map that
-quantizes layers on both stages and unequal stage budgets (``--morph-stage-budgets``), against
-one PP 1 server with the same map. Each PP rank runs one torch thread here, so the reference
-does too (``OMP_NUM_THREADS=1``): then PP 2 is bit-identical to PP 1 (tests/test_parallel.py).
+quantizes layers on both stages, unequal stage budgets (``--morph-stage-budgets``) and the
+controller on (stage 0's decides, walking the LIS swap order), against one PP 1 server with the
+same map. Each PP rank runs one torch thread here, so the reference does too
+(``OMP_NUM_THREADS=1``): then PP 2 is bit-identical to PP 1 (tests/test_parallel.py).
 
 - greedy tokens equal PP 1 token for token; ``/morph/status`` reports both stages;
 - each stage's ``weight_bytes`` equals the SplitQuant memory model (``plan/memory.py``) to the
@@ -12,16 +13,26 @@ does too (``OMP_NUM_THREADS=1``): then PP 2 is bit-identical to PP 1 (tests/test
   capacity on both stages alike, the stream finishes, the restore gives the exact capacity back
   and greedy outputs after it equal those before;
 - a swap one stage refuses changes nothing on any stage;
-- unsupported launches (``--nnodes 2``, ``--tp-size 3`` with PP, PP with the controller on, a
-  budget count that is not the stage count) stop in the launcher with one line.
+- under a burst, stage 0's controller swaps layers of both stages in the global LIS order,
+  every stage records the same transitions with the same KV capacities, and the controller
+  restores every layer when quiet, to the exact capacity;
+- unsupported launches (``--nnodes 2``, ``--tp-size 3`` with PP, a budget count that is not
+  the stage count) stop in the launcher with one line.
 """
 
 from __future__ import annotations
 
+import threading
+import time
+
 import pytest
+import requests
 
 # (corpus_ids and tokenizer are that module's fixtures; status/swap send keys this server ignores)
+from conftest import REPO_ROOT
 from test_morph_runtime_server import (  # noqa: F401
+    ADMIN,
+    USER,
     Stream,
     corpus_ids,
     generate_ids,
@@ -35,8 +46,8 @@ PRECISION_MAP = "0-3:4,20-23:8"  # W4 on stage 0, W8 on stage 1
 STAGE_BUDGETS = ("330MB", "320MB")  # stage 1 is the tighter one
 SWAPPED = [17, 14, 13, 15, 12, 25, 16, 26]  # the first 8 of the LIS order: 3 + 5 per stage
 ONE_THREAD = {"OMP_NUM_THREADS": "1"}
-COMMON = ("--dtype", "float32", "--enable-morph", "--disable-morph-controller",
-          "--morph-precision-map", PRECISION_MAP)
+COMMON = ("--dtype", "float32", "--enable-morph", "--morph-precision-map", PRECISION_MAP)
+LIS_ORDER = REPO_ROOT / "benchmark" / "results" / "swap_order.json"  # starts with SWAPPED
 
 
 def map_bits(layer: int) -> int:
@@ -45,14 +56,16 @@ def map_bits(layer: int) -> int:
 
 @pytest.fixture(scope="module")
 def pp2(server_factory, engines_awq):
+    # (the controller is on: stage 0's decides; the operator's swaps below pin their layers)
     return server_factory(*COMMON, "--morph-engines", str(engines_awq), "--pp-size", "2",
-                          "--morph-stage-budgets", ",".join(STAGE_BUDGETS))
+                          "--morph-stage-budgets", ",".join(STAGE_BUDGETS),
+                          "--morph-swap-order", str(LIS_ORDER))
 
 
 @pytest.fixture(scope="module")
 def pp1(server_factory, engines_awq):
     return server_factory(*COMMON, "--morph-engines", str(engines_awq), "--max-total-tokens",
-                          "4096", env=ONE_THREAD)
+                          "4096", "--disable-morph-controller", env=ONE_THREAD)
 
 
 def test_pp2_with_a_precision_map_equals_pp1_token_for_token(pp2, pp1, corpus_ids):
@@ -148,6 +161,102 @@ def test_a_swap_one_stage_refuses_changes_nothing_on_any_stage(pp2):
     assert [st["layer_bits"] for st in s["stages"]] == [st["layer_bits"] for st in start["stages"]]
 
 
+def start_burst(server, corpus_ids, seeds, prompt, new) -> tuple[list, dict[int, int]]:
+    """One greedy /generate of ``prompt`` tokens per seed, all at once (a thread each);
+    returns the threads and, once they ended, each seed's output length (-1: an error)."""
+    outputs: dict[int, int] = {}
+
+    def one(seed):
+        r = requests.post(f"{server.url}/generate", headers=USER, timeout=900, json={
+            "input_ids": prompt_ids(corpus_ids, seed, prompt), "sampling_params": {
+                "temperature": 0, "max_new_tokens": new, "ignore_eos": True}})
+        outputs[seed] = len(r.json()["output_ids"]) if r.status_code == 200 else -1
+
+    threads = [threading.Thread(target=one, args=(seed,)) for seed in seeds]
+    for th in threads:
+        th.start()
+    return threads, outputs
+
+
+def test_stage0s_controller_swaps_both_stages_alike_and_restores_when_quiet(pp2, corpus_ids):
+    # hand the layers the operator's swaps above pinned back to the controller
+    r = requests.post(f"{pp2.url}/morph/swap", headers=ADMIN, timeout=600,
+                      json={"layers": SWAPPED, "bits": 16, "pin": False})
+    assert r.status_code == 200 and r.json()["pinned_layers"] == [], r.text
+    start = r.json()
+    assert start["controller"] is True
+    assert start["pipeline_parallel"]["controller"].startswith("stage 0 decides")
+    # the LIS order without the layers the precision map holds: the controller's order
+    order = [i for i in start["swap_order"] if map_bits(i) == 16]
+    assert order[:3] == [17, 14, 13]  # 17 on stage 1, 14 and 13 on stage 0
+    # 6 requests that fill 90% of the pool: their prompts alone are over 0.8 of it
+    # (kv_usage_high), and none waits for KV
+    n_reqs, new = 6, 24
+    prompt = int(0.9 * start["kv_capacity_tokens"] / n_reqs) - new
+    assert n_reqs * prompt > 0.8 * start["kv_capacity_tokens"]
+    threads, outputs = start_burst(pp2, corpus_ids, range(30, 30 + n_reqs), prompt, new)
+    for th in threads:
+        th.join()
+    assert sorted(outputs.values()) == [new] * n_reqs
+    # quiet now: the controller gives every layer back (10 s of quiet per restore of 3 layers)
+    deadline = time.monotonic() + 120
+    while True:
+        s = status(pp2)
+        controller = [t for t in s["transitions"] if t["source"] == "controller"]
+        if controller and [layer["bits"] for layer in s["layers"]] == \
+                [layer["bits"] for layer in start["layers"]]:
+            break
+        assert time.monotonic() < deadline, (s["layers"], controller)
+        time.sleep(2)
+    for st, st0 in zip(s["stages"], start["stages"]):
+        for key in ("kv_capacity_tokens", "weight_bytes", "kv_bytes", "free_budget_bytes"):
+            assert st[key] == st0[key], (key, st, st0)
+    # every stage recorded the same transitions (its own layers of each), with the same KV
+    # capacities before and after: the one capacity of the pipeline
+    per_stage = [[t for t in controller if t["stage"] == k] for k in (0, 1)]
+    assert len(per_stage[0]) == len(per_stage[1]) >= 2, controller
+    moved: list[int] = []
+    for t0, t1 in zip(*per_stage):
+        for key in ("action", "to_bits", "kv_capacity_tokens_before", "kv_capacity_tokens_after"):
+            assert t0[key] == t1[key], (key, t0, t1)
+        assert all(i <= 14 for i in t0["layers"]) and all(i >= 15 for i in t1["layers"])
+        if t0["action"] == "swap":
+            moved += [*t0["layers"], *t1["layers"]]
+    assert [t["action"] for t in per_stage[0]][0] == "swap"
+    assert per_stage[0][-1]["action"] == "restore"
+    # the swaps took a prefix of the global order (some of each stage's layers)
+    assert sorted(moved) == sorted(order[:len(moved)])
+    assert any(i <= 14 for i in moved) and any(i >= 15 for i in moved)
+
+
+def test_the_leaders_action_goes_out_once_and_it_waits_for_it():
+    """parallel/relay.py without a server: what the hook on _poll_timeout_aborts adds."""
+    import types
+
+    from sglang_morph.control.controller import SwapLayers
+    from sglang_morph.parallel.relay import ActionRelay
+    from sglang_morph.plugin import _after_poll_timeout_aborts
+
+    relay = ActionRelay(leads=True)
+    scheduler = types.SimpleNamespace(morph_runtime=types.SimpleNamespace(relay=relay))
+    assert relay.decides() and _after_poll_timeout_aborts(["abort"], scheduler) == ["abort"]
+    relay.send(SwapLayers((17, 14, 13), 8, "kv_usage 0.85 >= 0.80"))
+    assert not relay.decides()
+    with pytest.raises(RuntimeError):
+        relay.send(SwapLayers((15,), 8, "again"))  # one action at a time
+    out = _after_poll_timeout_aborts(["abort"], scheduler)
+    assert out[0] == "abort" and len(out) == 2
+    assert (out[1].layers, out[1].bits, out[1].pipeline_stages) == ([17, 14, 13], 8, [])
+    assert _after_poll_timeout_aborts([], scheduler) == []  # out once
+    assert not relay.decides()  # until it came back through the dispatcher
+    relay.received()
+    assert relay.decides()
+    follower = ActionRelay(leads=False)
+    assert not follower.decides()
+    with pytest.raises(RuntimeError):
+        follower.send(SwapLayers((17,), 8, "a follower never decides"))
+
+
 @pytest.fixture(scope="module")
 def parse(default_model_path):
     from sglang.srt.plugins import load_plugins
@@ -161,10 +270,9 @@ def parse(default_model_path):
 @pytest.mark.parametrize("flags,line", [
     (("--pp-size", "2", "--disable-morph-controller", "--nnodes", "2", "--node-rank", "0",
       "--dist-init-addr", "127.0.0.1:29555"), "--enable-morph does not support --nnodes 2 yet"),
-    (("--pp-size", "2", "--tp-size", "3", "--disable-morph-controller"),
+    (("--pp-size", "2", "--tp-size", "3"),
      "--enable-morph does not support --tp-size and --pp-size together yet"),
-    (("--pp-size", "2"), "--enable-morph with --pp-size 2 needs --disable-morph-controller"),
-    (("--pp-size", "2", "--disable-morph-controller", "--morph-stage-budgets", "1GB"),
+    (("--pp-size", "2", "--morph-stage-budgets", "1GB"),
      "--morph-stage-budgets has 1 budgets for --pp-size 2"),
     (("--pp-size", "2", "--morph-stage-budgets", "1GB,1GB", "--morph-memory-budget", "1GB"),
      "--morph-memory-budget and --morph-stage-budgets exclude each other"),
@@ -181,9 +289,9 @@ def test_unsupported_pipeline_configurations_are_refused(parse, flags, line):
 def test_pipeline_flags_parse(parse):
     from sglang_morph import config as morph_config
 
-    args = parse("--pp-size", "2", "--disable-morph-controller", "--morph-stage-budgets",
-                 "300MB,1GiB")
+    args = parse("--pp-size", "2", "--morph-stage-budgets", "300MB,1GiB")
     assert morph_config.get(args).stage_budget_bytes == (300 * 10**6, 2**30)
+    assert morph_config.get(args).controller_enabled  # stage 0's controller decides
     # the launcher's pool is an upper bound the stages trim: the tighter budget over 15 layers
     # of bf16 KV (2 x 3 heads x 64 x 2 bytes per layer and token), no weights subtracted
     assert args.max_total_tokens == 300 * 10**6 // (15 * 2 * 3 * 64 * 2)

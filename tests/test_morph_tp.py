@@ -21,7 +21,6 @@ variants at load (parallel/tensor.py).
 from __future__ import annotations
 
 import re
-import threading
 import time
 import types
 
@@ -30,7 +29,7 @@ import requests
 import torch
 
 # (parse, corpus_ids and tokenizer are those modules' fixtures)
-from test_morph_parallel import parse  # noqa: F401
+from test_morph_parallel import parse, start_burst  # noqa: F401
 from test_morph_runtime_server import (  # noqa: F401
     ADMIN,
     USER,
@@ -258,17 +257,7 @@ def test_rank0s_controller_swaps_every_rank_alike_under_a_burst(tp3, corpus_ids)
     assert start["tensor_parallel"]["controller"].startswith("rank 0 decides")
     n_reqs, prompt, new = 9, 200, 16
     assert n_reqs * (prompt + new) > 0.9 * start["kv_capacity_tokens"]  # above kv_usage_high
-    outputs: dict[int, int] = {}
-
-    def one(seed):
-        r = requests.post(f"{tp3.url}/generate", headers=USER, timeout=900, json={
-            "input_ids": prompt_ids(corpus_ids, seed, prompt), "sampling_params": {
-                "temperature": 0, "max_new_tokens": new, "ignore_eos": True}})
-        outputs[seed] = len(r.json()["output_ids"]) if r.status_code == 200 else -1
-
-    threads = [threading.Thread(target=one, args=(400 + i,)) for i in range(n_reqs)]
-    for th in threads:
-        th.start()
+    threads, outputs = start_burst(tp3, corpus_ids, range(400, 400 + n_reqs), prompt, new)
     peak = 0
     while any(th.is_alive() for th in threads):
         # (answered between two batches: a 9-request prefill takes tens of seconds under TP 3)

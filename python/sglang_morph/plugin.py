@@ -271,7 +271,7 @@ def _after_scheduler_init(_result: None, scheduler: Any, *args: Any, **kwargs: A
                                f"configuration: {e}") from e
     scheduler._request_dispatcher += TypeBasedDispatcher(
         [(req_type, runtime.handle_control) for req_type in MORPH_REQUESTS]
-        + [(MorphActionReq, runtime.handle_action)])  # TP rank 0's controller, to every rank
+        + [(MorphActionReq, runtime.handle_action)])  # the leader's controller, to every rank
     scheduler.morph_runtime = runtime
     logger.info(
         "sglang-morph enabled in scheduler: %s, %d decoder layers, kv_capacity_tokens=%d, "
@@ -292,11 +292,11 @@ def _before_get_next_batch(scheduler: Any, *args: Any, **kwargs: Any) -> None:
 
 
 def _after_poll_timeout_aborts(result: list, scheduler: Any) -> list:
-    """TP rank 0 (the only caller): its controller's action joins the rank-0 inputs that
-    SGLang broadcasts to every rank this step (parallel/tensor.py)."""
+    """TP rank 0 / pipeline stage 0 (the only callers): its controller's action joins the
+    inputs that SGLang hands every rank this step (parallel/relay.py)."""
     runtime = getattr(scheduler, "morph_runtime", None)
-    tensor = getattr(runtime, "tensor", None)
-    return result + tensor.outgoing() if tensor is not None else result
+    relay = getattr(runtime, "relay", None)
+    return result + relay.outgoing() if relay is not None else result
 
 
 def _after_get_output_streamer_class(result: type, scheduler: Any) -> type | None:
@@ -323,7 +323,7 @@ HOOKS: tuple[Hook, ...] = (
     Hook(sym.HOOK_NEXT_BATCH, _before_get_next_batch, "BEFORE", only_if_imported=_IN_SCHEDULER),
     Hook(sym.HOOK_RETRACT_DECODE, _after_retract_decode, "AFTER",
          only_if_imported=_IN_SCHEDULER),
-    # Under TP: rank 0's controller actions ride SGLang's broadcast of the step's inputs.
+    # Under TP and PP: the leader's controller actions ride SGLang's inputs to every rank.
     Hook(sym.HOOK_RANK0_LOCAL_INPUTS, _after_poll_timeout_aborts, "AFTER",
          only_if_imported=_IN_SCHEDULER),
     # Precision provenance: the output streamer reports what precisions produced each response.

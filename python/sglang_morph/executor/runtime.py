@@ -159,6 +159,11 @@ class MorphRuntime:
         from sglang_morph.parallel.tensor import TensorParallelRanks
 
         self.tensor = TensorParallelRanks.of(self)
+        # Under either, one controller decides for all ranks (TP rank 0's, stage 0's), and its
+        # actions reach the others with SGLang's own inputs (sglang_morph.parallel.relay).
+        from sglang_morph.parallel.relay import ActionRelay
+
+        self.relay = ActionRelay.of(self)
         weight_bytes = model_weight_bytes(self.model, self.installer)
         total = cfg.memory_budget_bytes or (
             weight_bytes + self.resizer.capacity_tokens * self.kv_bytes_per_token)
@@ -181,7 +186,7 @@ class MorphRuntime:
         self.mode = cfg.mode
         self.monitor = PressureMonitor()
         self.last_signals: PressureSignals | None = None
-        self.controller = self._make_controller() if cfg.controller_enabled else None
+        self.controller: MorphController | None = None  # made once the ranks agreed (below)
         # (TP ranks apply the same transitions: rank 0 writes them for all)
         self._log = (open(cfg.log_path, "a", buffering=1)
                      if cfg.log_path and (self.tensor is None or self.tensor.rank == 0) else None)
@@ -200,6 +205,8 @@ class MorphRuntime:
             self.pipeline.agree_capacity()  # one capacity for every stage
         if self.tensor is not None:
             self.tensor.agree()  # equal shards and pools on every rank, or no start
+        # (under PP the controller prices layers from every stage's figures, known from here)
+        self.controller = self._make_controller() if cfg.controller_enabled else None
         for bits in sorted(set(self.layer_bits) - {FULL_PRECISION_BITS}, reverse=True):
             # One record per bit-width, as if each group had been swapped at startup; the KV
             # growth is shown on the last one.
@@ -227,6 +234,12 @@ class MorphRuntime:
         return self.installer.bits
 
     @property
+    def model_bits(self) -> tuple[int, ...]:
+        """Every decoder layer's bits, those of the other pipeline stages included (what the
+        controller decides from); ``layer_bits`` has only this process's layers right."""
+        return tuple(self.pipeline.bits) if self.pipeline is not None else self.layer_bits
+
+    @property
     def available_bits(self) -> tuple[int, ...]:
         if self.installer is None:
             return (FULL_PRECISION_BITS,)
@@ -242,19 +255,22 @@ class MorphRuntime:
     def _make_controller(self) -> MorphController | None:
         if self.installer is None:
             return None
-        manifest = self.installer.manifest
-        # Quantized sizes as stored; full precision as served (the served dtype may differ).
-        layer_bytes = {b: manifest.variant(0, b).device_bytes for b in self.available_bits}
-        layer_bytes[FULL_PRECISION_BITS] = self.installer.full_precision_bytes(0)
-        costs = LayerCosts(
-            layer_bytes_by_bits=layer_bytes,
-            kv_bytes_per_token=self.kv_bytes_per_token,
-            page_size_tokens=self.resizer.page_size,
-        )
+        if self.pipeline is not None:
+            costs = self.pipeline.layer_costs()  # every stage's layers and KV, not one stage's
+        else:
+            manifest = self.installer.manifest
+            # Quantized sizes as stored; full precision as served (the served dtype may differ).
+            layer_bytes = {b: manifest.variant(0, b).device_bytes for b in self.available_bits}
+            layer_bytes[FULL_PRECISION_BITS] = self.installer.full_precision_bytes(0)
+            costs = LayerCosts(
+                layer_bytes_by_bits=layer_bytes,
+                kv_bytes_per_token=self.kv_bytes_per_token,
+                page_size_tokens=self.resizer.page_size,
+            )
         bits = tuple(b for b in self.available_bits if b != FULL_PRECISION_BITS)
         # Layers a --morph-precision-map quantized at startup are the operator's static choice:
         # the controller neither takes them lower nor "restores" them to 16 bits when quiet.
-        start_bits = self.layer_bits
+        start_bits = self.model_bits
         order = tuple(i for i in self.swap_order if start_bits[i] == FULL_PRECISION_BITS)
         return MorphController(get_mode(self.mode), order, bits, costs)
 
@@ -333,7 +349,7 @@ class MorphRuntime:
                 head_wait_s = max(0.0, time.perf_counter() - oldest)
             head_need = _admission_tokens(head, ratio)
             waiting_need = sum(_admission_tokens(r, ratio) for r in waiting)
-        running = s.running_batch.reqs if s.running_batch is not None else []
+        running = self._running_requests()
         # Per running request: decode steps until it finishes, and the KV (held + reserved)
         # its finish gives back to admission.
         release = []
@@ -356,11 +372,11 @@ class MorphRuntime:
             running_kv_release=tuple(release),
         )
         self.last_signals = self.monitor.observe(snapshot)
-        if self.controller is not None and (self.tensor is None or self.tensor.decides()):
-            action = self.controller.decide(self.last_signals, self.layer_bits,
+        if self.controller is not None and (self.relay is None or self.relay.decides()):
+            action = self.controller.decide(self.last_signals, self.model_bits,
                                             pinned=frozenset(self.pinned))
-            if action is not None and self.tensor is not None:
-                self.tensor.send(action)  # every rank applies it at the same step
+            if action is not None and self.relay is not None:
+                self.relay.send(action)  # every rank applies it at the same point
             elif action is not None:
                 self._apply_controller_action(action)
         if self._metrics is not None:
@@ -371,6 +387,16 @@ class MorphRuntime:
             self._resized_since_check = False
             self.check_integrity()
 
+    def _running_requests(self) -> list[Any]:
+        s = self.scheduler
+        if self.pipeline is None:
+            return s.running_batch.reqs if s.running_batch is not None else []
+        # Under PP each micro-batch has its running batch (``running_batch`` is the current
+        # one's); the pool holds them all.
+        reqs = {id(r): r for b in getattr(s, "running_mbs", None) or [] if b is not None
+                for r in b.reqs}
+        return list(reqs.values())
+
     def _apply_controller_action(self, action: SwapLayers) -> None:
         try:
             self.apply(action, source="controller")
@@ -378,9 +404,11 @@ class MorphRuntime:
             logger.info("sglang-morph: controller action not applied: %s", e)
 
     def handle_action(self, req: Any) -> None:
-        """The dispatcher's entry for TP rank 0's controller actions, on every rank."""
-        if self.tensor is not None:
-            self.tensor.received()
+        """The dispatcher's entry for the leading rank's controller actions, on every rank."""
+        if self.relay is not None:
+            self.relay.received()
+        if self.pipeline is not None:  # every stage in turn, told of the earlier ones' outcome
+            return self.pipeline.handle_action(req)
         # (an operator's swap in the same broadcast, ahead of it, may have pinned some)
         layers = tuple(i for i in req.layers if i not in self.pinned)
         if layers:

@@ -31,8 +31,17 @@ earlier stages applied the transition, those cannot hear of it: the answer (500)
 critical log line say that the stages now disagree (restart the server). A stage process that
 dies mid-transition is not covered either (SGLang's pipeline ends with it).
 
-The pressure controller would decide on each stage alone; under PP it stays off
-(``--disable-morph-controller`` is required at launch).
+**One controller decides** (``parallel/relay.py``): stage 0's. It receives from the
+TokenizerManager, and its scheduler's KV pool and queues are the pipeline's (every stage admits
+and batches the same requests, with the same KV capacity). It decides from every layer's bits
+(``bits``) and walks the global swap order (the LIS order over all layers), so an action may
+name layers of any stage. The action joins stage 0's inputs for the next step (the plugin's
+hook on ``Scheduler._poll_timeout_aborts``, which SGLang calls on stage 0 only), and SGLang
+forwards it down the pipeline like a ``/morph`` request: each stage applies its part at the
+same point of the schedule, through ``apply`` (refusals, budgets and the one KV capacity as for
+``POST /morph/swap``). Stage 0 decides nothing more until the action came back through its own
+dispatcher. A stage that fails after earlier ones applied (the case above) logs it critically;
+stage 0 cannot hear of it.
 """
 
 from __future__ import annotations
@@ -62,11 +71,6 @@ def check_launch(server_args: Any, cfg: MorphConfig) -> None:
         raise MorphConfigError(
             f"--morph-stage-budgets has {len(cfg.stage_budget_bytes)} budgets for --pp-size "
             f"{pp}; give one per pipeline stage")
-    if pp > 1 and cfg.controller_enabled:
-        raise MorphConfigError(
-            f"--enable-morph with --pp-size {pp} needs --disable-morph-controller: the pressure "
-            f"controller runs on one rank; under pipeline parallelism layers move through "
-            f"POST /morph/swap")
 
 
 def stage_budget_bytes(cfg: MorphConfig, pp_rank: int) -> int | None:
@@ -236,20 +240,70 @@ class PipelineStage:
             self._answer.send_output(answer(req), req)
         return None
 
-    def _skip(self, req: Any, failed: dict[str, Any]) -> None:
+    def handle_action(self, req: Any) -> None:
+        """Stage 0's controller action (``parallel/relay.py``), on every stage in turn, like a
+        ``POST /morph/swap``: each stage applies its part (all decide alike, from the same
+        state) unless an earlier stage failed, and adds its outcome to ``req`` before SGLang
+        forwards it. Nobody answers; the last stage logs it critically if stages disagree."""
+        from sglang_morph.control.controller import SwapLayers
+        from sglang_morph.executor.runtime import MorphRequestError
+
+        rt = self.runtime
+        earlier = [s for s in req.pipeline_stages if s["status_code"] >= 500]
+        code, error = 200, ""
+        # (an operator's swap ahead of it in the same inputs may have pinned some; the pins are
+        # the same on every stage)
+        layers = tuple(i for i in req.layers if i not in rt.pinned)
+        try:
+            if earlier:
+                self._skip(req, earlier[0], source="controller")
+            if layers:
+                rt.apply(SwapLayers(layers, req.bits, req.reason), source="controller")
+        except MorphRequestError as e:
+            code, error = e.status_code, str(e)
+            logger.info("sglang-morph: controller action not applied on stage %d: %s",
+                        self.rank, e)
+        req.pipeline_stages.append({"stage": self.rank, "status_code": code, "error": error})
+        codes = [s["status_code"] for s in req.pipeline_stages]
+        if self.is_last and len(set(codes)) > 1:
+            logger.critical("sglang-morph: pipeline stages disagree after a controller action "
+                            "(%s -> %d bits): outcomes %s; restart the server", req.layers,
+                            req.bits, req.pipeline_stages)
+        return None
+
+    def _skip(self, req: Any, failed: dict[str, Any], source: str = "api") -> None:
         from sglang_morph.executor.runtime import MorphRequestError, Transition
 
         rt = self.runtime
         error = f"stage {failed['stage']} failed: {failed['error']}"
         layers = tuple(i for i in req.layers if i in self.layers)
-        rt._record(Transition(time.time(), "failed", "api", layers,
+        rt._record(Transition(time.time(), "failed", source, layers,
                               tuple(self.bits[i] for i in layers), req.bits, 0,
                               rt.resizer.capacity_tokens, rt.resizer.capacity_tokens, 0, 0, 0.0,
                               "", error))
         raise MorphRequestError(error, 500)
 
+    def layer_costs(self) -> Any:
+        """What a layer's move is worth to stage 0's controller: a layer's bytes at each
+        bit-width (layers are alike) against the pipeline's KV bytes per token (a token holds
+        KV on every stage). Exact when a move frees bytes on every stage in proportion to its
+        KV share; otherwise an estimate (the controller sizes actions and predicts a restore's
+        usage with it): the KV change itself is what every stage agrees in ``apply``, the
+        tightest stage's."""
+        from sglang_morph.control.controller import LayerCosts
+
+        first = self.tables[0]
+        return LayerCosts(layer_bytes_by_bits=dict(first.layer_bytes[first.layers.start]),
+                          kv_bytes_per_token=sum(t.kv_bytes_per_token for t in self.tables),
+                          page_size_tokens=self.runtime.resizer.page_size)
+
     def stage_status(self) -> dict[str, Any]:
         status = self.runtime.status()
+        status["pipeline_parallel"] = {
+            "pp_size": self.size,
+            "controller": ("stage 0 decides from every layer's bits; its actions reach every "
+                           "stage with the inputs SGLang forwards down the pipeline"
+                           if self.runtime.controller is not None else None)}
         status["stage"] = self.rank
         status["layer_range"] = [self.layers.start, self.layers.stop - 1]
         status["layer_bits"] = [status["layers"][i]["bits"] for i in self.layers]

@@ -29,12 +29,13 @@ every rank reports its outcome to rank 0, whose answer alone reaches the Tokeniz
 (the others have no socket) and lists every rank (``tp_ranks``). A rank that disagrees turns
 the answer into a 500 that says so.
 
-**One controller decides.** Each rank's controller would decide from its own clock and
-samples, so only TP rank 0's decides. Its action (``MorphActionReq``) joins the inputs rank 0
-broadcasts at the next step, the way SGLang's own rank-0 decisions do (the timeout aborts of
-``Scheduler._poll_timeout_aborts``, which ride the same broadcast; the plugin hooks that
-method), so every rank's dispatcher applies it at that step, like a ``/morph/swap``. Rank 0
-decides nothing more until its action has come back through the broadcast.
+**One controller decides** (``parallel/relay.py``). Each rank's controller would decide from
+its own clock and samples, so only TP rank 0's decides. Its action (``MorphActionReq``) joins
+the inputs rank 0 broadcasts at the next step, the way SGLang's own rank-0 decisions do (the
+timeout aborts of ``Scheduler._poll_timeout_aborts``, which ride the same broadcast; the plugin
+hooks that method), so every rank's dispatcher applies it at that step, like a
+``/morph/swap``. Rank 0 decides nothing more until its action has come back through the
+broadcast.
 """
 
 from __future__ import annotations
@@ -215,10 +216,6 @@ class TensorParallelRanks:
         self.group = group  # SGLang's TP group (its gloo cpu_group carries our exchanges)
         self.rank, self.size = group.rank_in_group, group.world_size
         self.note = sharding_note(runtime.model)
-        # Rank 0: the action its controller decided, until it rides the next broadcast out
-        # (``outgoing``), then until it comes back to this rank's dispatcher (``received``).
-        self._outbox: list[Any] = []
-        self._action_in_flight = False
 
     @classmethod
     def of(cls, runtime: Any) -> "TensorParallelRanks | None":
@@ -280,32 +277,6 @@ class TensorParallelRanks:
             output.body["error"] = ("tensor-parallel ranks disagree after this request (see "
                                     "tp_ranks); restart the server")
         return output
-
-    # ----- the controller ------------------------------------------------------------------
-
-    def decides(self) -> bool:
-        """Whether this rank's controller decides now: rank 0's, once its last action came
-        back."""
-        return self.rank == 0 and not self._action_in_flight
-
-    def send(self, action: Any) -> None:
-        """Rank 0: hand ``action`` to every rank with the next step's broadcast inputs."""
-        import uuid
-
-        from sglang_morph.server.messages import MorphActionReq
-
-        self._outbox.append(MorphActionReq(
-            rid=f"morph-action-{uuid.uuid4().hex}", layers=list(action.layers),
-            bits=action.bits, reason=action.reason))
-        self._action_in_flight = True
-
-    def outgoing(self) -> list[Any]:
-        """Rank 0, each step: what joins the inputs SGLang broadcasts to every rank."""
-        out, self._outbox = self._outbox, []
-        return out
-
-    def received(self) -> None:
-        self._action_in_flight = False
 
     def status(self) -> dict[str, Any]:
         return {"tp_size": self.size, "tp_rank": self.rank, "variant_shards": self.note,

@@ -44,9 +44,11 @@ class MorphModeReq(_MorphReq, kw_only=True):
 
 
 class MorphActionReq(_MorphReq, kw_only=True):
-    """A controller action under tensor parallelism: TP rank 0's controller decides and sends
-    this to its own scheduler input, so that SGLang's broadcast of each step's inputs hands it
-    to every rank at the same step (``parallel/tensor.py``). No answer."""
+    """A controller action under tensor or pipeline parallelism: TP rank 0's or stage 0's
+    controller decides and adds this to its own scheduler inputs, which SGLang hands every rank
+    (the TP broadcast of each step's inputs, the forward of each step's inputs down the
+    pipeline), so every rank applies it at the same point (``parallel/relay.py``). No
+    answer."""
 
     layers: list[int]
     bits: int
