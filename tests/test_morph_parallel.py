@@ -16,8 +16,8 @@ same map. Each PP rank runs one torch thread here, so the reference does too
 - under a burst, stage 0's controller swaps layers of both stages in the global LIS order,
   every stage records the same transitions with the same KV capacities, and the controller
   restores every layer when quiet, to the exact capacity;
-- unsupported launches (``--nnodes 2``, ``--tp-size 3`` with PP, a budget count that is not
-  the stage count) stop in the launcher with one line.
+- unsupported launches (``--nnodes`` without PP or beyond the stages, ``--tp-size 3`` with PP,
+  a budget count that is not the stage count) stop in the launcher with one line.
 """
 
 from __future__ import annotations
@@ -107,21 +107,24 @@ def test_stage_memory_equals_the_plan_memory_model(pp2, default_model_path):
     assert s["weight_bytes"] == sum(st["weight_bytes"] for st in s["stages"])
 
 
-def test_swap_mid_stream_under_pp2_grows_both_stages_and_restore_is_exact(pp2, corpus_ids):
+def swap_mid_stream_and_restore(server, corpus_ids, start_bits) -> None:
+    """Swap SWAPPED (3 layers of stage 0, 5 of stage 1) to W4 while a request streams, then
+    restore them: the capacity grows on every stage alike, the stream finishes, the restore
+    is exact and greedy outputs equal those before. ``start_bits``: every layer's bits before."""
     prompts = [prompt_ids(corpus_ids, 10 + seed, 32) for seed in range(3)]
-    before = [generate_ids(pp2, ids, 24) for ids in prompts]
-    start = status(pp2)
+    before = [generate_ids(server, ids, 24) for ids in prompts]
+    start = status(server)
     ids = prompt_ids(corpus_ids, 20, 48)
-    reference = generate_ids(pp2, ids, 120)
-    stream = Stream(pp2, ids, 120)
+    reference = generate_ids(server, ids, 120)
+    stream = Stream(server, ids, 120)
     stream.wait_for(15)
     tokens_before_swap = list(stream.ids)
 
-    r = swap(pp2, SWAPPED, 4)
+    r = swap(server, SWAPPED, 4)
     assert r.status_code == 200, r.text
     s = r.json()
     assert [layer["bits"] for layer in s["layers"]] == [
-        4 if i in SWAPPED else map_bits(i) for i in range(30)]
+        4 if i in SWAPPED else start_bits[i] for i in range(30)]
     grown = s["kv_capacity_tokens"] - start["kv_capacity_tokens"]
     assert grown > 0
     for st, st0 in zip(s["stages"], start["stages"]):
@@ -134,7 +137,7 @@ def test_swap_mid_stream_under_pp2_grows_both_stages_and_restore_is_exact(pp2, c
     assert sorted(i for t in swaps[-2:] for i in t["layers"]) == sorted(SWAPPED)
     stream.wait_for(len(tokens_before_swap) + 30)
 
-    r = swap(pp2, SWAPPED, 16)
+    r = swap(server, SWAPPED, 16)
     assert r.status_code == 200, r.text
     s = r.json()
     assert s["kv_capacity_tokens"] == start["kv_capacity_tokens"]
@@ -144,8 +147,12 @@ def test_swap_mid_stream_under_pp2_grows_both_stages_and_restore_is_exact(pp2, c
     out = stream.join()
     assert len(out) == 120 and stream.finish_reason["type"] == "length"
     assert out[:len(tokens_before_swap)] == reference[:len(tokens_before_swap)]
-    assert [generate_ids(pp2, p, 24) for p in prompts] == before
-    assert [layer["bits"] for layer in status(pp2)["layers"]] == [map_bits(i) for i in range(30)]
+    assert [generate_ids(server, p, 24) for p in prompts] == before
+    assert [layer["bits"] for layer in status(server)["layers"]] == list(start_bits)
+
+
+def test_swap_mid_stream_under_pp2_grows_both_stages_and_restore_is_exact(pp2, corpus_ids):
+    swap_mid_stream_and_restore(pp2, corpus_ids, [map_bits(i) for i in range(30)])
 
 
 def test_a_swap_one_stage_refuses_changes_nothing_on_any_stage(pp2):
@@ -267,9 +274,14 @@ def parse(default_model_path):
                                                "--enable-morph", *flags])
 
 
+NODES = ("--node-rank", "0", "--dist-init-addr", "127.0.0.1:29555")
+
+
 @pytest.mark.parametrize("flags,line", [
-    (("--pp-size", "2", "--disable-morph-controller", "--nnodes", "2", "--node-rank", "0",
-      "--dist-init-addr", "127.0.0.1:29555"), "--enable-morph does not support --nnodes 2 yet"),
+    (("--tp-size", "3", "--nnodes", "3", *NODES),
+     "--enable-morph with --nnodes 3 supports pipeline stages across nodes only"),
+    (("--pp-size", "2", "--nnodes", "4", *NODES),
+     "--enable-morph with --nnodes 4 supports pipeline stages across nodes only"),
     (("--pp-size", "2", "--tp-size", "3"),
      "--enable-morph does not support --tp-size and --pp-size together yet"),
     (("--pp-size", "2", "--morph-stage-budgets", "1GB"),

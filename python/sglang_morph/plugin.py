@@ -90,11 +90,11 @@ def _after_from_cli_args(server_args: Any, _cls: Any, args: Any) -> None:
 
 
 # Flags of parallel layouts the runtime does not morph yet. Pipeline parallelism is supported
-# (sglang_morph.parallel.pipeline: each stage morphs its own layers), on one node; so are data
-# parallelism (parallel/replicas.py: each replica morphs on its own) and tensor parallelism
-# (parallel/tensor.py: each rank swaps its shards at the same step), one at a time (checked in
-# check_supported).
-_PARALLEL_FLAGS = ("attn_dp_size", "attn_cp_size", "dcp_size", "nnodes")
+# (sglang_morph.parallel.pipeline: each stage morphs its own layers), also with its stages on
+# several nodes (--nnodes); so are data parallelism (parallel/replicas.py: each replica morphs
+# on its own) and tensor parallelism (parallel/tensor.py: each rank swaps its shards at the same
+# step), one at a time and on one node (checked in check_supported).
+_PARALLEL_FLAGS = ("attn_dp_size", "attn_cp_size", "dcp_size")
 # KV caches the resizer cannot grow or shrink (it supports the device radix cache only).
 _KV_CACHE_FLAGS = ("enable_hierarchical_cache", "enable_lmcache", "enable_hisparse",
                    "enable_flexkv", "enable_unified_cache_external_linker",
@@ -124,6 +124,14 @@ def check_supported(server_args: Any) -> None:
         raise morph_config.MorphConfigError(
             f"--enable-morph does not support {flag(layouts[0])} and {flag(layouts[1])} "
             f"together yet: use one")
+    nnodes = getattr(server_args, "nnodes", 1) or 1
+    if nnodes > 1 and (layouts != ["pp_size"] or nnodes > server_args.pp_size):
+        # Tested: whole pipeline stages on each node. Not tested: TP ranks or DP replicas
+        # across nodes.
+        raise morph_config.MorphConfigError(
+            f"--enable-morph with --nnodes {nnodes} supports pipeline stages across nodes only "
+            f"(--pp-size N, whole stages per node); tensor-parallel ranks or data-parallel "
+            f"replicas across nodes are not supported yet")
     for name in _KV_CACHE_FLAGS:
         if getattr(server_args, name, False):
             raise morph_config.MorphConfigError(
@@ -261,9 +269,6 @@ def _after_scheduler_init(_result: None, scheduler: Any, *args: Any, **kwargs: A
     from sglang_morph.parallel.pipeline import stage_config
 
     model_config = scheduler.model_config
-    # (Scheduler(server_args, port_args, ...): a pipeline's last stage answers /morph on its own
-    # socket to the TokenizerManager.)
-    scheduler.morph_port_args = args[1] if len(args) > 1 else kwargs.get("port_args")
     try:
         runtime = MorphRuntime(scheduler, stage_config(cfg, scheduler))
     except NotImplementedError as e:  # a KV pool or cache the resizer does not support

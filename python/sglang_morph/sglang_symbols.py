@@ -161,6 +161,16 @@ SCHEDULER_SYMBOLS: tuple[Symbol, ...] = (
     Symbol(f"{_SCHEDULER}.tp_group", "read", True),
     *_group("sglang.srt.distributed.parallel_state.GroupCoordinator", "read",
             "rank_in_group world_size cpu_group"),
+    # Pipeline parallelism (parallel/pipeline.py): the stages, their micro-batches, and the
+    # last stage's /morph answers, which go back to stage 0 over zmq and on to the tokenizer.
+    *_group(_SCHEDULER, "read", "pp_group running_mbs idle_sleeper ipc_channels"),
+    Symbol(f"{_COMPONENTS}.ipc_channels.SchedulerIpcChannels.send_to_tokenizer", "read", True),
+    Symbol(f"{_COMPONENTS}.idle_sleeper.IdleSleeper.poller", "read", True),
+    Symbol(f"{_COMPONENTS}.output_sender.SenderWrapper", "call"),
+    *_group("sglang.srt.utils.network", "call", "get_zmq_socket get_zmq_socket_on_host "
+            "NetworkAddress", instance=False),
+    Symbol("sglang.srt.managers.io_struct.sock_recv", "call"),
+    *_group(_SERVER_ARGS, "read", "nnodes dist_init_addr"),
 )
 
 # ----- precision provenance (server/provenance.py) -----

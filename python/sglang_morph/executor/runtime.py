@@ -326,6 +326,8 @@ class MorphRuntime:
         """Called before every ``get_next_batch_to_run``: sample, decide, act (rate-limited)."""
         started = time.perf_counter()
         try:
+            if self.pipeline is not None:
+                self.pipeline.forward_answers()  # stage 0: the last stage's /morph answers
             self._on_step()
         finally:
             # Self-measured so the hook's overhead can be read off /morph/status.

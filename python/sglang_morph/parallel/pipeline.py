@@ -23,7 +23,10 @@ weights and every layer's bytes at every bit-width, and from then on each stage 
 transition from that shared state alone (which layers move, refusals, the KV tokens after the
 move) and applies its own part: all stages refuse alike or apply alike. Each stage adds its
 outcome and ``/morph/status`` to the request before SGLang forwards it; the last stage answers
-for the pipeline on a socket of its own to the TokenizerManager.
+for the pipeline. Its answer goes back to stage 0 (a zmq PUSH to a PULL socket stage 0 binds at
+startup, on 127.0.0.1 or, with ``--nnodes`` above 1, on the ``--dist-init-addr`` host, which
+every node reaches), and stage 0 hands it to the TokenizerManager on SGLang's own socket: the
+last stage may run on another node, where the TokenizerManager's ipc socket does not exist.
 
 **Failures.** A stage whose own apply fails (an error, not a refusal) undoes its part, as on
 one rank, and later stages, seeing it in the request, change nothing. If a stage fails after
@@ -156,18 +159,13 @@ class PipelineStage:
         self.tables: list[_StageTable] = []
         self.bits: list[int] = []
         self.capacity_tokens = 0
-        # The last stage answers the /morph requests on a socket of its own to the
-        # TokenizerManager (SGLang gives only stage 0 one).
+        # The last stage's answers to /morph requests travel to stage 0 (only it has a socket
+        # to the TokenizerManager, and only on its node): stage 0 binds ``_answers`` (PULL),
+        # the last stage connects ``_answer`` (PUSH) to it; the address is told at startup.
+        self._zmq = None
+        self._answers = None
         self._answer = None
-        port_args = getattr(runtime.scheduler, "morph_port_args", None)
-        if self.is_last and port_args is not None:
-            import zmq
-            from sglang.srt.managers.scheduler_components.output_sender import SenderWrapper
-            from sglang.srt.utils.network import get_zmq_socket
-
-            socket = get_zmq_socket(zmq.Context(1), zmq.PUSH, port_args.tokenizer_ipc_name,
-                                    False)
-            self._answer = SenderWrapper(socket)
+        self._answers_endpoint = self._bind_answers() if self.rank == 0 else None
 
     @classmethod
     def of(cls, runtime: Any) -> "PipelineStage | None":
@@ -192,10 +190,12 @@ class PipelineStage:
             {i: {b: rt.installer.device_bytes_at(i, b) for b in rt.available_bits}
              for i in self.layers})
         tables: list[Any] = [None] * self.size
-        dist.all_gather_object(tables, (table, [rt.layer_bits[i] for i in self.layers]),
-                               group=self.group)
-        self.tables = [t for t, _ in tables]
-        self.bits = [b for _, bits in tables for b in bits]
+        dist.all_gather_object(tables, (table, [rt.layer_bits[i] for i in self.layers],
+                                        self._answers_endpoint), group=self.group)
+        self.tables = [t for t, _, _ in tables]
+        self.bits = [b for _, bits, _ in tables for b in bits]
+        if self.is_last:
+            self._connect_answer(tables[0][2])
         common = min(t.capacity_tokens for t in self.tables)
         extra = rt.resizer.capacity_tokens - common
         if extra:
@@ -205,6 +205,49 @@ class PipelineStage:
         logger.info("sglang-morph: pipeline stage %d of %d, layers %d-%d: KV capacity %d tokens "
                     "(stages could hold %s)", self.rank, self.size, self.layers.start,
                     self.layers.stop - 1, common, [t.capacity_tokens for t in self.tables])
+
+    def _bind_answers(self) -> str:
+        """Stage 0: a PULL socket for the last stage's answers; returns its tcp endpoint."""
+        import zmq
+        from sglang.srt.utils.network import NetworkAddress, get_zmq_socket_on_host
+
+        args = self.runtime.scheduler.server_args
+        host = "127.0.0.1"
+        if (getattr(args, "nnodes", 1) or 1) > 1:
+            # --dist-init-addr is node 0's address (stage 0 runs there), which every node reaches
+            host = NetworkAddress.resolve_host(NetworkAddress.parse(args.dist_init_addr).host)
+        self._zmq = zmq.Context()
+        port, self._answers = get_zmq_socket_on_host(self._zmq, zmq.PULL, host=host,
+                                                     restrict_peers=True)
+        # An idle stage 0 sleeps in a poll of its input sockets; an answer must wake it too.
+        sleeper = getattr(self.runtime.scheduler, "idle_sleeper", None)
+        if sleeper is not None and hasattr(sleeper, "poller"):
+            sleeper.poller.register(self._answers, zmq.POLLIN)
+        return NetworkAddress(host, port).to_tcp()
+
+    def _connect_answer(self, endpoint: str) -> None:
+        """The last stage: a PUSH socket to stage 0's answers socket."""
+        import zmq
+        from sglang.srt.managers.scheduler_components.output_sender import SenderWrapper
+        from sglang.srt.utils.network import get_zmq_socket
+
+        self._zmq = zmq.Context()
+        self._answer = SenderWrapper(get_zmq_socket(self._zmq, zmq.PUSH, endpoint, bind=False))
+
+    def forward_answers(self) -> None:
+        """Stage 0, every step: hand the last stage's answers to the TokenizerManager (each
+        carries its route, ``http_worker_ipc``, from the request it answers)."""
+        import zmq
+        from sglang.srt.managers.io_struct import sock_recv
+
+        if self._answers is None:
+            return
+        while True:
+            try:
+                out = sock_recv(self._answers, zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            self.runtime.scheduler.ipc_channels.send_to_tokenizer.send_output(out)
 
     def owner(self, layer: int) -> int:
         return next(t.stage for t in self.tables if layer in t.layers)
