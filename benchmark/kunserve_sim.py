@@ -371,15 +371,18 @@ def simulate(requests: Sequence[Request], replicas: int, planner: DropPlannerCon
     return sim
 
 
+# Windows and thinning that load one simulated replica of this machine at roughly the rate
+# it serves (~0.2-0.3 requests/s), so that the traces' bursts overflow its KV; every replica
+# gets its own copy of the window (the cluster's rate grows with its size).
 TRACES = {
     "azure_conv": ("azure_llm_2023_conv.csv",
-                   dict(start_s=0.0, duration_s=120.0, time_scale=1.0, max_prompt_tokens=1024,
+                   dict(start_s=0.0, duration_s=600.0, keep_every=40, max_prompt_tokens=1024,
                         max_output_tokens=256)),
     "azure_code": ("azure_llm_2023_code.csv",
-                   dict(start_s=0.0, duration_s=60.0, time_scale=1.0, keep_every=2,
-                        max_prompt_tokens=1024, max_output_tokens=128)),
+                   dict(start_s=0.0, duration_s=600.0, keep_every=20, max_prompt_tokens=1024,
+                        max_output_tokens=256)),
     "burstgpt": ("burstgpt_first400.csv",
-                 dict(start_s=0.0, duration_s=1800.0, time_scale=0.05, max_prompt_tokens=1024,
+                 dict(start_s=0.0, duration_s=37300.0, time_scale=0.3, max_prompt_tokens=1024,
                       max_output_tokens=256)),
 }
 

@@ -92,7 +92,18 @@ class ChunkCostModel:
         return np.array([self.alpha_s, self.beta_s, self.gamma_s, self.delta_s])
 
     def seconds(self, chunks: Sequence[Chunk]) -> float:
-        return float(batch_features(chunks) @ self.coefficients)
+        # Plain Python: the balancer and the simulator call this millions of times on a few
+        # chunks, where building numpy arrays costs more than the arithmetic.
+        if not chunks:
+            raise ValueError("a forward needs at least one chunk")
+        attention = tokens = prefix_sq = 0
+        for ch in chunks:
+            p, c = ch.cached_tokens, ch.new_tokens
+            attention += p * c + c * c + c
+            tokens += c
+            prefix_sq += p * p
+        return (self.alpha_s * attention + self.beta_s * tokens + self.gamma_s
+                + self.delta_s * prefix_sq)
 
     def chunk_seconds(self, chunk: Chunk) -> float:
         """One chunk's share without the per-forward ``gamma`` (what a balancer adds up)."""

@@ -237,30 +237,39 @@ def split(name: str, items: Sequence[BatchItem], k: int, costs: PhaseCosts) -> t
 
 def serve_batch_bubbles(costs: PhaseCosts, prompts: Sequence[tuple[str, int, int]],
                         layer_shares: Sequence[float], micro_batches: int | None = None,
-                        transfer_s: float = 0.0) -> dict[str, PipelineRun]:
+                        transfer_s: float = 0.0,
+                        join_every: int | None = None) -> dict[str, PipelineRun]:
     """Serve a batch to completion through the pipeline, once per splitter.
 
-    ``prompts``: (rid, prompt tokens, output tokens). Iteration 0 prefills every prompt (its
-    first token comes out of it); each later iteration decodes one token of every request that
-    still has tokens to produce. Every iteration is re-split into ``micro_batches`` (default:
-    one per stage, the fewest that keep every stage busy).
+    ``prompts``: (rid, prompt tokens, output tokens), in arrival order. With ``join_every``
+    None every prompt is prefilled in iteration 0; with ``n``, request ``i`` joins at iteration
+    ``i * n`` and its prefill runs in one forward with the others' decode steps (SGLang's
+    mixed chunk), which is where micro-batches of equal request counts differ most in cost.
+    A prefill yields the request's first token; each later iteration decodes one token of
+    every request that still has tokens to produce. Every iteration is re-split into
+    ``micro_batches`` (default: one per stage, the fewest that keep every stage busy).
     """
     k = micro_batches or len(layer_shares)
     out = {}
     for name in SPLITTERS:
         staged: list[StagedMicroBatch] = []
-        items = [BatchItem(rid, 0, prompt) for rid, prompt, _ in prompts]
-        left = {rid: output for rid, _, output in prompts}
-        context = {rid: prompt for rid, prompt, _ in prompts}
+        join = {rid: (0 if join_every is None else i * join_every)
+                for i, (rid, _, _) in enumerate(prompts)}
+        prompt = {rid: p for rid, p, _ in prompts}
+        left = {rid: o for rid, _, o in prompts}
+        produced = {rid: 0 for rid, _, _ in prompts}
         iteration = 0
-        while items:
-            staged += stage_micro_batches(costs, iteration, split(name, items, k, costs),
-                                          layer_shares)
-            for rid in list(left):
-                left[rid] -= 1
-                if left[rid] == 0:
-                    del left[rid]
+        while left:
+            items = [BatchItem(rid, 0, prompt[rid]) if produced[rid] == 0
+                     else BatchItem(rid, prompt[rid] + produced[rid] - 1, 1)
+                     for rid in left if join[rid] <= iteration]
+            if items:
+                staged += stage_micro_batches(costs, iteration, split(name, items, k, costs),
+                                              layer_shares)
+            for item in items:
+                produced[item.rid] += 1
+                if produced[item.rid] == left[item.rid]:
+                    del left[item.rid]
             iteration += 1
-            items = [BatchItem(rid, context[rid] + iteration - 1, 1) for rid in left]
         out[name] = pipeline_schedule(staged, transfer_s)
     return out
