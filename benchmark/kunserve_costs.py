@@ -55,6 +55,7 @@ BATCHED_TOKENS = 4096
 DECODE_STEPS = 34  # 33 decode steps after the prefill's token: cached p+1 .. p+33, mean p+17
 MAX_BATCH_TOKENS = 8192  # one forward (no chunked prefill splitting a point)
 HELD_OUT_SHARE = 0.25
+RAW = Path("benchmark/results/raw")  # server log and partial progress (git-ignored)
 VOCAB_LOW, VOCAB_HIGH = 1000, 40000  # ordinary tokens of the default model's vocabulary
 SERVER_ARGS = ("--chunked-prefill-size", str(MAX_BATCH_TOKENS),
                "--max-prefill-tokens", str(MAX_BATCH_TOKENS))
@@ -223,9 +224,10 @@ def main() -> None:
 
     started = time.monotonic()
     load_before = load_average()
-    with running_server(SERVER_ARGS, args.out / "costs_server.log") as server:
+    RAW.mkdir(parents=True, exist_ok=True)
+    with running_server(SERVER_ARGS, RAW / "kunserve_costs_server.log") as server:
         timings = measure(Client(server.url, args.seed), args.repeats,
-                          started + args.time_limit_s, args.out / "costs_progress.json")
+                          started + args.time_limit_s, RAW / "kunserve_costs_progress.json")
     meta = {"command": "python -m benchmark.kunserve_costs", "git": git_state(),
             "machine": machine_info(), "repeats": args.repeats, "seed": args.seed,
             "server_args": list(SERVER_ARGS), "load_before": load_before,

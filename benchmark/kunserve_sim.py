@@ -65,6 +65,7 @@ from sglang_morph.repo_data import TRACES_DIR
 
 RESULTS = Path("benchmark/results/kunserve")
 MAX_PREFILL_TOKENS = 8192  # one prefill forward at most (SGLang's --max-prefill-tokens)
+COPY_OFFSET_S = 0.137
 
 
 @dataclasses.dataclass(frozen=True)
@@ -355,8 +356,9 @@ def trace_requests(path: Path, replicas: int, window: dict) -> list[Request]:
     # Each replica gets its own slice of the trace's requests: replicas x the trace's rate.
     out = []
     for copy in range(replicas):
-        shift = copy * w.replay_duration_s / max(replicas, 1) / 7.0  # de-synchronise copies
-        out += [Request(f"{copy}-{r.index}", r.arrival_s + shift % 0.5, r.prompt_tokens,
+        # Copies offset by a fraction of a second, so they do not arrive in lockstep.
+        shift_s = (copy * COPY_OFFSET_S) % 0.5
+        out += [Request(f"{copy}-{r.index}", r.arrival_s + shift_s, r.prompt_tokens,
                         r.output_tokens) for r in reqs]
     return sorted(out, key=lambda r: (r.arrival_s, r.rid))
 
