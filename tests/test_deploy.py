@@ -358,3 +358,18 @@ def test_missing_profile_and_launch_with_two_models_are_cli_errors(profile_file,
     (tmp_path / "bad.json").write_text("{}")
     code, _, err = run_cli(capsys, "estimate", "--profile", str(tmp_path / "bad.json"))
     assert code == 2 and "not a usable profile" in err
+
+
+def test_pipeline_terms_are_borrowed_when_a_bit_width_has_no_pp_status():
+    """16-bit PP runs as plain SGLang (no /morph/status): its weight/KV pipeline deltas come
+    from another bit-width (they move the never-quantized embedding and LM head)."""
+    records = fingerprint_records({16: 1.0, 8: 1.0})
+    for r in records:
+        if r["bits"] == 16 and r["pp"] > 1:
+            for p in r["processes"]:
+                p["weight_bytes"] = p["kv_bytes"] = None
+    fits = estimate.fit_records(records, 30, EMBEDDING)
+    fit = fits.memory[16]["weight_bytes"]
+    assert fit.first_delta_bytes == pytest.approx(FIRST_DELTA, rel=1e-9)
+    assert fit.last_delta_bytes == pytest.approx(LAST_DELTA, rel=1e-9)
+    assert fit.per_layer_bytes[1] == pytest.approx(PER_LAYER[1], rel=1e-9)

@@ -310,12 +310,27 @@ def fit_records(records: Sequence[dict[str, Any]], num_layers: int,
     """M2 and L2 from a profile's fingerprint records."""
     memory: dict[int, dict[str, MemoryFit]] = {}
     latency: dict[int, dict[int, LatencyFit]] = {}
-    for bits in sorted({r["bits"] for r in records}, reverse=True):
+    all_bits = sorted({r["bits"] for r in records}, reverse=True)
+    for bits in all_bits:
         memory[bits] = {}
         for figure in MEMORY_FIGURES:
             points = process_points(records, bits, figure)
             if points:
                 memory[bits][figure] = fit_memory(figure, points, embedding_bytes)
+    for bits in all_bits:
+        for figure, fit in memory[bits].items():
+            if any(p.pp > 1 for p in process_points(records, bits, figure)):
+                continue
+            # No pipeline run reported this figure (16-bit PP is plain SGLang, without
+            # /morph/status). A stage boundary moves the embedding and LM head, which no
+            # bit-width quantizes, so another bit-width's deltas are this one's.
+            donor = next((memory[b][figure] for b in all_bits if b != bits and figure in
+                          memory[b] and any(p.pp > 1 for p in
+                                            process_points(records, b, figure))), None)
+            if donor is not None:
+                memory[bits][figure] = dataclasses.replace(
+                    fit, first_delta_bytes=donor.first_delta_bytes,
+                    last_delta_bytes=donor.last_delta_bytes)
         points = latency_points(records, bits)
         tps = sorted({p.tp for p in points})
         latency[bits] = {}
