@@ -137,7 +137,8 @@ def cmd_profile(args) -> dict:
     session = {"started_unix_s": time.time(), "uptime": _uptime(), "git": _git_commit(),
                "argv": sys.argv}
     log_dir = Path(args.log_dir)
-    jobs = [(cfg, n, "fingerprint") for cfg, n in fingerprint_runs(bits, tp_sizes)]
+    jobs = [] if args.skip_fingerprints else [
+        (cfg, n, "fingerprint") for cfg, n in fingerprint_runs(bits, tp_sizes)]
     jobs += [(cfg, hf_config["num_hidden_layers"], "full") for cfg in full]
     for cfg, n, kind in jobs:
         if kind == "fingerprint":
@@ -359,6 +360,7 @@ def main(argv=None) -> int:
     p.add_argument("--bits", default="16,8,4")
     p.add_argument("--tp", default="1,3", help="TP sizes to profile (1 is always profiled)")
     p.add_argument("--full", help="full configurations to measure too, e.g. W16-TP1-PP1")
+    p.add_argument("--skip-fingerprints", action="store_true", help="measure --full only")
     p.add_argument("--prompt", type=int, default=128)
     p.add_argument("--output", default="8,40", help="the two output lengths of L2")
     p.add_argument("--batches", default="1,4")
