@@ -139,6 +139,12 @@ def cmd_profile(args) -> dict:
     log_dir = Path(args.log_dir)
     jobs = [] if args.skip_fingerprints else [
         (cfg, n, "fingerprint") for cfg, n in fingerprint_runs(bits, tp_sizes)]
+    if args.only:
+        only = {item.strip() for item in args.only.split(",") if item.strip()}
+        jobs = [j for j in jobs if f"{j[0].name}@{j[1]}" in only]
+        if not jobs:
+            raise CliError(f"--only {args.only!r} names no fingerprint run of --bits/--tp "
+                           f"(e.g. W16-TP1-PP1@2)")
     jobs += [(cfg, hf_config["num_hidden_layers"], "full") for cfg in full]
     for cfg, n, kind in jobs:
         if kind == "fingerprint":
@@ -149,7 +155,10 @@ def cmd_profile(args) -> dict:
         print(f"profile: {kind} {cfg.name} at {n} layer(s)", file=sys.stderr, flush=True)
         record = measure_server(cfg, served_model, served_engines, n, workload,
                                 log_dir / f"{kind}-{cfg.name}-{n}l.log", kind)
-        profile["records"].append(record)
+        # A new measurement of the same server replaces the old one (a re-run on a quieter
+        # machine), so the fits never mix two measurements of one point.
+        profile["records"] = [r for r in profile["records"] if (r["kind"], r["config"],
+                              r["num_layers"]) != (kind, cfg.name, n)] + [record]
         out_path.write_text(json.dumps(profile, indent=1))  # a crash keeps what was measured
     session["ended_unix_s"] = time.time()
     session["uptime_at_end"] = _uptime()
@@ -361,6 +370,7 @@ def main(argv=None) -> int:
     p.add_argument("--tp", default="1,3", help="TP sizes to profile (1 is always profiled)")
     p.add_argument("--full", help="full configurations to measure too, e.g. W16-TP1-PP1")
     p.add_argument("--skip-fingerprints", action="store_true", help="measure --full only")
+    p.add_argument("--only", help="re-measure only these fingerprint runs, e.g. W16-TP1-PP1@2")
     p.add_argument("--prompt", type=int, default=128)
     p.add_argument("--output", default="8,40", help="the two output lengths of L2")
     p.add_argument("--batches", default="1,4")

@@ -21,8 +21,9 @@ and activation peak are measured (``estimate`` borrows the weight/KV pipeline te
 Latency (L2's inputs): end-to-end seconds of ``batch`` concurrent greedy requests of
 ``prompt_tokens`` fixed token ids and ``n`` new tokens (``ignore_eos``: a 1-layer model's text
 is noise and must not stop early) at two output lengths; ``estimate`` solves
-``E2E(n) = TTFT + (n - 1) * TPOT`` from the two. The median of ``repetitions`` is kept (on a
-shared machine other processes only add time; the median is steadier than one run).
+``E2E(n) = TTFT + (n - 1) * TPOT`` from the two. Every repetition is recorded; ``estimate``
+takes the fastest (on a shared machine other processes only ever add time; here a two-thread
+rank next to other work measured several times its quiet time).
 
 The CPU-seconds of every process of the server (start-up included: it is the price of
 profiling) are read from ``/proc/<pid>/stat`` before the server stops.
