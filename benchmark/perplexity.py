@@ -28,6 +28,9 @@ class PerplexityResult:
     windows: int
     window_tokens: int
     text: str
+    # mean NLL (nats) of each window's scored tokens, in text order: runs on the same windows
+    # compare window by window (paired), with the windows as independent samples
+    window_nll: tuple[float, ...] = ()
 
 
 def token_windows(token_ids: list[int], window_tokens: int) -> list[list[int]]:
@@ -55,7 +58,7 @@ def server_perplexity(url: str, text_path: Path = DEFAULT_TEXT, max_tokens: int 
     windows = token_windows(ids, window_tokens)
     if not windows:
         raise ValueError(f"{text_path} has fewer than {window_tokens} tokens")
-    nll_sum, scored = 0.0, 0
+    nll_sum, scored, window_nll = 0.0, 0, []
     for window in windows:
         r = requests.post(
             f"{url}/generate",
@@ -69,8 +72,9 @@ def server_perplexity(url: str, text_path: Path = DEFAULT_TEXT, max_tokens: int 
             raise RuntimeError("unexpected input_token_logprobs layout from the server")
         nll_sum -= sum(logprobs[1:])
         scored += len(logprobs) - 1
+        window_nll.append(-sum(logprobs[1:]) / (len(logprobs) - 1))
     return PerplexityResult(math.exp(nll_sum / scored), scored, len(windows), window_tokens,
-                            str(text_path))
+                            str(text_path), tuple(window_nll))
 
 
 def main() -> None:

@@ -1,7 +1,7 @@
 """``python -m sglang_morph.plan``: SplitQuant's planner for this repository's layer variants.
 
     python -m sglang_morph.plan profile --out cpu_profile.json      # time W16/W8/W4 layers here
-    python -m sglang_morph.plan indicator --out omega.json          # variance/hessian/random omega
+    python -m sglang_morph.plan indicator --out omega.json          # omega of every indicator
     python -m sglang_morph.plan plan --devices cpu:0.45GB,cpu:0.3GB --cpu-profile cpu_profile.json \
         --omega omega.json --batch 8 --prompt 128 --output 32 --out plan.json [--serve]
     python -m sglang_morph.plan plan --devices T4,V100,A100-40G --model llama-2-13b ...
@@ -122,9 +122,18 @@ def cmd_indicator(args) -> dict:
 
     model_dir = Path(args.model_dir) if args.model_dir else _default_model_dir()
     engines = Path(args.engines) if args.engines else _default_engines(model_dir)
+    measured = tuple(m for m in args.measured.split(",") if m)
+    if set(measured) - set(indicator.MEASURED_INDICATORS):
+        raise CliError(f"--measured {args.measured!r}: choose from "
+                       f"{','.join(indicator.MEASURED_INDICATORS)}")
     stats, calibration_s = indicator.calibration_stats(model_dir, samples=args.samples)
     results = [indicator.compute(name, engines, stats, BITS, model_dir)
                for name in indicator.INDICATORS]
+    if measured:
+        # the same calibration windows as the statistics (train split)
+        windows = indicator.calibration_windows(model_dir, samples=args.samples)
+        results += indicator.compute_measured(measured, engines, model_dir, windows, BITS,
+                                              variance=results[0])
     indicator.save(Path(args.out), results, {"calibration_s": calibration_s,
                                              "calibration_samples": args.samples,
                                              "engines": engines.name})
@@ -308,6 +317,9 @@ def main(argv=None) -> int:
     p.add_argument("--model-dir")
     p.add_argument("--engines")
     p.add_argument("--samples", type=int, default=8)
+    p.add_argument("--measured", default="measured-kl,measured-nll,variance-calibrated",
+                   help="indicators measured with model runs on the calibration windows "
+                        "(comma-separated; empty for none)")
     p = sub.add_parser("plan", help="plan bit-widths and stages; print JSON and a serve command")
     p.add_argument("--devices", required=True,
                    help="comma-separated stages: GPU names (T4, V100, A100-40G, A100-80G, L4, "

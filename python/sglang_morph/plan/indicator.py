@@ -10,6 +10,17 @@
   second moment (a bound on the output error ``trace(dW G dW^T)``); needs the dequantized
   variants and an eigenvalue per input group.
 - ``random``: independent uniform values (W4 >= W8 per layer), the control.
+- ``measured-kl``: no model of the error at all: the mean per-token KL(full precision ||
+  quantized) of the float32 model's next-token distribution with layer l alone at b, on the
+  calibration windows (``plan.measured``): one model run from layer l per (layer, bit-width).
+  The expected NLL increase under the model's own distribution; the reference the others are
+  judged by, and the most expensive.
+- ``measured-nll``: from the same runs, the mean NLL increase of the calibration text itself
+  (clipped at 0): it also sees the first-order effect of a layer's error on this kind of text,
+  which KL (second order) cannot, at the price of sampling noise.
+- ``variance-calibrated``: the variance indicator rescaled per format so that each format's
+  total equals the measured KL of ALL layers at that format (two model runs): it keeps the
+  variance indicator's ranking of layers within a format and fixes only how W8 compares with W4.
 
 Every indicator is 0 at 16 bits. Statistics come from the train-split calibration text
 (``data/text/wikitext2_train_head.txt``), never the test split.
@@ -27,6 +38,8 @@ import torch
 from sglang_morph.config import FULL_PRECISION_BITS
 
 INDICATORS = ("variance", "hessian", "random")
+# computed from model runs on the calibration windows (``measured``)
+MEASURED_INDICATORS = ("measured-kl", "measured-nll", "variance-calibrated")
 CALIBRATION_TEXT = Path(__file__).resolve().parents[3] / "data/text/wikitext2_train_head.txt"
 
 
@@ -41,13 +54,23 @@ class IndicatorResult:
 def calibration_stats(model_dir: Path, samples: int = 8, tokens_per_sample: int = 256,
                       seed: int = 0) -> tuple[list[dict], float]:
     """Per layer, per AWQ input group, the calibration input statistics; and the seconds taken."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoModelForCausalLM
 
     from sglang_morph.engines import awq
 
     started = time.perf_counter()
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32,
                                                  local_files_only=True).eval()
+    windows = calibration_windows(model_dir, samples, tokens_per_sample, seed)
+    stats = list(awq.block_by_block_input_stats(model, windows, 4))
+    return stats, time.perf_counter() - started
+
+
+def calibration_windows(model_dir: Path, samples: int = 8, tokens_per_sample: int = 256,
+                        seed: int = 0) -> torch.Tensor:
+    """``[samples, tokens_per_sample]`` token ids drawn from the train-split calibration text."""
+    from transformers import AutoTokenizer
+
     tokenizer = AutoTokenizer.from_pretrained(model_dir, local_files_only=True)
     # ~4 characters a token; 16x what is drawn leaves the windows spread without tokenizing
     # the whole file
@@ -56,8 +79,7 @@ def calibration_stats(model_dir: Path, samples: int = 8, tokens_per_sample: int 
     n = ids.numel() // tokens_per_sample
     windows = ids[:n * tokens_per_sample].view(n, tokens_per_sample)
     chosen = torch.randperm(n, generator=torch.Generator().manual_seed(seed))[:samples]
-    stats = list(awq.block_by_block_input_stats(model, windows[chosen.sort().values], 4))
-    return stats, time.perf_counter() - started
+    return windows[chosen.sort().values]
 
 
 def _group_of(linear: str) -> str:
@@ -89,7 +111,8 @@ def compute(name: str, engines_dir: Path, stats: list[dict], bits: tuple[int, ..
     from sglang_morph.engines.manifest import EngineManifest, read_variant
 
     if name not in INDICATORS:
-        raise ValueError(f"unknown indicator {name!r}; choose from {INDICATORS}")
+        raise ValueError(f"unknown indicator {name!r}; choose from {INDICATORS} (measured ones: "
+                         f"compute_measured)")
     manifest = EngineManifest.load(engines_dir)
     n_layers = manifest.num_layers
     started = time.perf_counter()
@@ -134,6 +157,54 @@ def compute(name: str, engines_dir: Path, stats: list[dict], bits: tuple[int, ..
                     total += lambda_max[group] * float(error)
             omega[layer, k] = total
     return IndicatorResult(name, bits, omega, time.perf_counter() - started)
+
+
+def compute_measured(names: tuple[str, ...], engines_dir: Path, model_dir: Path,
+                     windows: torch.Tensor, bits: tuple[int, ...],
+                     variance: IndicatorResult | None = None) -> list[IndicatorResult]:
+    """The ``MEASURED_INDICATORS`` in ``names``, from runs of the float32 model on ``windows``
+    (calibration text). ``variance-calibrated`` rescales ``variance`` (same ``bits``); each
+    result's ``compute_s`` includes loading the model and its full-precision pass."""
+    from sglang_morph.plan.measured import QualityProbe
+
+    unknown = set(names) - set(MEASURED_INDICATORS)
+    if unknown:
+        raise ValueError(f"unknown measured indicators {sorted(unknown)}; choose from "
+                         f"{MEASURED_INDICATORS}")
+    started = time.perf_counter()
+    quantized = tuple(b for b in bits if b != FULL_PRECISION_BITS)
+    probe = QualityProbe(Path(model_dir), Path(engines_dir), windows, quantized)
+    shared_s = time.perf_counter() - started
+    results = []
+    if {"measured-kl", "measured-nll"} & set(names):
+        started = time.perf_counter()
+        kl, nll = np.zeros((probe.num_layers, len(bits))), np.zeros((probe.num_layers, len(bits)))
+        from tqdm.auto import tqdm
+
+        runs = [(k, b, layer) for k, b in enumerate(bits) if b != FULL_PRECISION_BITS
+                for layer in range(probe.num_layers)]
+        for k, b, layer in tqdm(runs, desc="measured omega", unit="run"):
+            m = probe.measure({layer: b})
+            kl[layer, k] = float(m["kl"].mean())
+            nll[layer, k] = float((m["nll"] - probe.fp_nll).mean())
+        # a measured decrease is the sample's noise or luck, not a gain to plan on
+        nll = np.maximum(nll, 0.0)
+        seconds = shared_s + time.perf_counter() - started
+        results += [IndicatorResult(name, bits, omega, seconds) for name, omega
+                    in (("measured-kl", kl), ("measured-nll", nll)) if name in names]
+    if "variance-calibrated" in names:
+        if variance is None or variance.name != "variance" or variance.bits != bits:
+            raise ValueError("variance-calibrated needs the variance indicator for the same bits")
+        started = time.perf_counter()
+        omega = variance.omega.copy()
+        for k, b in enumerate(bits):
+            if b != FULL_PRECISION_BITS:
+                kl_all = float(probe.measure({l: b for l in range(probe.num_layers)})["kl"].mean())
+                omega[:, k] *= kl_all / omega[:, k].sum()
+        results.append(IndicatorResult("variance-calibrated", bits, omega,
+                                       variance.compute_s + shared_s
+                                       + time.perf_counter() - started))
+    return results
 
 
 def save(path: Path, results: list[IndicatorResult], meta: dict) -> None:
