@@ -12,7 +12,8 @@ Decode steps: ``b`` fresh prompts of ``p`` tokens run once with ``max_new_tokens
 decode step of the batch, at the mean context ``p + N/2`` (the model is linear in ``p`` for
 ``c = 1``, so the mean step is the step at the mean context).
 
-Every point is the median of ``--repeats`` runs. A fixed quarter of the points (seeded) is held
+Every point is the fastest of ``--repeats`` runs (other work on a shared 2-core machine only
+ever makes a run slower, so the fastest is the least disturbed one). A fixed quarter of the points (seeded) is held
 out; the fit uses the rest, and the held-out mean relative error is reported per phase.
 
     .venv/bin/python -m benchmark.kunserve_costs [--out benchmark/results/kunserve]
@@ -24,7 +25,6 @@ import argparse
 import dataclasses
 import json
 import signal
-import statistics
 import subprocess
 import sys
 import time
@@ -122,7 +122,7 @@ def measure(client: Client, repeats: int, deadline: float,
             raise TimeoutError(f"measurement ran past its time limit at point {k}/{len(points)}")
         runs = [prefill_point(client, p, c, b) if phase == "prefill" else decode_point(client, p, b)
                 for _ in range(repeats)]
-        seconds = statistics.median(runs)
+        seconds = min(runs)
         cached = p if phase == "prefill" else p + DECODE_STEPS // 2
         timings.append(ForwardTiming(tuple(Chunk(cached, c) for _ in range(b)), seconds))
         # Kept as it goes: a run cut short still leaves what it measured.
@@ -181,7 +181,7 @@ def write_markdown(path: Path, result: dict) -> None:
              "cost(batch) = gamma + sum_i [alpha (p_i c_i + c_i^2 + c_i) + beta c_i] "
              "(+ delta sum_i p_i^2 in the second variant: SGLang's torch_native extend pads each "
              "request's query to the whole sequence, so its attention also grows with p^2); "
-             "server-side `e2e_latency`, median of "
+             "server-side `e2e_latency`, fastest of "
              f"{meta['repeats']} runs per point, {HELD_OUT_SHARE:.0%} of the points held out "
              f"(seed {meta['seed']}). Used by the simulation and the lookahead: "
              f"**{result['chosen']}**.", "",
