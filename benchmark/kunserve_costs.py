@@ -55,6 +55,7 @@ BATCHED_TOKENS = 4096
 DECODE_STEPS = 34  # 33 decode steps after the prefill's token: cached p+1 .. p+33, mean p+17
 MAX_BATCH_TOKENS = 8192  # one forward (no chunked prefill splitting a point)
 HELD_OUT_SHARE = 0.25
+MIN_POINTS_TO_HOLD_OUT = 8
 RAW = Path("benchmark/results/raw")  # server log and partial progress (git-ignored)
 VOCAB_LOW, VOCAB_HIGH = 1000, 40000  # ordinary tokens of the default model's vocabulary
 SERVER_ARGS = ("--chunked-prefill-size", str(MAX_BATCH_TOKENS),
@@ -158,20 +159,30 @@ def fit_and_evaluate(timings: list[ForwardTiming], seed: int, source: str) -> di
         fits[variant], models[variant] = {}, {}
         for phase in ("prefill", "decode"):
             own = [t for t in timings if t.phase == phase]
-            train, test = split_held_out(own, seed)
-            model = fit_chunk_cost(train, prefix_squared=squared)
+            # Too few points to spare any: fit them all and report no held-out error.
+            train, test = split_held_out(own, seed) if len(own) >= MIN_POINTS_TO_HOLD_OUT \
+                else (own, [])
+            # Decode attends with one query row: the p^2 term is a prefill-only effect.
+            model = fit_chunk_cost(train, prefix_squared=squared and phase == "prefill")
             models[variant][phase] = model
-            train_err, test_err = relative_errors(model, train), relative_errors(model, test)
+            train_err = relative_errors(model, train)
+            test_err = relative_errors(model, test) if test else None
             fits[variant][phase] = {
                 "coefficients": dataclasses.asdict(model), "points": len(own),
                 "train_points": len(train), "held_out_points": len(test),
                 "train_mean_error": float(train_err.mean()),
-                "held_out_mean_error": float(test_err.mean()),
-                "held_out_max_error": float(test_err.max())}
-    chosen = min(VARIANTS, key=lambda v: fits[v]["prefill"]["held_out_mean_error"])
+                "held_out_mean_error": float(test_err.mean()) if test else None,
+                "held_out_max_error": float(test_err.max()) if test else None}
+    chosen = min(VARIANTS, key=lambda v: fits[v]["prefill"]["held_out_mean_error"]
+                 if fits[v]["prefill"]["held_out_mean_error"] is not None
+                 else fits[v]["prefill"]["train_mean_error"])
     fit = PhaseCosts(models[chosen]["prefill"], models[chosen]["decode"],
                      f"{source}, {chosen}")
     return {"fit": fit.to_json(), "chosen": chosen, "fits": fits}
+
+
+def _pct(x: float | None) -> str:
+    return "n/a" if x is None else f"{x:.1%}"
 
 
 def write_markdown(path: Path, result: dict) -> None:
@@ -183,6 +194,8 @@ def write_markdown(path: Path, result: dict) -> None:
              f"default dtype, torch_native attention; load average before {meta['load_before']}, "
              f"after {meta['load_after']}; `uptime` after: {meta['uptime']}; "
              f"{meta['seconds']:.0f} s. Fitted at commit {result['fitted_at']}.", "",
+             *[f"- {key.replace('_', ' ')}: {value}" for key, value in meta.items()
+               if key.endswith("_provenance")], "",
              "cost(batch) = gamma + sum_i [alpha (p_i c_i + c_i^2 + c_i) + beta c_i] "
              "(+ delta sum_i p_i^2 in the second variant: SGLang's torch_native extend pads each "
              "request's query to the whole sequence, so its attention also grows with p^2); "
@@ -199,8 +212,8 @@ def write_markdown(path: Path, result: dict) -> None:
             lines.append(
                 f"| {variant} | {phase} | {f['alpha_s']:.3e} | {f['beta_s']:.3e} | "
                 f"{f['gamma_s']:.3e} | {f['delta_s']:.3e} | {e['points']} | "
-                f"{e['train_mean_error']:.1%} | {e['held_out_mean_error']:.1%} | "
-                f"{e['held_out_max_error']:.1%} |")
+                f"{e['train_mean_error']:.1%} | {_pct(e['held_out_mean_error'])} | "
+                f"{_pct(e['held_out_max_error'])} |")
     path.write_text("\n".join(lines) + "\n")
 
 
@@ -212,12 +225,14 @@ def main() -> None:
     ap.add_argument("--time-limit-s", type=float, default=14 * 60,
                     help="stop measuring past this many seconds and fit the points measured")
     ap.add_argument("--refit", action="store_true",
-                    help="fit the timings already in OUT/costs.json again (no server)")
+                    help="fit timings again (no server): OUT/costs.json's or --timings'")
+    ap.add_argument("--timings", type=Path, default=None,
+                    help="with --refit: a JSON file with 'meta' and 'timings'")
     args = ap.parse_args()
     if args.repeats < 1:
         ap.error("--repeats must be >= 1")
     if args.refit:
-        raw = json.loads((args.out / "costs.json").read_text())
+        raw = json.loads((args.timings or args.out / "costs.json").read_text())
         timings = timings_from_json(raw["timings"])
         meta = raw["meta"]
         source = f"{meta['machine']['cpu_model']}, commit {meta['git']['commit']}"
