@@ -6,10 +6,11 @@ Each batch is ``--batch`` consecutive requests of a trace (prompt and output len
 trace, capped like the replay benchmark). It is served to completion through the pipeline
 (``lookahead.serve_batch_bubbles``, every iteration cut into 2 micro-batches), in two
 scenarios: all requests at once (one prefill iteration, then decodes) and staggered (one
-request joins every 4 iterations, its prefill mixed with the running decodes): by request count (no cost model) and by lookahead (equal
-cost, prefills cut by the cost model). The stage link costs the measured gloo latency plus a
-micro-batch's hidden states at the measured bandwidth. The bubble share is the stages' idle
-share of the makespan; the numbers are computed (the pipeline is not run), from measured costs.
+request joins every 4 iterations, its prefill mixed with the running decodes); by request
+count (no cost model) and by lookahead (equal cost, prefills cut by the cost model). Each hop
+between stages costs the measured gloo latency (``transfer.json``). The bubble share is the
+stages' idle share of the makespan; the numbers are computed from the measured cost model
+(the pipeline itself is not run).
 
     .venv/bin/python -m benchmark.kunserve_lookahead [--out benchmark/results/kunserve]
 """
@@ -77,7 +78,7 @@ def main() -> None:
     lines = ["# Lookahead micro-batching: pipeline bubble share of a merged pair", "",
              f"`{meta['command']}` at commit {meta['commit']}; costs measured on this machine "
              f"({meta['costs']}); 2 stages (15 + 15 layers), 2 micro-batches per iteration, "
-             f"link {link_s * 1e3:.2f} ms + hidden states at the measured gloo bandwidth. "
+             f"each hop between stages costs the measured gloo latency ({link_s * 1e3:.2f} ms). "
              "Computed from the measured cost model (the pipeline itself is not run).", "",
              "| trace / arrivals | batches | bubble share by request count | with lookahead | ratio |",
              "|---|---|---|---|---|"]
