@@ -161,10 +161,12 @@ def compute(name: str, engines_dir: Path, stats: list[dict], bits: tuple[int, ..
 
 def compute_measured(names: tuple[str, ...], engines_dir: Path, model_dir: Path,
                      windows: torch.Tensor, bits: tuple[int, ...],
-                     variance: IndicatorResult | None = None) -> list[IndicatorResult]:
+                     variance: IndicatorResult | None = None,
+                     probe=None) -> list[IndicatorResult]:
     """The ``MEASURED_INDICATORS`` in ``names``, from runs of the float32 model on ``windows``
     (calibration text). ``variance-calibrated`` rescales ``variance`` (same ``bits``); each
-    result's ``compute_s`` includes loading the model and its full-precision pass."""
+    result's ``compute_s`` includes loading the model and its full-precision pass. ``probe``:
+    a ``measured.QualityProbe`` already built for these windows (then not counted)."""
     from sglang_morph.plan.measured import QualityProbe
 
     unknown = set(names) - set(MEASURED_INDICATORS)
@@ -173,7 +175,10 @@ def compute_measured(names: tuple[str, ...], engines_dir: Path, model_dir: Path,
                          f"{MEASURED_INDICATORS}")
     started = time.perf_counter()
     quantized = tuple(b for b in bits if b != FULL_PRECISION_BITS)
-    probe = QualityProbe(Path(model_dir), Path(engines_dir), windows, quantized)
+    if probe is None:
+        probe = QualityProbe(Path(model_dir), Path(engines_dir), windows, quantized)
+    elif not torch.equal(probe.windows, windows):
+        raise ValueError("the probe was built for other windows")
     shared_s = time.perf_counter() - started
     results = []
     if {"measured-kl", "measured-nll"} & set(names):
