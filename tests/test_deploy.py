@@ -373,3 +373,11 @@ def test_pipeline_terms_are_borrowed_when_a_bit_width_has_no_pp_status():
     assert fit.first_delta_bytes == pytest.approx(FIRST_DELTA, rel=1e-9)
     assert fit.last_delta_bytes == pytest.approx(LAST_DELTA, rel=1e-9)
     assert fit.per_layer_bytes[1] == pytest.approx(PER_LAYER[1], rel=1e-9)
+
+
+def test_an_incomplete_bit_width_is_left_out_with_its_reason():
+    records = [r for r in fingerprint_records({16: 1.0, 4: 0.5})
+               if not (r["bits"] == 4 and r["num_layers"] > 1)]  # W4 profiling cut short
+    fits = estimate.fit_records(records, 30, EMBEDDING)
+    assert "cannot be fitted" in fits.covers(space.Configuration(4, 1, 1))
+    assert fits.covers(space.Configuration(16, 3, 2)) is None

@@ -286,6 +286,8 @@ class ModelEstimates:
     num_layers: int
     memory: dict[int, dict[str, MemoryFit]]
     latency: dict[int, dict[int, LatencyFit]]
+    # bit-width -> why its fingerprints could not be fitted (an incomplete profile)
+    unfitted: dict[int, str] = dataclasses.field(default_factory=dict)
 
     def memory_of(self, cfg: Configuration) -> MemoryEstimate:
         return estimate_memory(self.memory[cfg.bits], cfg, self.num_layers)
@@ -297,6 +299,8 @@ class ModelEstimates:
 
     def covers(self, cfg: Configuration) -> str | None:
         """None, or why the fingerprints measured cannot estimate ``cfg``."""
+        if cfg.bits in self.unfitted:
+            return f"the {cfg.bits}-bit fingerprints cannot be fitted: {self.unfitted[cfg.bits]}"
         if cfg.bits not in self.memory or cfg.bits not in self.latency:
             return f"no fingerprint was profiled at {cfg.bits} bits"
         if cfg.tp not in self.latency[cfg.bits] or \
@@ -310,13 +314,19 @@ def fit_records(records: Sequence[dict[str, Any]], num_layers: int,
     """M2 and L2 from a profile's fingerprint records."""
     memory: dict[int, dict[str, MemoryFit]] = {}
     latency: dict[int, dict[int, LatencyFit]] = {}
+    unfitted: dict[int, str] = {}
     all_bits = sorted({r["bits"] for r in records}, reverse=True)
-    for bits in all_bits:
+    for bits in list(all_bits):
         memory[bits] = {}
-        for figure in MEMORY_FIGURES:
-            points = process_points(records, bits, figure)
-            if points:
-                memory[bits][figure] = fit_memory(figure, points, embedding_bytes)
+        try:
+            for figure in MEMORY_FIGURES:
+                points = process_points(records, bits, figure)
+                if points:
+                    memory[bits][figure] = fit_memory(figure, points, embedding_bytes)
+        except ValueError as e:  # an incomplete profile: the other bit-widths still serve
+            unfitted[bits] = f"memory: {e}"
+            del memory[bits]
+            all_bits.remove(bits)
     for bits in all_bits:
         for figure, fit in memory[bits].items():
             if any(p.pp > 1 for p in process_points(records, bits, figure)):
@@ -334,9 +344,12 @@ def fit_records(records: Sequence[dict[str, Any]], num_layers: int,
         points = latency_points(records, bits)
         tps = sorted({p.tp for p in points})
         latency[bits] = {}
-        if 1 in tps:
-            latency[bits][1] = fit_latency(points, 1)
-        for tp in tps:
-            if tp != 1:
-                latency[bits][tp] = fit_latency(points, tp, hop_from=latency[bits].get(1))
-    return ModelEstimates(num_layers, memory, latency)
+        try:
+            if 1 in tps:
+                latency[bits][1] = fit_latency(points, 1)
+            for tp in tps:
+                if tp != 1:
+                    latency[bits][tp] = fit_latency(points, tp, hop_from=latency[bits].get(1))
+        except ValueError as e:
+            unfitted[bits] = f"latency: {e}"
+    return ModelEstimates(num_layers, memory, latency, unfitted)
