@@ -308,10 +308,12 @@ def _build(cfg: DropPlannerConfig, view: Sequence[ReplicaDemand], groups, merges
 
 @dataclasses.dataclass(frozen=True)
 class LiveRequest:
-    """A request holding KV in a group: ``kv_tokens`` on every member (for its layers)."""
+    """A request holding KV in a group: ``kv_tokens`` on every member (for its layers).
+    ``owner``: the member whose scheduler holds the request and must keep it (None: any)."""
 
     rid: str
     kv_tokens: int
+    owner: int | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -351,17 +353,21 @@ def plan_restore(cfg: DropPlannerConfig, group: ReplicaGroup,
                  live: Sequence[LiveRequest]) -> RestorePlan | RestoreRefused:
     """Home every live request on one member so each restored (smaller) pool holds its own.
 
-    Largest requests first, each on the member with the most room left (a request's KV
-    cannot be split across replicas once they are independent). Refuses, changing nothing,
-    when the requests do not pack into the restored pools.
+    A request with an ``owner`` stays there; the others go largest first, each to the member
+    with the most room left (a request's KV cannot be split across replicas once they are
+    independent). Refuses, changing nothing, when the requests do not pack into the restored
+    pools.
     """
     if len({r.rid for r in live}) != len(live):
         raise ValueError("duplicate request ids in the live set")
     restored = tuple(cfg.full_replica(m.replica) for m in group.members)
     room = {m.replica: m.kv_capacity_tokens for m in restored}
+    if any(r.owner is not None and r.owner not in room for r in live):
+        raise ValueError(f"a live request's owner is not a member of {group.replicas}")
     home: dict[str, int] = {}
-    for r in sorted(live, key=lambda r: (-r.kv_tokens, r.rid)):
-        replica = max(room, key=lambda k: (room[k], -k))
+    # Owned requests first (they have no choice), then the largest of the rest.
+    for r in sorted(live, key=lambda r: (r.owner is None, -r.kv_tokens, r.rid)):
+        replica = r.owner if r.owner is not None else max(room, key=lambda k: (room[k], -k))
         if room[replica] < r.kv_tokens:
             total = sum(x.kv_tokens for x in live)
             return RestoreRefused(
