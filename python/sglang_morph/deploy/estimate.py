@@ -30,7 +30,7 @@ cost) and in the batch ``B`` (the batch sizes timed):
 
     T(L, B) = f0 + f1 B + L (g0 + g1 B)
 
-fitted on the PP 1 fingerprints (1 and 2 layers). A pipeline changes the per-layer cost, not
+fitted (non-negative least squares) on the PP 1 fingerprints (1 and 2 layers). A pipeline changes the per-layer cost, not
 only adds a hop: here a PP 1 rank runs two threads and a PP 2 stage one (serve.sh gives each
 rank its cores), so a layer takes about twice as long under PP. So PP gets its own line,
 fitted on TP1/PP2 fingerprints of 2 and 3 layers (a 1-layer model has no second stage; the
@@ -198,11 +198,17 @@ def _latency_row(layers: int, batch: int) -> np.ndarray:
 def _fit_phase(points: Sequence[LatencyPoint], phase: str) -> tuple[float, ...]:
     """``f0, f1, g0, g1`` of ``T = f0 + f1 B + L (g0 + g1 B)``; with one batch size measured
     the ``B`` terms cannot be told apart and are 0."""
+    from scipy.optimize import nnls
+
     keep = [0, 2] if len({p.batch for p in points}) == 1 else [0, 1, 2, 3]
     x = np.array([_latency_row(p.layers, p.batch)[keep] for p in points])
     y = np.array([p.ttft_s if phase == "ttft" else p.tpot_s for p in points])
+    lstsq(x, y)  # refuses points that cannot determine the line
+    # Non-negative, as plan/cost.py: no term may make a deeper model or a larger batch faster.
+    # Noise on a shared CPU can make a 2-layer fingerprint time below its 1-layer one; an
+    # unconstrained solve would then extrapolate that to 30 layers as a negative time.
     full = np.zeros(4)
-    full[keep] = lstsq(x, y)
+    full[keep] = nnls(x, y)[0]
     return tuple(full.tolist())
 
 
@@ -241,9 +247,12 @@ def fit_latency(points: Sequence[LatencyPoint], tp: int,
     pp2 = [p for p in points if p.pp == 2]
     if any(p.pp > 2 for p in points):
         raise ValueError("pipeline fingerprints are PP 2")
-    return LatencyFit(tp, {phase: _fit_phase(pp1, phase) for phase in PHASES},
-                      {phase: _fit_phase(pp2, phase) for phase in PHASES} if pp2 else None,
-                      None if pp2 else hop_from)
+    try:
+        pp2_fit = {phase: _fit_phase(pp2, phase) for phase in PHASES} if pp2 else None
+    except ValueError:  # one PP depth only (a profile cut short): no pipeline estimate
+        pp2_fit, hop_from = None, None
+    return LatencyFit(tp, {phase: _fit_phase(pp1, phase) for phase in PHASES}, pp2_fit,
+                      None if pp2_fit else hop_from)
 
 
 # ---- from measurement records -------------------------------------------------------------
@@ -306,6 +315,10 @@ class ModelEstimates:
         if cfg.tp not in self.latency[cfg.bits] or \
                 cfg.tp not in self.memory[cfg.bits]["rss_hwm_bytes"].fixed_bytes:
             return f"no fingerprint was profiled at {cfg.bits} bits and TP {cfg.tp}"
+        try:
+            self.latency_of(cfg, 1)
+        except ValueError as e:
+            return str(e)
         return None
 
 
