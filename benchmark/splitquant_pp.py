@@ -164,7 +164,7 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", default="benchmark/results/splitquant/pp2.json")
     parser.add_argument("--omega", help="indicator file (default: the planner's)")
-    parser.add_argument("--indicators", default="variance-calibrated",
+    parser.add_argument("--indicators", default="measured-kl",
                         help="comma-separated indicators of the omega file to plan with")
     parser.add_argument("--perplexity-tokens", type=int, default=16384)
     parser.add_argument("--no-timing", action="store_true",
