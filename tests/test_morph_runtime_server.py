@@ -302,7 +302,7 @@ def test_restore_moves_live_kv_without_corrupting_it(server, corpus_ids, engines
     for seed in range(200, 200 + start["kv_capacity_tokens"] // 300 + 1):
         generate_ids(server, prompt_ids(corpus_ids, seed, 299), 1)
     ids = prompt_ids(corpus_ids, 1, 300)
-    n_new = 64
+    n_new = 40
     stream = Stream(server, ids, n_new)
     stream.wait_for(8)
     pause = requests.post(f"{server.url}/pause_generation", json={"mode": "in_place"},
@@ -328,7 +328,7 @@ def test_restore_refused_while_live_kv_exceeds_the_smaller_pool(server, corpus_i
     assert swap(server, SWAPPED, 4).status_code == 200
     grown = status(server)["kv_capacity_tokens"]
     n_prompt = (start["kv_capacity_tokens"] + 600) // 2
-    streams = [Stream(server, prompt_ids(corpus_ids, 300 + i, n_prompt), 100) for i in range(2)]
+    streams = [Stream(server, prompt_ids(corpus_ids, 300 + i, n_prompt), 30) for i in range(2)]
     for s in streams:
         s.wait_for(2)
     requests.post(f"{server.url}/pause_generation", json={"mode": "in_place"}, headers=ADMIN,
@@ -346,7 +346,7 @@ def test_restore_refused_while_live_kv_exceeds_the_smaller_pool(server, corpus_i
     finally:
         requests.post(f"{server.url}/continue_generation", json={}, headers=ADMIN, timeout=60)
     for s in streams:
-        assert len(s.join()) == 100
+        assert len(s.join()) == 30
     r = swap(server, SWAPPED, 16)
     assert r.status_code == 200 and r.json()["kv_capacity_tokens"] == start["kv_capacity_tokens"]
 
