@@ -160,11 +160,13 @@ def _request(url: str, ids: list[int], new_tokens: int) -> float:
     return elapsed
 
 
-def e2e_seconds(url: str, batch: int, prompt_tokens: int, new_tokens: int) -> float:
-    """Mean end-to-end seconds of ``batch`` requests sent together. Each request has its own
-    prompt (no shared prefix for the radix cache to reuse)."""
-    prompts = [[1000 + 7 * b + (i * 13) % 4000 for i in range(prompt_tokens)]
-               for b in range(batch)]
+def e2e_seconds(url: str, batch: int, prompt_tokens: int, new_tokens: int,
+                salt: int = 0) -> float:
+    """Mean end-to-end seconds of ``batch`` requests sent together. Every request of every
+    call (``salt``) has its own first token, so SGLang's radix cache reuses no prefix: a
+    repeated prompt would prefill one token and hide the prefill (the first profile here did)."""
+    rest = [1000 + (i * 13) % 4000 for i in range(1, prompt_tokens)]
+    prompts = [[1000 + 97 * salt + 7 * b] + rest for b in range(batch)]
     with concurrent.futures.ThreadPoolExecutor(batch) as pool:
         times = list(pool.map(lambda ids: _request(url, ids, new_tokens), prompts))
     return sum(times) / len(times)
@@ -213,11 +215,15 @@ def measure_server(cfg: Configuration, model_dir: Path, engines_dir: Path | None
         for pid in procs.values():
             reset_hwm(pid)
         points = []
+        salt = 1  # 0 was the warm-up
         if with_latency:
             for batch in workload.batches:
                 for n in workload.output_tokens:
-                    runs = [e2e_seconds(server.url, batch, workload.prompt_tokens, n)
-                            for _ in range(workload.repetitions)]
+                    runs = []
+                    for _ in range(workload.repetitions):
+                        runs.append(e2e_seconds(server.url, batch, workload.prompt_tokens, n,
+                                                salt))
+                        salt += 1
                     points.append({"batch": batch, "output_tokens": n, "e2e_s": runs,
                                    "e2e_median_s": statistics.median(runs)})
         else:  # memory only: one pass at the largest batch and length
