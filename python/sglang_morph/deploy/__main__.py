@@ -22,6 +22,7 @@ import json
 import math
 import os
 import shlex
+import signal
 import subprocess
 import sys
 import time
@@ -136,6 +137,9 @@ def cmd_profile(args) -> dict:
         raise CliError(f"--append: {out_path} was profiled with workload {profile['workload']}")
     session = {"started_unix_s": time.time(), "uptime": _uptime(), "git": _git_commit(),
                "argv": sys.argv}
+    # A SIGTERM (e.g. `timeout`) must still stop the server being measured: by default it
+    # ends Python without running `finally`, and the server outlived two cut-short runs here.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     log_dir = Path(args.log_dir)
     jobs = [] if args.skip_fingerprints else [
         (cfg, n, "fingerprint") for cfg, n in fingerprint_runs(bits, tp_sizes)]
