@@ -187,8 +187,10 @@ class PipelineStage:
         table = _StageTable(
             self.rank, self.layers, rt.budget.total_bytes, rt.budget.weight_bytes,
             rt.kv_bytes_per_token, rt.resizer.capacity_tokens,
-            {i: {b: rt.installer.device_bytes_at(i, b) for b in rt.available_bits}
-             for i in self.layers})
+            # Without --morph-engines nothing can move (every swap is refused before it needs
+            # a layer's bytes), and there is no installer to ask.
+            {i: ({b: rt.installer.device_bytes_at(i, b) for b in rt.available_bits}
+                 if rt.installer is not None else {}) for i in self.layers})
         tables: list[Any] = [None] * self.size
         dist.all_gather_object(tables, (table, [rt.layer_bits[i] for i in self.layers],
                                         self._answers_endpoint), group=self.group)
