@@ -78,6 +78,15 @@ def test_pp2_with_a_precision_map_equals_pp1_token_for_token(pp2, pp1, corpus_id
     assert [st["layer_range"] for st in s["stages"]] == [[0, 14], [15, 29]]
     assert [st["layer_bits"] for st in s["stages"]] == [
         [map_bits(i) for i in range(15)], [map_bits(i) for i in range(15, 30)]]
+    # Precision provenance names both stages' quantized layers, as one rank reports them.
+    for server in (pp2, pp1):
+        r = requests.post(f"{server.url}/generate", timeout=600, json={
+            "input_ids": prompts[0],
+            "sampling_params": {"temperature": 0, "max_new_tokens": 4, "ignore_eos": True}})
+        assert r.status_code == 200, r.text
+        assert r.json()["meta_info"]["morph_precision"]["segments"] == [
+            {"start": 0, "end": 4, "quantized_layers": {"4": [0, 1, 2, 3],
+                                                       "8": [20, 21, 22, 23]}}], server.url
 
 
 def test_stage_memory_equals_the_plan_memory_model(pp2, default_model_path):

@@ -203,6 +203,10 @@ class MorphRuntime:
         self._grow_kv_into_free()
         if self.pipeline is not None:
             self.pipeline.agree_capacity()  # one capacity for every stage
+            # From here every stage knows every layer's bits (and keeps them up to date at
+            # each transition): a response's provenance names all stages' layers, not only
+            # those of the stage that streams it.
+            self.provenance = ProvenanceTracker(self.pipeline.bits)
         if self.tensor is not None:
             self.tensor.agree()  # equal shards and pools on every rank, or no start
         # (under PP the controller prices layers from every stage's figures, known from here)
@@ -631,7 +635,8 @@ class MorphRuntime:
             self.transitions_total += 1
             # Between two batches: the next pass runs at the new bits, so every live request's
             # tokens so far were produced at the old ones (a provenance boundary).
-            self.provenance.observe(self.layer_bits, self._live_requests)
+            self.provenance.observe(self.pipeline.bits if self.pipeline is not None
+                                    else self.layer_bits, self._live_requests)
             self._resized_since_check = True
             logger.info(
                 "sglang-morph: %s layers %s %s -> %d bits (%s); freed %d bytes; KV %d -> %d "
