@@ -216,10 +216,16 @@ def render_transitions_markdown(result: dict) -> str:
             f"{row['kv_capacity_tokens_at_start']} / {row['kv_capacity_tokens_swapped']} / "
             f"{row['kv_capacity_tokens_restored']} | {'yes' if same else 'NO'} |")
     s = result["settings"]
-    header = (f"{s['swap_layers']} layers of the LIS order to W4 and back, {s['dtype']}, idle "
-              f"server, median of {s['repetitions']}; commit {result['git']['commit']}"
-              f"{' (dirty tree)' if result['git']['dirty'] else ''}; load average "
-              f"{result['load_average_start']} at start, {result['load_average_end']} at end.")
+    return _with_header(f"{s['swap_layers']} layers of the LIS order to W4 and back, "
+                        f"{s['dtype']}, idle server", result, lines)
+
+
+def _with_header(what: str, result: dict, lines: list[str]) -> str:
+    """The table under one line saying what ran, on which commit, at which load."""
+    header = (f"{what}, median of {result['settings']['repetitions']}; commit "
+              f"{result['git']['commit']}{' (dirty tree)' if result['git']['dirty'] else ''}; "
+              f"load average {result['load_average_start']} at start, "
+              f"{result['load_average_end']} at end.")
     return header + "\n\n" + "\n".join(lines) + "\n"
 
 
@@ -238,11 +244,8 @@ def render_markdown(result: dict) -> str:
             cells += [f"{value:.4f}", f"{value / base[key]:.2f}" if base else "-"]
         lines.append("| " + " | ".join(cells) + " |")
     s = result["settings"]
-    header = (f"P = {s['prompt_tokens']} prompt tokens, D = {s['decode_tokens']} new tokens, "
-              f"{s['dtype']}, median of {s['repetitions']}; commit {result['git']['commit']}"
-              f"{' (dirty tree)' if result['git']['dirty'] else ''}; load average "
-              f"{result['load_average_start']} at start, {result['load_average_end']} at end.")
-    return header + "\n\n" + "\n".join(lines) + "\n"
+    return _with_header(f"P = {s['prompt_tokens']} prompt tokens, D = {s['decode_tokens']} new "
+                        f"tokens, {s['dtype']}", result, lines)
 
 
 def main(argv: list[str] | None = None) -> int:

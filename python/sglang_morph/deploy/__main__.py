@@ -30,7 +30,8 @@ from pathlib import Path
 
 from sglang_morph.deploy import estimate, intents, placement, space
 from sglang_morph.deploy.measure import Workload
-from sglang_morph.plan.__main__ import CliError, parse_size  # one CLI error for both tools
+from sglang_morph.plan.__main__ import (  # one CLI convention for both tools
+    CliError, parse_size, run_command)
 
 FINGERPRINT_LAYERS = (1, 2)
 PP_FINGERPRINT_LAYERS = (2, 3)
@@ -251,7 +252,9 @@ def _row(c: intents.Candidate) -> dict:
 
 
 def cmd_estimate(args) -> dict:
-    profile = load_profile(args.profile)
+    if len(args.profile) != 1:
+        raise CliError("estimate takes one --profile")
+    profile = load_profile(args.profile[0])
     rows, excluded = candidates(profile, args.batch, args.output, args.requests,
                                 args.memory, intents.perplexity_by_bits())
     return {"model": str(profile.model_dir), "batch": args.batch,
@@ -409,18 +412,8 @@ def main(argv=None) -> int:
     p.add_argument("--port", type=int, default=30000, help="first model's port (+1 each)")
     p.add_argument("--launch", action="store_true", help="exec the serve command")
     args = parser.parse_args(argv)
-    try:
-        if args.command == "estimate" and len(args.profile) != 1:
-            raise CliError("estimate takes one --profile")
-        if args.command == "estimate":
-            args.profile = args.profile[0]
-        result = {"fingerprint": cmd_fingerprint, "profile": cmd_profile,
-                  "estimate": cmd_estimate, "select": cmd_select}[args.command](args)
-    except CliError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    print(json.dumps(result, indent=1))
-    return 0
+    return run_command({"fingerprint": cmd_fingerprint, "profile": cmd_profile,
+                        "estimate": cmd_estimate, "select": cmd_select}, args)
 
 
 if __name__ == "__main__":

@@ -32,6 +32,19 @@ class CliError(Exception):
     pass
 
 
+def run_command(commands: dict, args) -> int:
+    """Run ``commands[args.command](args)`` and print its JSON result (exit 0), or the
+    CliError it raised as ``error: ...`` on stderr (exit 2): the planner's and the deploy
+    tool's shared convention."""
+    try:
+        result = commands[args.command](args)
+    except CliError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    print(json.dumps(result, indent=1))
+    return 0
+
+
 def _default_model_dir() -> Path:
     from sglang_morph import models
 
@@ -358,14 +371,8 @@ def main(argv=None) -> int:
     p.add_argument("--out")
     p.add_argument("--serve", action="store_true", help="exec the serve command")
     args = parser.parse_args(argv)
-    try:
-        result = {"profile": cmd_profile, "indicator": cmd_indicator, "plan": cmd_plan}[
-            args.command](args)
-    except CliError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    print(json.dumps(result, indent=1))
-    return 0
+    return run_command({"profile": cmd_profile, "indicator": cmd_indicator, "plan": cmd_plan},
+                       args)
 
 
 if __name__ == "__main__":
