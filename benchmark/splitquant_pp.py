@@ -171,7 +171,15 @@ def main() -> None:
                         help="skip the timed batches (perplexity and memory only)")
     parser.add_argument("--no-reference", action="store_true",
                         help="skip the full-precision reference (even split of the same total)")
+    parser.add_argument("--devices", default=DEVICES,
+                        help=f"the two stages' devices, NAME:MEMORY (default {DEVICES})")
     args = parser.parse_args()
+    from sglang_morph.plan.__main__ import parse_size
+
+    devices = args.devices
+    total_bytes = sum(parse_size(d.split(":", 1)[1]) for d in devices.split(","))
+    even_devices = (EVEN_DEVICES if devices == DEVICES
+                    else f"cpu:{total_bytes // 2}B,cpu:{total_bytes // 2}B")
     from sglang_morph.plan.model import ModelSpec
     from sglang_morph.plan.__main__ import _default_engines, _default_model_dir
 
@@ -181,17 +189,17 @@ def main() -> None:
     omega_args = ["--omega", args.omega] if args.omega else []
     runs, plans = {}, {}
     for name in args.indicators.split(","):
-        first = plan(DEVICES, *omega_args, "--indicator", name)
+        first = plan(devices, *omega_args, "--indicator", name)
         runs.setdefault("uniform (same devices)", first["baselines"]["uniform"])
         bound = first["baselines"]["uniform"]["quality_omega"]
-        bounded = plan(DEVICES, *omega_args, "--indicator", name, "--max-omega",
+        bounded = plan(devices, *omega_args, "--indicator", name, "--max-omega",
                        repr(max(bound, 1e-12)))
         plans[name] = {"unbounded": first["plan"], "bounded_by_uniform": bounded["plan"],
                        "uniform_quality_omega": bound}
         runs[f"splitquant ({name})"] = bounded["plan"]
     if not args.no_reference:
         runs["uniform (same total memory, split evenly)"] = plan(
-            EVEN_DEVICES, *omega_args)["baselines"]["uniform"]
+            even_devices, *omega_args)["baselines"]["uniform"]
     logs = Path(tempfile.mkdtemp())
     rows, served = {}, {}
     for i, (name, p) in enumerate(runs.items()):
@@ -203,8 +211,8 @@ def main() -> None:
         rows[name] = serve(p, engines, kv_per_layer, logs / str(i), args.perplexity_tokens,
                            timing=not args.no_timing)
     paired_vs(rows, "uniform (same devices)")
-    result = {"git": git_state(), "machine": machine_info(), "devices": DEVICES,
-              "even_devices": EVEN_DEVICES, "workload": WORKLOAD,
+    result = {"git": git_state(), "machine": machine_info(), "devices": devices,
+              "even_devices": even_devices, "workload": WORKLOAD,
               "command": "python -m benchmark.splitquant_pp " + " ".join(sys.argv[1:]),
               "plans": plans, "runs": rows}
     Path(args.out).write_text(json.dumps(result, indent=1))
