@@ -268,10 +268,13 @@ class ClusterSim:
 
     def monitor(self):
         while len(self.finished) < len(self.requests):
-            self.timeline.append({"time_s": self.env.now,
-                                  "groups": [list(u.replicas) for u in self.units],
-                                  "capacity_tokens": sum(u.capacity_tokens for u in self.units),
-                                  "queued": sum(len(u.waiting) for u in self.units)})
+            sample = {"groups": [list(u.replicas) for u in self.units],
+                      "capacity_tokens": sum(u.capacity_tokens for u in self.units),
+                      "queued": sum(len(u.waiting) for u in self.units)}
+            # A step function: a sample only where something changed (a sample every
+            # monitor_s made the results file MBs of repeats on the long BurstGPT window).
+            if not self.timeline or {k: self.timeline[-1][k] for k in sample} != sample:
+                self.timeline.append({"time_s": self.env.now, **sample})
             if self.controller is not None:
                 action = self.controller.decide(self.view())
                 if isinstance(action, Drop):
@@ -279,6 +282,8 @@ class ClusterSim:
                 elif isinstance(action, Restore):
                     yield from self.apply_restore(action)
             yield self.env.timeout(self.monitor_s)
+        if self.timeline:  # the step function runs to the end of the simulation
+            self.timeline.append({**self.timeline[-1], "time_s": self.env.now})
 
     def _retire(self, replicas: set[int]):
         units = [u for u in self.units if set(u.replicas) & replicas]
@@ -492,8 +497,9 @@ def plot(path: Path, rows) -> None:
         for system, style in (("dp", "--"), ("kunserve", "-")):
             tl = r[system]["timeline"]
             t = [p["time_s"] for p in tl]
-            ax.plot(t, [p["capacity_tokens"] for p in tl], style, label=f"{system} KV capacity")
-            ax.plot(t, [p["queued"] * 1000 for p in tl], style, alpha=0.5,
+            ax.step(t, [p["capacity_tokens"] for p in tl], style, where="post",
+                    label=f"{system} KV capacity")
+            ax.step(t, [p["queued"] * 1000 for p in tl], style, where="post", alpha=0.5,
                     label=f"{system} queued requests x1000")
         ax.set_title(f"{r['trace']}, {r['replicas']} replicas (SIMULATED)", fontsize=8)
         ax.set_ylabel("tokens")
