@@ -50,6 +50,10 @@ throughput). A router sends each arrival to the replica with the fewest outstand
   configuration on every device instead of a partition of the cluster into groups of different
   configurations (here a group is a device: no replica spans devices); the history window stands in
   for AlpaServe's fitted Gamma arrival process; no quantization (as in the paper); planned per rate.
+- ``alpaserve-any-bits``: the same search over iServe's whole space within its accuracy limit
+  (W8 included): not a baseline from the literature but a reference for iServe's static choice,
+  the configuration that simulating the workload would pick (iServe chooses once, from the
+  estimates at one batch size, before any traffic).
 
 **Workload.** Per trace, ``--requests`` consecutive requests from its start are the planning window
 and the next ``--requests`` the evaluated one; arrival times are scaled to each request rate (the
@@ -74,6 +78,7 @@ import io
 import json
 import math
 import shlex
+import subprocess
 import sys
 import time
 from collections.abc import Sequence
@@ -90,7 +95,9 @@ from sglang_morph.deploy import intents, placement, space
 from sglang_morph.repo_data import TRACES_DIR
 
 RESULTS = Path("benchmark/results/iserve")
-SYSTEMS = ("iserve", "max-tp", "max-pp", "alpaserve")
+REPO = Path(__file__).resolve().parents[1]
+INPUT_PATHS = ("benchmark/iserve_sim.py", "benchmark/replay", "python/sglang_morph/deploy")
+SYSTEMS = ("iserve", "max-tp", "max-pp", "alpaserve", "alpaserve-any-bits")
 GIB = 2**30
 CLUSTERS = {
     "uniform": tuple(placement.Device(f"d{i}", 24 * GIB, 2) for i in range(8)),
@@ -428,6 +435,13 @@ def baseline_candidates(setting: Setting) -> list[space.Configuration]:
     return sorted(c.cfg for c in setting.rows.values() if c.cfg.bits == setting.baseline_bits)
 
 
+def any_bits_candidates(setting: Setting) -> list[space.Configuration]:
+    """iServe's whole space within its accuracy limit (a reference for iServe, not a baseline)."""
+    limit = setting.max_perplexity
+    return sorted(c.cfg for c in setting.rows.values() if limit is None or
+                  (c.perplexity is not None and c.perplexity <= limit))
+
+
 def max_tp_deployment(setting: Setting) -> Deployment:
     cands = [c for c in baseline_candidates(setting) if c.pp == 1]
     return _fixed("max-tp", setting, max(cands, key=lambda c: c.tp, default=None))
@@ -462,16 +476,20 @@ def run_deployment(setting: Setting, dep: Deployment, requests: Sequence[Request
     return {**row, **latency_stats(finished, setting.slo)}
 
 
-def alpaserve_deployment(setting: Setting, history: Sequence[Request]) -> tuple[Deployment, list]:
-    """Every servable baseline-bits configuration simulated on ``history``; the best SLO
-    attainment (ties: lower P99 TTFT, then fewer processes, then the name)."""
+def alpaserve_deployment(setting: Setting, history: Sequence[Request],
+                         system: str = "alpaserve") -> tuple[Deployment, list]:
+    """Every candidate (servable at the baseline bits; ``alpaserve-any-bits``: at any bits
+    within iServe's accuracy limit) simulated on ``history``; the best SLO attainment (ties:
+    lower P99 TTFT, then fewer processes, then the name)."""
     trials = []
-    for cfg in baseline_candidates(setting):
-        dep = Deployment("alpaserve", cfg, place_replicas(setting, cfg))
+    cands = any_bits_candidates(setting) if system == "alpaserve-any-bits" else \
+        baseline_candidates(setting)
+    for cfg in cands:
+        dep = Deployment(system, cfg, place_replicas(setting, cfg))
         if dep.devices:
             trials.append((dep, run_deployment(setting, dep, history)))
     if not trials:
-        return Deployment("alpaserve", None, (), "no candidate fits a device"), []
+        return Deployment(system, None, (), "no candidate fits a device"), []
     best, _ = min(trials, key=lambda t: (-t[1]["slo_attainment"], t[1]["p99_ttft_s"],
                                          t[0].cfg.processes, t[0].cfg.name))
     return best, [{"config": d.cfg.name, "replicas": len(d.devices),
@@ -529,13 +547,15 @@ def run_trace(setting: Setting, trace: str, history: Workload, evaluated: Worklo
     rows = []
     for rate, load in targets:
         reqs = evaluated.at_rate(rate)
-        alpa, trials = alpaserve_deployment(setting, history.at_rate(rate))
-        systems = {"iserve": iserve, **fixed, "alpaserve": alpa}
+        planned = {name: alpaserve_deployment(setting, history.at_rate(rate), name)
+                   for name in ("alpaserve", "alpaserve-any-bits")}
+        systems = {"iserve": iserve, **fixed, **{n: d for n, (d, _) in planned.items()}}
         row = {"trace": trace, "rate_rps": rate, "load": load, "reference_rps": ref,
                "reference_config": ref_cfg, "requests": len(reqs),
                "systems": {name: run_deployment(setting, dep, reqs)
                            for name, dep in systems.items()},
-               "alpaserve_trials": trials, "iserve_selection": selection}
+               "alpaserve_trials": {n: t for n, (_, t) in planned.items()},
+               "iserve_selection": selection}
         rows.append(row)
         print(f"{trace} {rate:.3f} req/s (x{load:.2f}): " + ", ".join(
             f"{n} {s['config']}x{s['replicas']} {s['slo_attainment']:.0%}"
@@ -604,7 +624,12 @@ def main(argv=None) -> int:
         "SIMULATED": True,
         "command": "python -m benchmark.iserve_sim " + shlex.join(
             sys.argv[1:] if argv is None else argv),
-        **{k: v for k, v in git_state().items()},
+        "commit": git_state()["commit"],
+        # What the simulation runs on: uncommitted changes there (others' files elsewhere in
+        # the shared tree do not matter to it).
+        "uncommitted": subprocess.run(
+            ["git", "status", "--porcelain", "--", *INPUT_PATHS], capture_output=True,
+            text=True, cwd=REPO).stdout.split(),
         "load_average": load_average(), "seconds": time.monotonic() - started,
         "profile": {"path": args.profile,
                     "sha256": hashlib.sha256(Path(args.profile).read_bytes()).hexdigest(),
@@ -651,7 +676,8 @@ def markdown(meta: dict, rows: list[dict]) -> str:
         "); the inputs are iServe's estimates (M2/L2 from the fingerprints of the profile) and "
         "the Azure LLM 2023 traces. No cluster ran.", "",
         f"Command: `{meta['command']}` at commit {meta['commit']}"
-        f"{' (uncommitted changes in the tree)' if meta['dirty'] else ''}; profile "
+        f"{' (uncommitted: ' + ' '.join(meta['uncommitted']) + ')' if meta['uncommitted'] else ''}"
+        f"; profile "
         f"`{prof['path']}` (sha256 {prof['sha256'][:12]}, {prof['fingerprint_records']} "
         f"fingerprint records, profiled at commits {', '.join(str(g)[:7] for g in prof['sessions_git'])}); "
         f"{meta['seconds']:.0f} s, load average {meta['load_average'][0]:.1f}.", "",
@@ -669,20 +695,34 @@ def markdown(meta: dict, rows: list[dict]) -> str:
         "Estimates used (M2 RSS all processes, L2 at batch 1, profiled prompt): " + ", ".join(
             f"{n} {e['memory_gb']:.2f} GB / {e['ttft_s_batch1']:.2f} s / "
             f"{e['tpot_s_batch1'] * 1e3:.0f} ms" for n, e in meta["estimates"].items()), "",
-        "| cluster | trace | rate req/s (x R) | system | config x replicas | SLO attainment "
+        "SLO attainment, SIMULATED (configuration x replicas in the table below):", "",
+        "| cluster | trace | rate req/s (x R) | " + " | ".join(SYSTEMS) + " |",
+        "|---|---|---|" + "---:|" * len(SYSTEMS)]
+    for r in rows:
+        lines.append(f"| {r['cluster']} | {r['trace']} | {r['rate_rps']:.3f} (x{r['load']:.3f}) | "
+                     + " | ".join(f"{r['systems'][n]['slo_attainment']:.1%}" for n in SYSTEMS)
+                     + " |")
+    lines += [
+        "", "| cluster | trace | rate req/s (x R) | system | config x replicas | SLO attainment "
         "(SIMULATED) | P50 TTFT s (SIMULATED) | P99 TTFT s (SIMULATED) | P50 TPOT ms "
         "(SIMULATED) |",
         "|---|---|---|---|---|---:|---:|---:|---:|"]
     for r in rows:
         for name, s in r["systems"].items():
             lines.append(
-                f"| {r['cluster']} | {r['trace']} | {r['rate_rps']:.3f} (x{r['load']:.2f}) | "
+                f"| {r['cluster']} | {r['trace']} | {r['rate_rps']:.3f} (x{r['load']:.3f}) | "
                 f"{name} | {s['config']} x{s['replicas']} | {s['slo_attainment']:.1%} | "
                 f"{_s(s['p50_ttft_s'])} | {_s(s['p99_ttft_s'])} | {_ms(s['p50_tpot_s'])} |")
     lines += ["", "R per trace and cluster: the estimated throughput of the fastest configuration "
               "on every device: " + "; ".join(sorted({
                   f"{r['cluster']}/{r['trace']} {r['reference_rps']:.3f} req/s "
                   f"({r['reference_config']})" for r in rows})), ""]
+    lines += ["iServe's choice (`select`, first feasible configuration in the intent's order that "
+              "fits a device): " + "; ".join(sorted({
+                  f"{r['cluster']}/{r['trace']} {r['systems']['iserve']['config']} ("
+                  f"{sum(x['infeasible'] is not None for x in r['iserve_selection']['ranking'])}"
+                  f" of {len(r['iserve_selection']['ranking'])} ranked infeasible)"
+                  for r in rows if r['iserve_selection']})), ""]
     notes = sorted({f"{r['cluster']}/{n}: {s['note']}" for r in rows
                     for n, s in r["systems"].items() if s["note"]})
     if notes:
