@@ -674,7 +674,9 @@ def markdown(meta: dict, rows: list[dict]) -> str:
         "# iServe vs max-TP, max-PP, AlpaServe-like on a SIMULATED 8-device cluster (issue 14)",
         "", "**Every latency and SLO number below is SIMULATED** (SimPy, `benchmark/iserve_sim.py`"
         "); the inputs are iServe's estimates (M2/L2 from the fingerprints of the profile) and "
-        "the Azure LLM 2023 traces. No cluster ran.", "",
+        "the Azure LLM 2023 traces. No cluster ran. The tables are only as good as the "
+        "profile's estimates: `estimates_vs_measured.md` says how they compare with measured "
+        "full configurations.", "",
         f"Command: `{meta['command']}` at commit {meta['commit']}"
         f"{' (uncommitted: ' + ' '.join(meta['uncommitted']) + ')' if meta['uncommitted'] else ''}"
         f"; profile "
