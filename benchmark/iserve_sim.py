@@ -743,8 +743,12 @@ def plot(path: Path, rows: list[dict]) -> None:
     for ax, (cluster, trace) in zip(axes[0], panels):
         rs = [r for r in rows if (r["cluster"], r["trace"]) == (cluster, trace)]
         for name in SYSTEMS:
+            # The any-bits reference often equals iServe: dashed on top, so both show.
+            style = dict(ls="--", marker="x") if name == "alpaserve-any-bits" else \
+                dict(ls="-", marker="o", lw=2.5 if name == "iserve" else 1.5)
             ax.plot([r["rate_rps"] for r in rs],
-                    [100 * r["systems"][name]["slo_attainment"] for r in rs], "o-", label=name)
+                    [100 * r["systems"][name]["slo_attainment"] for r in rs], label=name,
+                    **style)
         ax.set_title(f"{cluster} / {trace}", fontsize=9)
         ax.set_xlabel("request rate (req/s)")
         ax.set_ylim(-3, 103)
