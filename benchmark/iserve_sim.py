@@ -550,7 +550,7 @@ def run_trace(setting: Setting, trace: str, history: Workload, evaluated: Worklo
         planned = {name: alpaserve_deployment(setting, history.at_rate(rate), name)
                    for name in ("alpaserve", "alpaserve-any-bits")}
         systems = {"iserve": iserve, **fixed, **{n: d for n, (d, _) in planned.items()}}
-        row = {"trace": trace, "rate_rps": rate, "load": load, "reference_rps": ref,
+        row = {"SIMULATED": True, "trace": trace, "rate_rps": rate, "load": load, "reference_rps": ref,
                "reference_config": ref_cfg, "requests": len(reqs),
                "systems": {name: run_deployment(setting, dep, reqs)
                            for name, dep in systems.items()},
@@ -698,7 +698,8 @@ def markdown(meta: dict, rows: list[dict]) -> str:
             f"{n} {e['memory_gb']:.2f} GB / {e['ttft_s_batch1']:.2f} s / "
             f"{e['tpot_s_batch1'] * 1e3:.0f} ms" for n, e in meta["estimates"].items()), "",
         "SLO attainment, SIMULATED (configuration x replicas in the table below):", "",
-        "| cluster | trace | rate req/s (x R) | " + " | ".join(SYSTEMS) + " |",
+        "| cluster | trace | rate req/s (x R) | " + " | ".join(
+            f"{n} (SIMULATED)" for n in SYSTEMS) + " |",
         "|---|---|---|" + "---:|" * len(SYSTEMS)]
     for r in rows:
         lines.append(f"| {r['cluster']} | {r['trace']} | {r['rate_rps']:.3f} (x{r['load']:.3f}) | "
