@@ -206,7 +206,7 @@ class MorphRuntime:
             # From here every stage knows every layer's bits (and keeps them up to date at
             # each transition): a response's provenance names all stages' layers, not only
             # those of the stage that streams it.
-            self.provenance = ProvenanceTracker(self.pipeline.bits)
+            self.provenance = ProvenanceTracker(self.model_bits)
         if self.tensor is not None:
             self.tensor.agree()  # equal shards and pools on every rank, or no start
         # (under PP the controller prices layers from every stage's figures, known from here)
@@ -413,10 +413,11 @@ class MorphRuntime:
         """The dispatcher's entry for the leading rank's controller actions, on every rank."""
         if self.relay is not None:
             self.relay.received()
-        if self.pipeline is not None:  # every stage in turn, told of the earlier ones' outcome
-            return self.pipeline.handle_action(req)
-        # (an operator's swap in the same broadcast, ahead of it, may have pinned some)
+        # (an operator's swap in the same inputs, ahead of it, may have pinned some; pins are
+        # alike on every rank)
         layers = tuple(i for i in req.layers if i not in self.pinned)
+        if self.pipeline is not None:  # every stage in turn, told of the earlier ones' outcome
+            return self.pipeline.handle_action(req, layers)
         if layers:
             self._apply_controller_action(SwapLayers(layers, req.bits, req.reason))
 
@@ -635,8 +636,7 @@ class MorphRuntime:
             self.transitions_total += 1
             # Between two batches: the next pass runs at the new bits, so every live request's
             # tokens so far were produced at the old ones (a provenance boundary).
-            self.provenance.observe(self.pipeline.bits if self.pipeline is not None
-                                    else self.layer_bits, self._live_requests)
+            self.provenance.observe(self.model_bits, self._live_requests)
             self._resized_since_check = True
             logger.info(
                 "sglang-morph: %s layers %s %s -> %d bits (%s); freed %d bytes; KV %d -> %d "

@@ -285,20 +285,18 @@ class PipelineStage:
             self._answer.send_output(answer(req), req)
         return None
 
-    def handle_action(self, req: Any) -> None:
+    def handle_action(self, req: Any, layers: tuple[int, ...]) -> None:
         """Stage 0's controller action (``parallel/relay.py``), on every stage in turn, like a
-        ``POST /morph/swap``: each stage applies its part (all decide alike, from the same
-        state) unless an earlier stage failed, and adds its outcome to ``req`` before SGLang
-        forwards it. Nobody answers; the last stage logs it critically if stages disagree."""
+        ``POST /morph/swap``: each stage applies its part of ``layers`` (``req.layers`` but the
+        pinned ones; all decide alike, from the same state) unless an earlier stage failed, and
+        adds its outcome to ``req`` before SGLang forwards it. Nobody answers; the last stage
+        logs it critically if stages disagree."""
         from sglang_morph.control.controller import SwapLayers
         from sglang_morph.executor.runtime import MorphRequestError
 
         rt = self.runtime
         earlier = [s for s in req.pipeline_stages if s["status_code"] >= 500]
         code, error = 200, ""
-        # (an operator's swap ahead of it in the same inputs may have pinned some; the pins are
-        # the same on every stage)
-        layers = tuple(i for i in req.layers if i not in rt.pinned)
         try:
             if earlier:
                 self._skip(req, earlier[0], source="controller")
