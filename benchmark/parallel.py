@@ -46,6 +46,7 @@ from transformers import AutoTokenizer
 
 from benchmark.harness import (REPO_ROOT, build_engines, git_state, load_average,
                                machine_info, running_server)
+from benchmark.morph_transition import SWAP_ORDER, greedy
 from sglang_morph.models import default_model_path
 from sglang_morph.repo_data import WIKITEXT2_TEST
 
@@ -59,8 +60,6 @@ CONFIGS: dict[str, tuple[str, ...]] = {
 MORPH_CONFIGS = ("tp1", "tp3", "pp2")  # DP swaps are one replica's: tp1's, per replica
 OUT_DEFAULT = REPO_ROOT / "benchmark" / "results" / "parallel" / "parallel.json"
 TRANSITIONS_OUT_DEFAULT = OUT_DEFAULT.with_name("transitions.json")
-SWAP_ORDER = REPO_ROOT / "benchmark" / "results" / "swap_order.json"
-GREEDY_PROMPT_IDS = list(range(1000, 1064))  # fixed ids: the output only has to repeat
 RAW_DIR = REPO_ROOT / "benchmark" / "results" / "raw"
 FLUSH_TIMEOUT_S = 30.0
 
@@ -147,14 +146,6 @@ def measure(name: str, args: argparse.Namespace, prompts: Prompts) -> dict:
             "median": {k: statistics.median(v) for k, v in runs.items()}}
 
 
-def _greedy(client: httpx.Client, url: str) -> list[int]:
-    r = client.post(f"{url}/generate", json={
-        "input_ids": GREEDY_PROMPT_IDS,
-        "sampling_params": {"temperature": 0, "max_new_tokens": 16, "ignore_eos": True}})
-    r.raise_for_status()
-    return r.json()["output_ids"]
-
-
 def _timed_swap(client: httpx.Client, url: str, layers: list[int], bits: int) -> dict:
     t0 = time.perf_counter()
     r = client.post(f"{url}/morph/swap", json={"layers": layers, "bits": bits})
@@ -175,7 +166,7 @@ def measure_transitions(name: str, args: argparse.Namespace, engines: Path,
     with running_server(flags, RAW_DIR / f"parallel_{name}_morph_server.log") as server, \
             httpx.Client(timeout=600) as client:
         start = client.get(f"{server.url}/morph/status").json()["kv_capacity_tokens"]
-        reference = _greedy(client, server.url)
+        reference = greedy(server.url, 16)
         # Untimed warm-up: the first swap pays first-call setup of the W4 kernels' shapes.
         _timed_swap(client, server.url, layers, 4)
         _timed_swap(client, server.url, layers, 16)
@@ -188,7 +179,7 @@ def measure_transitions(name: str, args: argparse.Namespace, engines: Path,
                                    f"{swap['action']}, {restore['action']}")
             rounds.append({"swap": swap, "restore": restore,
                            "greedy_after_restore_equals_before":
-                               _greedy(client, server.url) == reference})
+                               greedy(server.url, 16) == reference})
     median = {f"{kind}_{clock}": statistics.median(r[kind][clock] for r in rounds)
               for kind in ("swap", "restore") for clock in ("server_s", "round_trip_s")}
     return {"flags": flags, "kv_capacity_tokens_at_start": start,

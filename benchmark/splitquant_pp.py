@@ -46,7 +46,6 @@ from benchmark.harness import git_state, load_average, machine_info, running_ser
 from benchmark.perplexity import server_perplexity
 
 DEVICES = "cpu:230MB,cpu:160MB"
-EVEN_DEVICES = "cpu:195MB,cpu:195MB"  # the same total memory, split evenly
 WORKLOAD = ["--batch", "8", "--prompt", "128", "--output", "32"]
 PERPLEXITY_WINDOW = 512
 
@@ -178,8 +177,7 @@ def main() -> None:
 
     devices = args.devices
     total_bytes = sum(parse_size(d.split(":", 1)[1]) for d in devices.split(","))
-    even_devices = (EVEN_DEVICES if devices == DEVICES
-                    else f"cpu:{total_bytes // 2}B,cpu:{total_bytes // 2}B")
+    even_devices = f"cpu:{total_bytes // 2}B,cpu:{total_bytes // 2}B"  # the same total, split
     from sglang_morph.plan.model import ModelSpec
     from sglang_morph.plan.__main__ import _default_engines, _default_model_dir
 
