@@ -344,8 +344,8 @@ def fit_records(records: Sequence[dict[str, Any]], num_layers: int,
         for figure, fit in memory[bits].items():
             if any(p.pp > 1 for p in process_points(records, bits, figure)):
                 continue
-            # No pipeline run reported this figure (16-bit PP is plain SGLang, without
-            # /morph/status). A stage boundary moves the embedding and LM head, which no
+            # No pipeline run reported this figure (profiles from before 16-bit PP ran with
+            # --enable-morph have none: plain SGLang, without /morph/status). A stage boundary moves the embedding and LM head, which no
             # bit-width quantizes, so another bit-width's deltas are this one's.
             donor = next((memory[b][figure] for b in all_bits if b != bits and figure in
                           memory[b] and any(p.pp > 1 for p in

@@ -12,11 +12,10 @@ Memory on a CPU has no device allocator to ask, so it is defined twice, per sche
 - **rss_hwm** = the process's ``VmHWM`` over its whole life (load and workload): what the
   machine must have for it, Python, torch, SGLang and staged variants included.
 
-16-bit configurations at PP 1 are measured with ``--enable-morph`` and no engines (nothing is
-staged or installed; ``/morph/status`` reports the served tensors). Under PP the plugin without
-engines fails at startup today (``parallel/pipeline.py`` reads the absent installer), and TP x PP
-is refused, so 16-bit PP runs as plain SGLang, as it is launched, with no status: only its RSS
-and activation peak are measured (``estimate`` borrows the weight/KV pipeline terms).
+16-bit configurations are measured with ``--enable-morph`` and no engines (nothing is staged or
+installed; ``/morph/status`` reports the served tensors), under TP alone or PP alone. TP x PP is
+refused by ``--enable-morph``, so 16-bit TP x PP runs as plain SGLang, as it is launched, with no
+status: only its RSS and activation peak are measured.
 
 Latency (L2's inputs): end-to-end seconds of ``batch`` concurrent greedy requests of
 ``prompt_tokens`` fixed token ids and ``n`` new tokens (``ignore_eos``: a 1-layer model's text
@@ -191,9 +190,9 @@ def measure_server(cfg: Configuration, model_dir: Path, engines_dir: Path | None
     harness = _harness()
     workload.check_integrity()
     extra: tuple[str, ...] = ()
-    # 16 bits: --enable-morph with no engines gives /morph/status at the cost of nothing at
-    # PP 1 (see the module docstring for PP).
-    morph_status = cfg.bits != FULL_PRECISION_BITS or cfg.pp == 1
+    # 16 bits: --enable-morph with no engines gives /morph/status at the cost of nothing (not
+    # under TP x PP, which it refuses; see the module docstring).
+    morph_status = cfg.bits != FULL_PRECISION_BITS or cfg.tp == 1 or cfg.pp == 1
     if cfg.bits == FULL_PRECISION_BITS and morph_status:
         extra = ("--enable-morph", "--disable-morph-controller")
     argv = serve_argv(cfg, model_dir, engines_dir, workload.kv_tokens,
