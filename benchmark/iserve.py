@@ -12,17 +12,27 @@ TTFT and TPOT per batch size, and each memory figure summed over the configurati
 processes. The profiling cost is the CPU-seconds of every server process (start-up included):
 all fingerprints against the full configurations measured; for configurations not measured it
 is projected from the measured ones' mean per process count (labelled as projected).
+
+The selection check: for each intent, the configuration chosen from the estimates (the deploy
+tool's own ``candidates`` and ``intents.rank``) against the best by the measured numbers, both
+among the configurations measured in full, at each batch size of the workload and its longer
+output length. The gap is the chosen one's measured value of the intent's objective over the
+measured best's (0% when it is the best); a chosen configuration that the measurements find
+infeasible is reported as such. The latency target and the budget are set at the median of the
+measured values, so that about half of the configurations meet them.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
+import math
 import statistics
 from pathlib import Path
 
-from sglang_morph.deploy import estimate, space
-from sglang_morph.deploy.__main__ import load_profile
+from sglang_morph.deploy import estimate, intents, space
+from sglang_morph.deploy.__main__ import candidates, load_profile
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -70,6 +80,7 @@ def compare(profile_path: str) -> dict:
         per_process * c.processes for c in servable if c.name not in measured_names) \
         if full else None
     return {
+        "intents": intent_check(profile, full),
         "profile": str(profile_path), "sessions": raw.get("sessions"),
         "workload": raw["workload"],
         "rows": rows,
@@ -87,6 +98,65 @@ def compare(profile_path: str) -> dict:
     }
 
 
+REQUESTS = 1000  # device-hours: the time to serve this many requests in batches
+
+
+def _measured_candidate(record: dict, batch: int, output_tokens: int,
+                        quality: dict[int, float]) -> intents.Candidate | None:
+    """A full record's measured numbers in the form the intents rank (RSS high-water mark,
+    the deploy tool's default memory figure)."""
+    cfg = space.Configuration(record["bits"], record["tp"], record["pp"])
+    point = next((p for p in estimate.latency_points([record], record["bits"])
+                  if p.batch == batch), None)
+    if point is None:
+        return None
+    rss = [p["rss_hwm_bytes"] for p in record["processes"]]
+    e2e = point.ttft_s + (output_tokens - 1) * point.tpot_s
+    hours = cfg.processes * math.ceil(REQUESTS / batch) * e2e / 3600
+    return intents.Candidate(cfg, point.ttft_s, point.tpot_s, float(sum(rss)), float(max(rss)),
+                             hours, quality.get(cfg.bits), e2e)
+
+
+def _objective(c: intents.Candidate, spec: intents.IntentSpec) -> float:
+    return intents.INTENTS[spec.name](c, spec)[0]
+
+
+def intent_check(profile, full: list[dict]) -> list[dict]:
+    quality = intents.perplexity_by_bits()
+    output_tokens = max(profile.raw["workload"]["output_tokens"])
+    rows = []
+    for batch in profile.raw["workload"]["batches"]:
+        measured = {c.cfg.name: c for c in (_measured_candidate(r, batch, output_tokens, quality)
+                                            for r in full) if c is not None}
+        if len(measured) < 2:
+            continue
+        estimated = [c for c in candidates(profile, batch, output_tokens, REQUESTS, "rss",
+                                           quality)[0] if c.cfg.name in measured]
+        values = list(measured.values())
+        median = {k: statistics.median(getattr(c, k) for c in values)
+                  for k in ("ttft_s", "tpot_s", "memory_bytes")}
+        specs = [intents.IntentSpec("min-latency")]
+        specs += [intents.IntentSpec("min-cost", cost=cost) for cost in intents.COSTS]
+        specs += [intents.IntentSpec("latency-target", ttft_slo_s=median["ttft_s"],
+                                     tpot_slo_s=median["tpot_s"]),
+                  intents.IntentSpec("cost-budget", max_memory_bytes=median["memory_bytes"]),
+                  intents.IntentSpec("min-latency", max_perplexity=30.0)]
+        for spec in specs:
+            chosen = next((c for c, why in intents.rank(estimated, spec) if why is None), None)
+            best = next((c for c, why in intents.rank(values, spec) if why is None), None)
+            row = {"batch": batch, "intent": spec.name, "cost": spec.cost,
+                   "limits": {k: v for k, v in dataclasses.asdict(spec).items()
+                              if k not in ("name", "cost") and v is not None},
+                   "chosen": chosen.cfg.name if chosen else None,
+                   "measured_best": best.cfg.name if best else None}
+            if chosen and best:
+                got = measured[chosen.cfg.name]
+                row["chosen_infeasible_measured"] = intents.infeasibility(got, spec)
+                row["gap"] = _objective(got, spec) / _objective(best, spec) - 1
+            rows.append(row)
+    return rows
+
+
 def markdown(result: dict) -> str:
     lines = ["| config | batch | TTFT meas. s | TTFT est. s | err | TPOT meas. s | TPOT est. s | "
              "err |", "|---|---:|---:|---:|---:|---:|---:|---:|"]
@@ -102,6 +172,18 @@ def markdown(result: dict) -> str:
         for figure, m in r["memory"].items():
             lines.append(f"| {r['config']} | {figure} | {m['measured_bytes'] / 1e6:.1f} | "
                          f"{m['estimated_bytes'] / 1e6:.1f} | {m['error']:.1%} |")
+    lines += ["", "| batch | intent | limits | chosen (estimates) | measured best | gap | "
+              "chosen feasible when measured |", "|---:|---|---|---|---|---:|---|"]
+    for x in result["intents"]:
+        intent = x["intent"] + (f" ({x['cost']})" if x["intent"] in ("min-cost", "latency-target")
+                                else "")
+        limits = ", ".join(f"{k} {v:.4g}" for k, v in x["limits"].items()) or "-"
+        gap = f"{x['gap']:.1%}" if "gap" in x else "-"
+        feasible = ("-" if "gap" not in x else
+                    "yes" if x["chosen_infeasible_measured"] is None
+                    else f"no: {x['chosen_infeasible_measured']}")
+        lines.append(f"| {x['batch']} | {intent} | {limits} | {x['chosen']} | "
+                     f"{x['measured_best']} | {gap} | {feasible} |")
     lines += ["", "Mean errors: " + ", ".join(
         f"{k} {v:.1%}" for k, v in result["mean_error"].items() if v is not None), "",
         "Profiling CPU-seconds: " + json.dumps(result["profiling_cpu_s"])]

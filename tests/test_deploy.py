@@ -114,6 +114,31 @@ def test_memory_solve_recovers_per_layer_fixed_and_pipeline_terms():
         (FIXED[1] + 10 * PER_LAYER[1] + FIRST_DELTA + LAST_DELTA) / 10, rel=1e-9)
 
 
+def test_fingerprint_depths_are_a_choice_and_pp_runs_one_layer_more():
+    runs = [(c.name, n) for c, n in cli.fingerprint_runs((16,), (1,), (4, 8))]
+    assert runs == [("W16-TP1-PP1", 4), ("W16-TP1-PP1", 8), ("W16-TP1-PP2", 5),
+                    ("W16-TP1-PP2", 9)]
+
+
+def test_activation_peak_has_no_depth_term_and_no_figure_goes_negative():
+    # One layer's activations at any depth: the fingerprints' peaks differ by stage, not depth.
+    peak = {(1, 0): 9e6, (1, 1): 9e6}  # (pp, stage) -> bytes; PP 2 stages below
+    points = [estimate.ProcessMemory(1, 1, 0, n, peak[(1, 0)]) for n in (1, 2)]
+    points += [estimate.ProcessMemory(1, 2, 0, 1, 2e6), estimate.ProcessMemory(1, 2, 1, 1, 3e6),
+               estimate.ProcessMemory(1, 2, 0, 1, 2e6), estimate.ProcessMemory(1, 2, 1, 2, 3e6)]
+    fit = estimate.fit_memory("activation_peak_bytes", points, EMBEDDING)
+    assert fit.per_layer_bytes[1] == 0.0
+    assert fit.process_bytes(1, 1, 0, 30) == pytest.approx(9e6, rel=1e-9)
+    assert fit.process_bytes(1, 2, 0, 15) == pytest.approx(2e6, rel=1e-9)
+    assert fit.process_bytes(1, 2, 1, 15) == pytest.approx(3e6, rel=1e-9)
+    # A middle stage: 9 + (2 - 9) + (3 - 9) = -4 MB from the two deltas; bytes are never < 0.
+    assert fit.process_bytes(1, 3, 1, 10) == 0.0
+    # The other figures keep their per-layer term (weights scale with depth).
+    weights = estimate.fit_memory("weight_bytes", [estimate.ProcessMemory(1, 1, 0, n, 5e6 * n)
+                                                   for n in (1, 2)], 0)
+    assert weights.per_layer_bytes[1] == pytest.approx(5e6, rel=1e-9)
+
+
 def test_memory_solve_refuses_measurements_that_cannot_determine_it():
     one_depth = [estimate.ProcessMemory(1, 1, 0, 1, 5.0), estimate.ProcessMemory(1, 1, 0, 1, 5.1)]
     with pytest.raises(ValueError, match="cannot determine"):
@@ -344,6 +369,15 @@ def test_select_skips_configurations_no_device_can_hold(profile_file, capsys):
 def test_select_bad_input_is_a_cli_error(profile_file, capsys, argv, message):
     code, out, err = run_cli(capsys, "select", "--profile", str(profile_file), *argv)
     assert code == 2 and out == "" and message in err and err.startswith("error: ")
+
+
+@pytest.mark.parametrize("layers", ["2,2", "1", "1,30", "0,2"])
+def test_profile_bad_fingerprint_depths_are_a_cli_error_before_any_server(tmp_path, capsys,
+                                                                          layers):
+    out = tmp_path / "p.json"
+    code, stdout, err = run_cli(capsys, "profile", "--out", str(out), "--engines", "none",
+                                "--bits", "16", "--layers", layers)
+    assert code == 2 and stdout == "" and "--layers" in err and not out.exists()
 
 
 def test_missing_profile_and_launch_with_two_models_are_cli_errors(profile_file, tmp_path,

@@ -33,8 +33,7 @@ from sglang_morph.deploy.measure import Workload
 from sglang_morph.plan.__main__ import (  # one CLI convention for both tools
     CliError, parse_size, run_command)
 
-FINGERPRINT_LAYERS = (1, 2)
-PP_FINGERPRINT_LAYERS = (2, 3)
+FINGERPRINT_LAYERS = (1, 2)  # the paper's; --layers takes others (see fingerprint_runs)
 
 
 def _ints(text: str, flag: str) -> tuple[int, ...]:
@@ -86,17 +85,18 @@ def cmd_fingerprint(args) -> dict:
 # ---- profile ------------------------------------------------------------------------------
 
 
-def fingerprint_runs(bits: tuple[int, ...], tp_sizes: tuple[int, ...]
+def fingerprint_runs(bits: tuple[int, ...], tp_sizes: tuple[int, ...],
+                     layers: tuple[int, int] = FINGERPRINT_LAYERS
                      ) -> list[tuple[space.Configuration, int]]:
-    """(configuration, fingerprint layers) of M2 and L2: TP1/PP1 and TP t/PP1 at 1 and 2 layers,
-    TP1/PP2 at 2 and 3 layers (a 1-layer model has no second stage; ``estimate`` says why PP
-    needs two depths of its own)."""
+    """(configuration, fingerprint layers) of M2 and L2: TP1/PP1 and TP t/PP1 at ``layers``
+    (1 and 2), TP1/PP2 at one layer more each (2 and 3: a 1-layer model has no second stage;
+    ``estimate`` says why PP needs two depths of its own)."""
     runs = []
     for b in bits:
         for tp in sorted(set(tp_sizes) | {1}):
-            runs += [(space.Configuration(b, tp, 1), n) for n in FINGERPRINT_LAYERS]
+            runs += [(space.Configuration(b, tp, 1), n) for n in layers]
             if tp == 1:
-                runs += [(space.Configuration(b, 1, 2), n) for n in PP_FINGERPRINT_LAYERS]
+                runs += [(space.Configuration(b, 1, 2), n + 1) for n in layers]
     return runs
 
 
@@ -115,6 +115,10 @@ def cmd_profile(args) -> dict:
         raise CliError(str(e)) from None
     bits = _ints(args.bits, "--bits")
     tp_sizes = _ints(args.tp, "--tp")
+    layers = _ints(args.layers, "--layers")
+    if len(set(layers)) != 2 or max(layers) >= hf_config["num_hidden_layers"]:
+        raise CliError(f"--layers needs two distinct fingerprint depths below the model's "
+                       f"{hf_config['num_hidden_layers']} layers, got {args.layers!r}")
     full = [_parse_config(c) for c in args.full.split(",") if c.strip()] if args.full else []
     for cfg in [space.Configuration(b, t, 1) for b in bits for t in tp_sizes] + full:
         reason = space.exclusion_reason(cfg, hf_config)
@@ -143,7 +147,7 @@ def cmd_profile(args) -> dict:
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     log_dir = Path(args.log_dir)
     jobs = [] if args.skip_fingerprints else [
-        (cfg, n, "fingerprint") for cfg, n in fingerprint_runs(bits, tp_sizes)]
+        (cfg, n, "fingerprint") for cfg, n in fingerprint_runs(bits, tp_sizes, layers)]
     if args.only:
         only = {item.strip() for item in args.only.split(",") if item.strip()}
         jobs = [j for j in jobs if f"{j[0].name}@{j[1]}" in only]
@@ -378,6 +382,8 @@ def main(argv=None) -> int:
     p.add_argument("--full", help="full configurations to measure too, e.g. W16-TP1-PP1")
     p.add_argument("--skip-fingerprints", action="store_true", help="measure --full only")
     p.add_argument("--only", help="re-measure only these fingerprint runs, e.g. W16-TP1-PP1@2")
+    p.add_argument("--layers", default="1,2", help="the two fingerprint depths (PP 2 runs "
+                   "one layer more each)")
     p.add_argument("--prompt", type=int, default=128)
     p.add_argument("--output", default="8,40", help="the two output lengths of L2")
     p.add_argument("--batches", default="1,4")

@@ -10,8 +10,8 @@
         + (first_delta + last_delta - E) / t   on a middle stage
 
 ``fixed`` holds what one process has besides its layers (Python, torch, SGLang, the embedding,
-the LM head, the logits), ``per_layer`` the weights, KV pool share and transients of a layer,
-and the deltas the pipeline overhead of a stage: what a first stage lacks (LM head, final norm,
+the LM head, the logits), ``per_layer`` the weights, KV pool share and transients of a layer
+(the activation peak has none: it is one layer's at any depth), and the deltas the pipeline overhead of a stage: what a first stage lacks (LM head, final norm,
 logits) and what a last stage lacks or adds (the embedding; its own LM head copy when the
 embedding is tied). A middle stage has neither end's tensors: both deltas, less the embedding
 ``E`` counted in both (its bytes are exact from the shapes, ``plan.model``; zero for the KV and
@@ -51,6 +51,10 @@ import numpy as np
 from sglang_morph.deploy.space import Configuration, stage_layers
 
 MEMORY_FIGURES = ("weight_bytes", "kv_bytes", "activation_peak_bytes", "rss_hwm_bytes")
+# Figures with no per-layer term: a layer's activations are freed once the next layer has read
+# them, so the serving peak is one layer's, whatever the depth. Extrapolating the fingerprints'
+# noise (a few MB of allocator reuse) linearly to 30 layers estimated 76 MB for a measured 8.
+_DEPTH_FREE = ("activation_peak_bytes",)
 # Figures that hold the embedding (a middle pipeline stage does not).
 _HOLDS_EMBEDDING = ("weight_bytes", "rss_hwm_bytes")
 PHASES = ("ttft", "tpot")
@@ -102,20 +106,24 @@ class MemoryFit:
             delta = (self.first_delta_bytes if first else self.last_delta_bytes if last
                      else self.first_delta_bytes + self.last_delta_bytes - e)
             m += delta / tp
-        return m
+        # (a middle stage's activation peak sums two noisy deltas of a few MB and came out
+        # negative: no figure is)
+        return max(m, 0.0)
 
 
 def fit_memory(figure: str, points: Sequence[ProcessMemory], embedding_bytes: int) -> MemoryFit:
     tps = sorted({p.tp for p in points if p.pp == 1})
     has_pp = any(p.pp > 1 for p in points)
-    columns = [("fixed", t) for t in tps] + [("layer", t) for t in tps]
+    columns = [("fixed", t) for t in tps]
+    columns += [] if figure in _DEPTH_FREE else [("layer", t) for t in tps]
     columns += [("first", 0), ("last", 0)] if has_pp else []
     x = np.zeros((len(points), len(columns)))
     for i, p in enumerate(points):
         if p.pp > 1 and p.tp != 1:
             raise ValueError("pipeline fingerprints are TP 1")
         x[i, columns.index(("fixed", p.tp))] = 1
-        x[i, columns.index(("layer", p.tp))] = p.layers
+        if ("layer", p.tp) in columns:
+            x[i, columns.index(("layer", p.tp))] = p.layers
         if p.pp > 1:
             if p.stage == 0:
                 x[i, columns.index(("first", 0))] = 1
@@ -126,7 +134,7 @@ def fit_memory(figure: str, points: Sequence[ProcessMemory], embedding_bytes: in
     solution = lstsq(x, np.array([p.value_bytes for p in points], dtype=np.float64))
     value = dict(zip(columns, solution.tolist()))
     fit = MemoryFit(figure, {t: value[("fixed", t)] for t in tps},
-                    {t: value[("layer", t)] for t in tps},
+                    {t: value.get(("layer", t), 0.0) for t in tps},
                     value.get(("first", 0), 0.0), value.get(("last", 0), 0.0), embedding_bytes)
     fit.check_integrity()
     return fit
