@@ -61,8 +61,10 @@ trace's burstiness kept). Prompt lengths x ``--prompt-scale`` (0.25: Azure's 1-2
 the 128-token profile of a 135M model on CPU), capped at 512, outputs capped at 256. Rates are
 multiples (``--loads``) of R, the estimated throughput of the cluster with 8 replicas of the
 fastest servable configuration (each replica serving full batches of the window's mean request).
-SLO: TTFT <= ``--slo-scale`` x the fastest configuration's unloaded TTFT of the window's median
-prompt, and mean TPOT <= ``--slo-scale`` x the fastest unloaded TPOT (unless given in seconds).
+SLO: TTFT <= S x the fastest configuration's unloaded TTFT of the window's median prompt, and
+mean TPOT <= S x the fastest unloaded TPOT, for each SLO scale S of ``--slo-scales`` (as
+AlpaServe's evaluation varies it; iServe's latency target is the same SLO), unless given in
+seconds.
 
     .venv/bin/python -m benchmark.iserve_sim --profile benchmark/results/iserve/profile.json
 """
@@ -578,7 +580,8 @@ def main(argv=None) -> int:
     ap.add_argument("--rates", help="absolute rates in requests/s (instead of --loads)")
     ap.add_argument("--max-running-requests", type=int, default=4,
                     help="per replica; iServe's --batch (4: the largest profiled batch)")
-    ap.add_argument("--slo-scale", type=float, default=5.0)
+    ap.add_argument("--slo-scales", default="5,20", help="SLO = scale x the fastest "
+                    "configuration's unloaded TTFT and TPOT, per scale")
     ap.add_argument("--ttft-slo-s", type=float)
     ap.add_argument("--tpot-slo-s", type=float)
     ap.add_argument("--intent", default="latency-target", choices=tuple(intents.INTENTS))
@@ -591,11 +594,16 @@ def main(argv=None) -> int:
     try:
         loads = [float(x) for x in args.loads.split(",")]
         rates = [float(x) for x in args.rates.split(",")] if args.rates else None
+        scales = [float(x) for x in args.slo_scales.split(",")]
     except ValueError:
-        ap.error(f"--loads/--rates: numbers separated by commas, got {args.loads!r}, "
-                 f"{args.rates!r}")
-    if min(rates or loads) <= 0 or args.requests < 2 or args.max_running_requests < 1:
-        ap.error("rates, loads, --requests and --max-running-requests must be positive")
+        ap.error(f"--loads/--rates/--slo-scales: numbers separated by commas, got "
+                 f"{args.loads!r}, {args.rates!r}, {args.slo_scales!r}")
+    if min(rates or loads) <= 0 or min(scales) <= 0 or args.requests < 2 or \
+            args.max_running_requests < 1:
+        ap.error("rates, loads, SLO scales, --requests and --max-running-requests must be "
+                 "positive")
+    if args.ttft_slo_s or args.tpot_slo_s:  # one SLO in seconds: no scales
+        scales = [None]
     try:
         clusters = {"custom": tuple(deploy_cli.parse_device(d) for d in args.device)} \
             if args.device else {c: CLUSTERS[c] for c in (args.cluster or CLUSTERS)}
@@ -609,16 +617,19 @@ def main(argv=None) -> int:
         history, evaluated = trace_windows(TRACES[trace], args.requests, args.prompt_scale)
         base_rows, _ = deploy_cli.candidates(profile, args.max_running_requests,
                                              evaluated.median_output_tokens, 1000, "rss", {})
-        slo_info = default_slo(profile, base_rows, evaluated, args.slo_scale)
-        slo = Slo(args.ttft_slo_s or slo_info["ttft_s"], args.tpot_slo_s or slo_info["tpot_s"])
-        slos[trace] = {**slo_info, "ttft_s": slo.ttft_s, "tpot_s": slo.tpot_s}
-        for name, devices in clusters.items():
-            setting = load_setting(args.profile, devices, args.max_running_requests,
-                                   evaluated.median_output_tokens, slo, args.intent,
-                                   args.max_perplexity or None, args.placement,
-                                   args.baseline_bits)
-            for row in run_trace(setting, trace, history, evaluated, loads, rates):
-                rows.append({"cluster": name, **row})
+        for scale in scales:
+            slo_info = default_slo(profile, base_rows, evaluated, scale or 1.0)
+            slo = Slo(args.ttft_slo_s or slo_info["ttft_s"],
+                      args.tpot_slo_s or slo_info["tpot_s"])
+            slos[f"{trace} x{scale}"] = {**slo_info, "ttft_s": slo.ttft_s, "tpot_s": slo.tpot_s}
+            for name, devices in clusters.items():
+                setting = load_setting(args.profile, devices, args.max_running_requests,
+                                       evaluated.median_output_tokens, slo, args.intent,
+                                       args.max_perplexity or None, args.placement,
+                                       args.baseline_bits)
+                for row in run_trace(setting, trace, history, evaluated, loads, rates):
+                    rows.append({"cluster": name, "slo_scale": scale,
+                                 "slo": dataclasses.asdict(slo), **row})
     raw = profile.raw
     meta = {
         "SIMULATED": True,
@@ -647,7 +658,7 @@ def main(argv=None) -> int:
                        "max_output_tokens": 256,
                        "evaluated": "requests [N, 2N) of the trace; AlpaServe plans on [0, N)"}
                    for t in (args.trace or TRACES)},
-        "slo": slos, "max_running_requests": args.max_running_requests,
+        "slo": slos, "slo_scales": scales, "max_running_requests": args.max_running_requests,
         "intent": args.intent, "max_perplexity": args.max_perplexity or None,
         "placement": args.placement, "baseline_bits": args.baseline_bits,
     }
@@ -658,6 +669,12 @@ def main(argv=None) -> int:
     if not args.no_plot:
         plot(args.out / "simulated_cluster.png", rows)
     return 0
+
+
+def _scale(row: dict) -> str:
+    s = row["slo"]
+    return f"x{row['slo_scale']:g}" if row["slo_scale"] else \
+        f"{s['ttft_s']:g} s / {s['tpot_s']:g} s"
 
 
 def _ms(v: float | None) -> str:
@@ -691,30 +708,32 @@ def markdown(meta: dict, rows: list[dict]) -> str:
         f"{prof['workload']['kv_tokens']} KV tokens. iServe: `select --intent {meta['intent']}`"
         f" (perplexity limit {meta['max_perplexity']}, placement {meta['placement']}); "
         f"baselines at {meta['baseline_bits']} bits.", "",
-        "SLO (from the estimates; see the module docstring): " + "; ".join(
+        "SLO per trace and scale (from the estimates; see the module docstring): " + "; ".join(
             f"{t}: TTFT <= {s['ttft_s']:.2f} s, TPOT <= {s['tpot_s'] * 1e3:.0f} ms"
             for t, s in meta["slo"].items()), "",
         "Estimates used (M2 RSS all processes, L2 at batch 1, profiled prompt): " + ", ".join(
             f"{n} {e['memory_gb']:.2f} GB / {e['ttft_s_batch1']:.2f} s / "
             f"{e['tpot_s_batch1'] * 1e3:.0f} ms" for n, e in meta["estimates"].items()), "",
         "SLO attainment, SIMULATED (configuration x replicas in the table below):", "",
-        "| cluster | trace | rate req/s (x R) | " + " | ".join(
+        "| cluster | trace | SLO scale | rate req/s (x R) | " + " | ".join(
             f"{n} (SIMULATED)" for n in SYSTEMS) + " |",
-        "|---|---|---|" + "---:|" * len(SYSTEMS)]
+        "|---|---|---|---|" + "---:|" * len(SYSTEMS)]
     for r in rows:
-        lines.append(f"| {r['cluster']} | {r['trace']} | {r['rate_rps']:.3f} (x{r['load']:.3f}) | "
+        lines.append(f"| {r['cluster']} | {r['trace']} | {_scale(r)} | "
+                     f"{r['rate_rps']:.3f} (x{r['load']:.3f}) | "
                      + " | ".join(f"{r['systems'][n]['slo_attainment']:.1%}" for n in SYSTEMS)
                      + " |")
     lines += [
-        "", "| cluster | trace | rate req/s (x R) | system | config x replicas | SLO attainment "
+        "", "| cluster | trace | SLO scale | rate req/s (x R) | system | config x replicas | "
+        "SLO attainment "
         "(SIMULATED) | P50 TTFT s (SIMULATED) | P99 TTFT s (SIMULATED) | P50 TPOT ms "
         "(SIMULATED) |",
-        "|---|---|---|---|---|---:|---:|---:|---:|"]
+        "|---|---|---|---|---|---|---:|---:|---:|---:|"]
     for r in rows:
         for name, s in r["systems"].items():
             lines.append(
-                f"| {r['cluster']} | {r['trace']} | {r['rate_rps']:.3f} (x{r['load']:.3f}) | "
-                f"{name} | {s['config']} x{s['replicas']} | {s['slo_attainment']:.1%} | "
+                f"| {r['cluster']} | {r['trace']} | {_scale(r)} | {r['rate_rps']:.3f} "
+                f"(x{r['load']:.3f}) | {name} | {s['config']} x{s['replicas']} | {s['slo_attainment']:.1%} | "
                 f"{_s(s['p50_ttft_s'])} | {_s(s['p99_ttft_s'])} | {_ms(s['p50_tpot_s'])} |")
     lines += ["", "R per trace and cluster: the estimated throughput of the fastest configuration "
               "on every device: " + "; ".join(sorted({
@@ -722,7 +741,8 @@ def markdown(meta: dict, rows: list[dict]) -> str:
                   f"({r['reference_config']})" for r in rows})), ""]
     lines += ["iServe's choice (`select`, first feasible configuration in the intent's order that "
               "fits a device): " + "; ".join(sorted({
-                  f"{r['cluster']}/{r['trace']} {r['systems']['iserve']['config']} ("
+                  f"{r['cluster']}/{r['trace']}/SLO {_scale(r)} "
+                  f"{r['systems']['iserve']['config']} ("
                   f"{sum(x['infeasible'] is not None for x in r['iserve_selection']['ranking'])}"
                   f" of {len(r['iserve_selection']['ranking'])} ranked infeasible)"
                   for r in rows if r['iserve_selection']})), ""]
@@ -740,9 +760,13 @@ def plot(path: Path, rows: list[dict]) -> None:
     import matplotlib.pyplot as plt
 
     panels = sorted({(r["cluster"], r["trace"]) for r in rows})
-    fig, axes = plt.subplots(1, len(panels), figsize=(4 * len(panels), 3.4), squeeze=False)
-    for ax, (cluster, trace) in zip(axes[0], panels):
-        rs = [r for r in rows if (r["cluster"], r["trace"]) == (cluster, trace)]
+    scales = sorted({_scale(r) for r in rows})
+    fig, axes = plt.subplots(len(scales), len(panels), figsize=(4 * len(panels),
+                             3.2 * len(scales)), squeeze=False)
+    for ax, (scale, (cluster, trace)) in zip(axes.flat, [(s, p) for s in scales
+                                                          for p in panels]):
+        rs = [r for r in rows if (r["cluster"], r["trace"], _scale(r)) ==
+              (cluster, trace, scale)]
         for name in SYSTEMS:
             # The any-bits reference often equals iServe: dashed on top, so both show.
             style = dict(ls="--", marker="x") if name == "alpaserve-any-bits" else \
@@ -750,10 +774,11 @@ def plot(path: Path, rows: list[dict]) -> None:
             ax.plot([r["rate_rps"] for r in rs],
                     [100 * r["systems"][name]["slo_attainment"] for r in rs], label=name,
                     **style)
-        ax.set_title(f"{cluster} / {trace}", fontsize=9)
+        ax.set_title(f"{cluster} / {trace} / SLO {scale}", fontsize=9)
         ax.set_xlabel("request rate (req/s)")
         ax.set_ylim(-3, 103)
-    axes[0, 0].set_ylabel("SLO attainment % (SIMULATED)")
+    for ax in axes[:, 0]:
+        ax.set_ylabel("SLO attainment % (SIMULATED)")
     axes[0, 0].legend(fontsize=7)
     fig.suptitle("iServe vs baselines, SIMULATED 8-device cluster (SimPy, iServe's estimates)",
                  fontsize=10)

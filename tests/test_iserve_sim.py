@@ -212,14 +212,23 @@ def test_main_writes_simulated_tables(profile_path, tmp_path):
     out = tmp_path / "out"
     assert sim.main(["--profile", profile_path, "--out", str(out), "--cluster", "mixed",
                      "--trace", "azure_code", "--requests", "60", "--loads", "0.25,1",
-                     "--no-plot"]) == 0
+                     "--slo-scales", "5", "--no-plot"]) == 0
     result = json.loads((out / "simulated_cluster.json").read_text())
     assert result["meta"]["SIMULATED"] is True and result["meta"]["commit"]
-    assert [r["load"] for r in result["rows"]] == [0.25, 1.0]
+    assert [(r["load"], r["slo_scale"]) for r in result["rows"]] == [(0.25, 5.0), (1.0, 5.0)]
     for r in result["rows"]:
+        assert r["SIMULATED"] is True
         assert set(r["systems"]) == set(sim.SYSTEMS)
         assert all(x["requests"] == 60 for x in r["systems"].values())
     table = (out / "simulated_cluster.md").read_text()
     assert "SIMULATED" in table.splitlines()[0] and table.count("| mixed | azure_code |") == 2 + 2 * len(sim.SYSTEMS)
-    with pytest.raises(SystemExit):
-        sim.main(["--profile", profile_path, "--loads", "0,1"])
+    # An SLO in seconds replaces the scales; iServe's latency target is that SLO.
+    assert sim.main(["--profile", profile_path, "--out", str(out), "--cluster", "uniform",
+                     "--trace", "azure_code", "--requests", "30", "--loads", "0.5",
+                     "--ttft-slo-s", "3", "--tpot-slo-s", "0.2", "--no-plot"]) == 0
+    (row,) = json.loads((out / "simulated_cluster.json").read_text())["rows"]
+    assert row["slo_scale"] is None and row["slo"] == {"ttft_s": 3.0, "tpot_s": 0.2}
+    assert "--ttft-slo-s 3.0 --tpot-slo-s 0.2" in row["iserve_selection"]["command"]
+    for bad in (["--loads", "0,1"], ["--slo-scales", "x"]):
+        with pytest.raises(SystemExit):
+            sim.main(["--profile", profile_path, *bad])
