@@ -760,7 +760,7 @@ def plot(path: Path, rows: list[dict]) -> None:
     import matplotlib.pyplot as plt
 
     panels = sorted({(r["cluster"], r["trace"]) for r in rows})
-    scales = sorted({_scale(r) for r in rows})
+    scales = [label for _, label in sorted({(r["slo_scale"] or 0, _scale(r)) for r in rows})]
     fig, axes = plt.subplots(len(scales), len(panels), figsize=(4 * len(panels),
                              3.2 * len(scales)), squeeze=False)
     for ax, (scale, (cluster, trace)) in zip(axes.flat, [(s, p) for s in scales
