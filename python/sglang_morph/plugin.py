@@ -49,7 +49,10 @@ _IN_SCHEDULER = "sglang.srt.managers.scheduler"
 
 
 def _after_add_cli_args(_result: None, parser: Any) -> None:
+    from sglang_morph.kunserve.live import config as kunserve_config
+
     morph_config.add_cli_args(parser)
+    kunserve_config.add_cli_args(parser)
 
 
 def _after_from_cli_args(server_args: Any, _cls: Any, args: Any) -> None:
@@ -78,6 +81,7 @@ def _after_from_cli_args(server_args: Any, _cls: Any, args: Any) -> None:
     except morph_config.MorphConfigError as e:
         raise MorphPluginError(f"sglang-morph: error: {e}") from e
     morph_config.attach(server_args, cfg)
+    _kunserve_from_cli_args(server_args, args, cfg.enabled)
     if cfg.enabled:
         # Transitions rewrite weights and KV slot indices between two batches; with overlap
         # scheduling a launched batch's results would still hold the old ones.
@@ -150,6 +154,30 @@ def check_supported(server_args: Any) -> None:
         raise morph_config.MorphConfigError(
             f"--enable-morph does not support --kv-cache-dtype {kv_dtype}: KV resizing needs an "
             f"unquantized KV cache ({', '.join(_PLAIN_KV_DTYPES)})")
+
+
+def _kunserve_from_cli_args(server_args: Any, args: Any, morph_enabled: bool) -> None:
+    from sglang_morph.kunserve.live import config as kunserve_config
+
+    try:
+        cfg = kunserve_config.KunServeLiveConfig.from_cli_namespace(args)
+        if cfg.enabled:
+            kunserve_config.check_launch(server_args, morph_enabled)
+    except kunserve_config.KunServeConfigError as e:
+        raise MorphPluginError(f"sglang-morph: error: {e}") from e
+    kunserve_config.attach(server_args, cfg)
+    if not cfg.enabled:
+        return
+    # Transitions rewrite weights and KV between batches (as morph's do).
+    server_args.disable_overlap_schedule = True
+    _turn_off_graphs(server_args)
+    from sglang.srt.entrypoints.http_server import app
+
+    from sglang_morph.kunserve.live.http import add_routes
+
+    add_routes(app)
+    register_and_verify((Hook(sym.HOOK_TOKENIZER_MANAGER_INIT, _after_tokenizer_manager_init,
+                              "AFTER"),))
 
 
 def _turn_off_graphs(server_args: Any) -> None:
@@ -258,6 +286,17 @@ def _after_load_model(_result: None, runner: Any) -> None:
 
 
 def _after_scheduler_init(_result: None, scheduler: Any, *args: Any, **kwargs: Any) -> None:
+    from sglang_morph.kunserve.live import config as kunserve_config
+
+    kunserve = kunserve_config.get(scheduler.server_args)
+    if kunserve.enabled:
+        from sglang_morph.kunserve.live.hooks import attach
+
+        try:
+            attach(scheduler, kunserve.link_port)
+        except NotImplementedError as e:
+            raise MorphPluginError(f"sglang-morph: error: --enable-kunserve does not support "
+                                   f"this configuration: {e}") from e
     cfg = morph_config.get(scheduler.server_args)
     if not cfg.enabled:
         return
@@ -359,11 +398,13 @@ def register_and_verify(hooks: tuple[Hook, ...]) -> list[str]:
 def load() -> None:
     """Entry point called by ``sglang.srt.plugins.load_plugins()``."""
     # Registers the /morph IPC message types with SGLang's msgpack decoder in this process.
+    from sglang_morph.kunserve.live import messages as kunserve_messages
     from sglang_morph.server import messages
 
-    del messages
+    del messages, kunserve_messages
     # Multi-rank SGLang on CPU (TP, PP, DP, nodes), with or without --enable-morph.
+    from sglang_morph.kunserve.live.hooks import HOOKS as KUNSERVE_HOOKS
     from sglang_morph.parallel.hooks import HOOKS as PARALLEL_HOOKS
 
-    applied = register_and_verify(HOOKS + PARALLEL_HOOKS)
+    applied = register_and_verify(HOOKS + PARALLEL_HOOKS + KUNSERVE_HOOKS)
     logger.debug("sglang-morph hooks applied: %s", applied)

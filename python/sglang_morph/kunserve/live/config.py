@@ -1,0 +1,89 @@
+"""``--enable-kunserve``: its flags, its frozen config and the launch checks.
+
+The config is resolved in the launcher (``ServerArgs.from_cli_args``), before anything is
+spawned, and rides the ``ServerArgs`` record into every scheduler process, like the morph
+config. The rendezvous port of the replicas' gloo link is picked there too (a free port on
+127.0.0.1), so every replica reads the same one.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import socket
+from typing import Any
+
+SERVER_ARGS_ATTR = "_kunserve_live_config"
+
+
+class KunServeConfigError(ValueError):
+    """A launch KunServe cannot serve; the message names the flag."""
+
+
+@dataclasses.dataclass(frozen=True)
+class KunServeLiveConfig:
+    enabled: bool = False
+    link_port: int | None = None  # TCPStore port of the replicas' gloo link
+
+    @classmethod
+    def from_cli_namespace(cls, args: argparse.Namespace) -> "KunServeLiveConfig":
+        if not getattr(args, "enable_kunserve", False):
+            return cls()
+        port = getattr(args, "kunserve_link_port", None)
+        return cls(enabled=True, link_port=port if port is not None else _free_port())
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def add_cli_args(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group(
+        "sglang-morph KunServe", "Drop replicated layers across data-parallel replicas under "
+        "KV overload and serve the pair as a pipeline (POST /kunserve/drop, /kunserve/restore).")
+    group.add_argument(
+        "--enable-kunserve", action="store_true",
+        help="Enable KunServe on --dp-size 2 (CPU, torch_native attention): the /kunserve "
+        "routes; replica 0 can keep layers [0, k) and replica 1 layers [k, L).")
+    group.add_argument(
+        "--kunserve-link-port", type=int, default=None, metavar="PORT",
+        help="TCP port of the replicas' gloo link rendezvous on 127.0.0.1 (default: a free "
+        "port picked at launch).")
+
+
+def check_launch(server_args: Any, morph_enabled: bool) -> None:
+    """Raise KunServeConfigError (one line, naming the flag) for what is not built yet."""
+    dp = getattr(server_args, "dp_size", 1) or 1
+    if dp != 2:
+        raise KunServeConfigError(
+            f"--enable-kunserve needs --dp-size 2 (got {dp}): groups of two replicas are the "
+            f"only ones served live yet")
+    for name in ("tp_size", "pp_size"):
+        if (getattr(server_args, name, 1) or 1) > 1:
+            raise KunServeConfigError(f"--enable-kunserve does not support "
+                                      f"--{name.replace('_', '-')} > 1 yet")
+    if morph_enabled:
+        raise KunServeConfigError("--enable-kunserve and --enable-morph together are not "
+                                  "supported yet: both resize the same KV pools")
+    if str(getattr(server_args, "device", None)) != "cpu":
+        raise KunServeConfigError("--enable-kunserve runs on --device cpu only yet (the link "
+                                  "sends CPU tensors over gloo)")
+    if getattr(server_args, "attention_backend", None) != "torch_native":
+        raise KunServeConfigError("--enable-kunserve needs --attention-backend torch_native: "
+                                  "the peer's layers run on a torch_native backend over the "
+                                  "mirrored KV region")
+    if getattr(server_args, "disable_radix_cache", False):
+        raise KunServeConfigError("--enable-kunserve needs the radix cache (the KV resizer "
+                                  "works on SGLang's device radix cache)")
+    if getattr(server_args, "speculative_algorithm", None) is not None:
+        raise KunServeConfigError("--enable-kunserve does not support --speculative-algorithm")
+
+
+def attach(server_args: Any, cfg: KunServeLiveConfig) -> None:
+    setattr(server_args, SERVER_ARGS_ATTR, cfg)
+
+
+def get(server_args: Any) -> KunServeLiveConfig:
+    return getattr(server_args, SERVER_ARGS_ATTR, None) or KunServeLiveConfig()

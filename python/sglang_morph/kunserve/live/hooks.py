@@ -1,0 +1,51 @@
+"""KunServe's SGLang hooks, registered by the plugin in every scheduler process. Each is a
+dict lookup and a call to the original on a replica without ``--enable-kunserve``."""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+from sglang_morph.plugin import Hook
+
+HOOK_RUNNER_FORWARD = "sglang.srt.model_executor.model_runner.ModelRunner.forward"
+HOOK_LLAMA_FORWARD = "sglang.srt.models.llama.LlamaModel.forward"
+_IN_SCHEDULER = "sglang.srt.managers.scheduler"
+
+
+def around_runner_forward(original: Callable[..., Any], runner: Any, *args: Any,
+                          **kwargs: Any) -> Any:
+    replica = runner.__dict__.get("kunserve")
+    if replica is None:
+        return original(runner, *args, **kwargs)
+    # The layers run under the replica's compute lock (replica.py, "Concurrency").
+    with replica.compute_lock:
+        return original(runner, *args, **kwargs)
+
+
+def around_llama_forward(original: Callable[..., Any], model: Any, input_ids: Any,
+                         positions: Any, forward_batch: Any, input_embeds: Any = None,
+                         pp_proxy_tensors: Any = None) -> Any:
+    replica = model.__dict__.get("kunserve")
+    if replica is None or not replica.merged:
+        return original(model, input_ids, positions, forward_batch, input_embeds,
+                        pp_proxy_tensors)
+    return replica.forward_merged(input_ids, positions, forward_batch, input_embeds)
+
+
+HOOKS: tuple[Hook, ...] = (
+    Hook(HOOK_RUNNER_FORWARD, around_runner_forward, "AROUND", only_if_imported=_IN_SCHEDULER),
+    Hook(HOOK_LLAMA_FORWARD, around_llama_forward, "AROUND", only_if_imported=_IN_SCHEDULER),
+)
+
+
+def attach(scheduler: Any, link_port: int) -> None:
+    """After the scheduler's init: this replica's KunServe side and its control requests."""
+    from sglang.utils import TypeBasedDispatcher
+
+    from sglang_morph.kunserve.live.messages import KUNSERVE_REQUESTS
+    from sglang_morph.kunserve.live.replica import KunServeReplica
+
+    replica = KunServeReplica(scheduler, link_port)
+    scheduler._request_dispatcher += TypeBasedDispatcher(
+        [(req_type, replica.handle_control) for req_type in KUNSERVE_REQUESTS])
+    scheduler.kunserve = replica

@@ -1,0 +1,578 @@
+"""One data-parallel replica's side of a live KunServe group (``--enable-kunserve --dp-size 2``).
+
+Design (symmetric group): SGLang has no way to move a request between schedulers, so each
+replica keeps its scheduler, its requests and its own KV slot numbers. After a drop, replica 0
+keeps decoder layers ``[0, k)`` and replica 1 ``[k, L)`` (``planner.split_layers``); each
+forward of either replica runs the front range on replica 0 and the back range on replica 1,
+so a batch is served by the pipeline of the two. Where a replica's own batch needs the peer's
+layers it sends the batch (hidden states, positions, slot numbers, lengths) over the gloo link
+and waits; the peer's *service thread* runs its kept layers on it and sends back the hidden
+states (the front range returns the PP hand-off tensors, the back range the final-normed
+output). Sampling stays with the replica that owns the request.
+
+KV: replica ``r``'s own pool keeps only the layers it holds, at its own slot numbers; the
+peer's KV for those layers lives in a *mirror* pool on ``r`` at the peer's slot numbers, so no
+slot is ever allocated across processes (the peer's allocator decides, the mirror follows).
+Bytes: replica ``r`` holds its kept weights + (own tokens + peer tokens) x kept layers of KV,
+which is the planner's member layout (``planner.make_group``) with the group's capacity split
+evenly: each replica's pool gets half the group's tokens, in whole pages. The dropped weights
+stay in a host copy (this is a CPU server: the same memory, released from the budget; on a GPU
+they would be copied out), so the restore is local.
+
+Concurrency: the layers run under one lock per process (``compute_lock``): the scheduler
+thread holds it through ``ModelRunner.forward`` except while it waits for the peer, and the
+service thread takes it to run a peer batch. SGLang publishes the forward context (the
+attention backend) in a module global, not per thread; the lock keeps the service thread's
+context strictly nested inside the scheduler's. Waiting for the peer never holds the lock, so
+two replicas calling each other at once cannot deadlock.
+
+Transitions (drop, restore): both schedulers handle the same request between two batches (the
+data-parallel controller sends it to each), vote over the link, then (1) move KV between the
+replicas (a drop gives the peer our KV of the layers we drop, into its mirror; a restore takes
+it back from the peer's mirror), one layer's K and V per message, and (2) change their own
+pool and weights; after each phase they exchange outcomes and a replica whose peer failed
+undoes its part, so a transition happens on both replicas or on neither. Requests in flight
+keep running across both: their KV (and the radix cache's) moves with the layers, nothing is
+recomputed. A restore shrinks the pool with the morph resizer, which moves live KV below the
+new boundary in every layer; it is refused (409) while a replica holds more tokens than a
+whole replica can. Unlike KunServe's overlapped exchange (an activation transfer before each
+KV chunk while serving continues), both replicas pause for the whole move (measured in the
+transitions log, ``duration_s``).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+import types
+from typing import Any
+
+import torch
+
+from sglang_morph.executor.kv_resizer import KVResizer
+from sglang_morph.kunserve.live.link import PeerLink
+from sglang_morph.kunserve.planner import DropPlannerConfig, MemberLayout, make_group
+from sglang_morph.parallel.replicas import replica_index
+
+logger = logging.getLogger("sglang_morph.kunserve")
+
+_GIB = 1 << 30
+_OK, _REFUSED, _FAILED = 200, 409, 500
+
+
+class KunServeReplica:
+    """Invariants (``check_integrity``): whole, the replica holds every layer's weights and a
+    pool of all ``L`` layers with ``kv_capacity_tokens_whole`` tokens, and no mirror; merged,
+    it holds the weights of ``member.layers`` only, a pool of exactly those layers with
+    ``kv_capacity_tokens_merged`` tokens, and a mirror pool of the same layers sized to the
+    peer's capacity; the KV of both plus the kept weights fit the planner's budget."""
+
+    def __init__(self, scheduler: Any, link_port: int):
+        from sglang_morph.plan.memory import MemoryModel
+        from sglang_morph.plan.model import ModelSpec
+
+        runner = scheduler.tp_worker.model_runner
+        model = runner.model
+        hf_config = runner.model_config.hf_config
+        if not hasattr(model, "model") or not hasattr(model.model, "layers"):
+            raise NotImplementedError(f"{type(model).__name__} is not a Llama-style model")
+        if not getattr(hf_config, "tie_word_embeddings", False):
+            # The front member samples its own requests with the LM head, which the planner
+            # counts on the back member only; a tied head is the embedding both keep.
+            raise NotImplementedError("KunServe live needs tied word embeddings")
+        self.scheduler, self.runner, self.model = scheduler, runner, model.model
+        self.rank = replica_index()
+        self.allocator = scheduler.token_to_kv_pool_allocator
+        self.pool = self.allocator.get_kvcache()
+        self.page_size = self.allocator.page_size
+        self.num_layers = len(self.model.layers)
+        spec = ModelSpec.from_hf_config(hf_config.to_dict(), dtype_bytes=runner.dtype.itemsize)
+        kv_per_layer = (self.pool.k_buffer[0][0].numel() * self.pool.k_buffer[0].element_size()
+                        + self.pool.v_buffer[0][0].numel() * self.pool.v_buffer[0].element_size())
+        if kv_per_layer != spec.kv_bytes_per_token_per_layer():
+            raise NotImplementedError(f"KV bytes per token and layer {kv_per_layer} differ "
+                                      f"from the model's {spec.kv_bytes_per_token_per_layer()}")
+        self.kv_capacity_tokens_whole = self.pool.size
+        memory = MemoryModel.from_spec(spec, bits=(16,))
+        weights = memory.model_weight_bytes((16,) * self.num_layers)
+        # The replica's budget is what SGLang gave it at startup: the whole model and its pool.
+        self.planner = DropPlannerConfig(
+            memory, weights + self.pool.size * self.num_layers * kv_per_layer,
+            page_size_tokens=self.page_size, max_group_size=2)
+        if self.planner.full_replica().kv_capacity_tokens != self.pool.size:
+            raise NotImplementedError("the planner's whole-replica capacity "
+                                      f"{self.planner.full_replica().kv_capacity_tokens} is not "
+                                      f"the pool's {self.pool.size} tokens")
+        self.group = make_group(self.planner, (0, 1))
+        self.member: MemberLayout = self.group.members[self.rank]
+        # Each replica owns half the group's tokens (its own requests), whole pages.
+        half = self.group.capacity_tokens // 2
+        self.kv_capacity_tokens_merged = half // self.page_size * self.page_size
+        self.merged = False
+        self.mirror = None  # the peer's KV of our kept layers, at the peer's slot numbers
+        self.peer_backend = None
+        self._peer_rows = types.SimpleNamespace(req_to_token=None)
+        self._host_weights: dict[int, torch.Tensor] = {}  # id(param) -> data while dropped
+        self.dropped_weight_bytes = 0
+        self.transitions: list[dict[str, Any]] = []
+        # What a transition in progress keeps to undo itself or to report.
+        self._whole_layers = self._merged_layers = self._merged_mirror = None
+        self._moved_bytes = self._in_flight = 0
+        self.compute_lock = threading.Lock()
+        reporter = getattr(scheduler, "metrics_reporter", None)
+        self._metrics = (_Metrics(self.rank) if getattr(reporter, "enable_metrics", False)
+                         else None)
+        self._publish_metrics()
+        self.link = PeerLink(self.rank, link_port)
+        runner.kunserve = self
+        self.model.kunserve = self
+        self._service = threading.Thread(target=self._serve_peer, name="kunserve-service",
+                                         daemon=True)
+        self._service.start()
+
+    # ---- what this replica keeps ----
+
+    @property
+    def front(self) -> bool:
+        return self.member.layers.start == 0
+
+    def _dropped_modules(self) -> list[torch.nn.Module]:
+        kept = self.member.layers
+        out = [self.model.layers[i] for i in range(self.num_layers) if i not in kept]
+        if self.front:
+            out.append(self.model.norm)  # the back member normalizes the front's output
+        return out
+
+    # ---- status ----
+
+    def status(self) -> dict[str, Any]:
+        layers = self.member.layers if self.merged else range(self.num_layers)
+        own = int(self.pool.size)
+        used = own - int(self.allocator.available_size()) - int(
+            self.scheduler.tree_cache.evictable_size())
+        peer = int(self.mirror.size) if self.mirror is not None else 0
+        pool_bytes = int(sum(self.pool.get_kv_size_bytes())) + (
+            int(sum(self.mirror.get_kv_size_bytes())) if self.mirror is not None else 0)
+        kv_bytes_per_token = len(layers) * self.planner.kv_bytes_per_token_per_layer
+        return {
+            "replica": self.rank,
+            "group": [0, 1] if self.merged else [self.rank],
+            "layers": [layers.start, layers.stop],
+            "num_layers": self.num_layers,
+            "kv_capacity_tokens": own,
+            "kv_used_tokens": used,
+            "peer_kv_capacity_tokens": peer,
+            "kv_capacity_tokens_whole": int(self.kv_capacity_tokens_whole),
+            "kv_capacity_tokens_merged": int(self.kv_capacity_tokens_merged),
+            # The budget's KV (tokens x bytes, as the planner and MemoryBudget count it) and the
+            # pools' bytes, which also hold SGLang's padding page per layer.
+            "kv_bytes": (own + peer) * kv_bytes_per_token,
+            "kv_pool_bytes": pool_bytes,
+            "budget_bytes": int(self.planner.budget_bytes),
+            "weight_bytes": int(self.member.budget.weight_bytes if self.merged
+                                else self.planner.full_weight_bytes),
+            "planned_freed_bytes": int(self.member.freed_bytes),
+            "dropped_weight_bytes": self.dropped_weight_bytes,
+            "transitions": list(self.transitions),
+        }
+
+    def _publish_metrics(self, action: str | None = None) -> None:
+        if self._metrics is None:
+            return
+        m = self._metrics
+        m.group_size.set(2 if self.merged else 1)
+        m.layers_held.set(len(self.member.layers) if self.merged else self.num_layers)
+        m.kv_capacity_tokens.set(self.pool.size)
+        m.peer_kv_capacity_tokens.set(self.mirror.size if self.mirror is not None else 0)
+        if action is not None:
+            m.transitions(action).inc()
+
+    def check_integrity(self) -> None:
+        layers = self.member.layers if self.merged else range(self.num_layers)
+        assert (self.pool.start_layer, self.pool.layer_num) == (layers.start, len(layers)), (
+            f"pool layers from {self.pool.start_layer}, {self.pool.layer_num} of them; "
+            f"expected {layers}")
+        want = self.kv_capacity_tokens_merged if self.merged else self.kv_capacity_tokens_whole
+        assert self.pool.size == want, f"pool {self.pool.size} tokens, expected {want}"
+        assert (self.mirror is not None) == self.merged
+        KVResizer(self.scheduler).check_integrity()
+        if self.merged:
+            kv = sum(self.pool.get_kv_size_bytes()) + sum(self.mirror.get_kv_size_bytes())
+            rows_kv = (self.pool.size + self.mirror.size) * self.member.kv_bytes_per_token
+            # Each pool carries one padding page per layer beyond its tokens.
+            padding = 2 * self.page_size * self.member.kv_bytes_per_token
+            assert kv <= rows_kv + padding and rows_kv <= self.member.budget.kv_bytes, (
+                f"KV {kv} bytes for {rows_kv} of tokens, budget's KV {self.member.budget.kv_bytes}")
+
+    # ---- control requests (scheduler thread) ----
+
+    def handle_control(self, req: Any) -> Any:
+        from sglang_morph.kunserve.live.messages import KunServeDropReq, KunServeRestoreReq
+        from sglang_morph.server.messages import MorphControlOutput
+
+        if isinstance(req, (KunServeDropReq, KunServeRestoreReq)):
+            code, body = self._transition(merge=isinstance(req, KunServeDropReq))
+        else:
+            code, body = _OK, self.status()
+        return MorphControlOutput(rid=req.rid, status_code=code, body=body, replica=self.rank)
+
+    def _transition(self, merge: bool) -> tuple[int, dict[str, Any]]:
+        """Both replicas, in their schedulers' handlers of the same request, between batches.
+        Phase 1 moves KV between the replicas and is undone by discarding what it built;
+        phase 2 is local. After each phase the replicas exchange their outcomes, and a replica
+        whose peer failed undoes its own part, so a transition happens on both or on neither."""
+        action = "drop" if merge else "restore"
+        reason = self._refusal(merge)
+        votes = self.link.exchange(ok=int(reason is None))
+        if reason is not None or not votes["ok"]:
+            return _REFUSED, {"error": reason or f"replica {self.link.peer} refused the {action} "
+                              f"(see its answer)", "replica": self.rank}
+        started = time.perf_counter()
+        before = int(self.pool.size)
+        self._in_flight = len(self._live_requests())
+        if merge:
+            error = self._both(self._merge_move_kv, undo=self._discard_mirror)
+            if error is None:
+                error = self._both(self._merge_local, undo=self._unmerge_local)
+                if error is not None:
+                    self._discard_mirror()
+        else:
+            error = self._both(self._split_move_kv, undo=self._unsplit)
+            if error is None:
+                try:  # local, checked by _refusal: nothing the peer could need to undo
+                    self._split_local()
+                except Exception as e:
+                    logger.exception("sglang-morph: KunServe restore could not shrink replica "
+                                     "%d's pool", self.rank)
+                    return _FAILED, {"error": f"restore: every layer is back but the pool kept "
+                                     f"its merged size: {type(e).__name__}: {e}",
+                                     "replica": self.rank}
+        if error is not None:
+            return _FAILED, {"error": f"{action} failed, nothing changed: {error}",
+                             "replica": self.rank}
+        self.check_integrity()
+        self.transitions.append({
+            "action": action, "at_unix_s": round(time.time(), 3),
+            "duration_s": round(time.perf_counter() - started, 4),
+            "layers": [self.member.layers.start, self.member.layers.stop] if merge
+            else [0, self.num_layers],
+            "kv_capacity_tokens": [before, int(self.pool.size)],
+            "kv_moved_bytes": self._moved_bytes,
+            "requests_in_flight": self._in_flight,
+            "dropped_weight_bytes": self.dropped_weight_bytes})
+        logger.info("sglang-morph: KunServe %s on replica %d: %s", action, self.rank,
+                    self.transitions[-1])
+        self._publish_metrics(action)
+        return _OK, self.status()
+
+    def _both(self, phase, undo) -> str | None:
+        """Run ``phase`` (which changes nothing when it raises), exchange outcomes with the
+        peer, ``undo`` it when the peer failed. The error, or None when both succeeded."""
+        try:
+            phase()
+            error = None
+        except Exception as e:
+            logger.exception("sglang-morph: KunServe %s failed on replica %d", phase.__name__,
+                             self.rank)
+            error = f"replica {self.rank}: {type(e).__name__}: {e}"
+        peer_ok = self.link.exchange(ok=int(error is None))["ok"]
+        if error is None and not peer_ok:
+            undo()
+            return f"replica {self.link.peer} failed (see its answer); undone on {self.rank}"
+        return error
+
+    def _live_requests(self) -> list:
+        batch = self.scheduler.running_batch
+        return [*batch.reqs, *([self.scheduler.chunked_req] if self.scheduler.chunked_req
+                               else [])]
+
+    def _refusal(self, merge: bool) -> str | None:
+        if merge == self.merged:
+            return (f"replica {self.rank} is already merged with replica {self.link.peer}"
+                    if merge else f"replica {self.rank} is not merged")
+        if not merge:
+            resizer = KVResizer(self.scheduler)
+            if not resizer.can_shrink(self.pool.size - self.kv_capacity_tokens_whole):
+                return (f"replica {self.rank} holds {resizer.held_tokens} KV tokens in flight, "
+                        f"more than a whole replica's {self.kv_capacity_tokens_whole}: the "
+                        f"restore waits until fewer are held")
+        return None
+
+    def _exchange_layers(self, send_k: list, send_v: list, recv_k: list, recv_v: list) -> int:
+        """Send our K/V buffers of some layers and receive the peer's into ``recv_*`` (each
+        received buffer fills the leading rows of ours), one layer (K and V) per message. The
+        lower replica sends first, so two large sends never wait on each other. Returns the
+        bytes sent and received."""
+        moved = 0
+
+        def send() -> None:
+            nonlocal moved
+            for k, v in zip(send_k, send_v):
+                self.link.send(self.link.control, {"k": k, "v": v})
+                moved += k.numel() * k.element_size() + v.numel() * v.element_size()
+
+        def recv() -> None:
+            nonlocal moved
+            for k, v in zip(recv_k, recv_v):
+                got, _ = self.link.recv(self.link.control)
+                k[:got["k"].shape[0]].copy_(got["k"])
+                v[:got["v"].shape[0]].copy_(got["v"])
+                moved += sum(t.numel() * t.element_size() for t in got.values())
+
+        for step in ((send, recv) if self.rank == 0 else (recv, send)):
+            step()
+        return moved
+
+    # drop: phase 1 gives the peer our KV of the layers we drop (its kept layers) and takes its
+    # KV of our kept layers into the mirror; phase 2 cuts our pool to the kept layers, grows it
+    # and moves the dropped weights to the host copy.
+
+    def _merge_move_kv(self) -> None:
+        from sglang.srt.layers.attention.torch_native_backend import TorchNativeAttnBackend
+        from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool
+
+        kept, pool = self.member.layers, self.pool
+        mirror = MHATokenToKVPool(
+            size=self.kv_capacity_tokens_merged, page_size=self.page_size, dtype=pool.dtype,
+            head_num=pool.head_num, head_dim=pool.head_dim, layer_num=len(kept),
+            device=pool.device, enable_memory_saver=False, v_head_dim=pool.v_head_dim,
+            start_layer=kept.start, end_layer=kept.stop - 1, enable_alt_stream=False)
+        dropped = [i for i in range(self.num_layers) if i not in kept]
+        self._moved_bytes = self._exchange_layers(
+            [pool.k_buffer[i] for i in dropped], [pool.v_buffer[i] for i in dropped],
+            mirror.k_buffer, mirror.v_buffer)
+        self.mirror = mirror
+        self.peer_backend = TorchNativeAttnBackend(types.SimpleNamespace(
+            device=self.runner.device, req_to_token_pool=self._peer_rows,
+            token_to_kv_pool=mirror))
+
+    def _discard_mirror(self) -> None:
+        self.mirror = self.peer_backend = None
+
+    def _merge_local(self) -> None:
+        kept, pool = self.member.layers, self.pool
+        self._whole_layers = _pool_layers(pool)
+        _set_pool_layers(pool, kept, pool.k_buffer[kept.start:kept.stop],
+                         pool.v_buffer[kept.start:kept.stop])
+        try:
+            KVResizer(self.scheduler).grow(self.kv_capacity_tokens_merged - pool.size)
+        except BaseException:
+            _restore_pool_layers(pool, self._whole_layers)
+            raise
+        self._hold_weights()
+        self.merged = True
+
+    def _unmerge_local(self) -> None:
+        """Undo ``_merge_local`` (the peer failed its part): no batch ran since, so the pages
+        above the whole capacity are free and the dropped layers' buffers are as they were."""
+        KVResizer(self.scheduler).shrink(self.pool.size - self.kv_capacity_tokens_whole)
+        kept = self.member.layers
+        k_all, v_all = list(self._whole_layers[0]), list(self._whole_layers[1])
+        k_all[kept.start:kept.stop] = self.pool.k_buffer
+        v_all[kept.start:kept.stop] = self.pool.v_buffer
+        _set_pool_layers(self.pool, range(self.num_layers), k_all, v_all)
+        self._give_weights_back()
+        self.merged = False
+
+    # restore: phase 1 takes our KV of the dropped layers back from the peer's mirror (and
+    # gives it its own), puts every layer back in our pool at the merged size and the weights
+    # back; phase 2 shrinks the pool to the whole capacity, moving live KV below the boundary
+    # in every layer (the morph resizer).
+
+    def _split_move_kv(self) -> None:
+        pool, kept = self.pool, self.member.layers
+        rows, shape = pool.k_buffer[0].shape[0], pool.k_buffer[0].shape[1:]
+        dropped = [i for i in range(self.num_layers) if i not in kept]
+        fused = [torch.zeros((2, rows, *shape), dtype=pool.k_buffer[0].dtype,
+                             device=pool.k_buffer[0].device) for _ in dropped]
+        self._moved_bytes = self._exchange_layers(
+            self.mirror.k_buffer, self.mirror.v_buffer, [f[0] for f in fused],
+            [f[1] for f in fused])
+        self._merged_layers = _pool_layers(pool)
+        k_all, v_all = [None] * self.num_layers, [None] * self.num_layers
+        for i, f in zip(dropped, fused):
+            k_all[i], v_all[i] = f[0], f[1]
+        for i in kept:
+            k_all[i], v_all[i] = pool.k_buffer[i - kept.start], pool.v_buffer[i - kept.start]
+        _set_pool_layers(pool, range(self.num_layers), k_all, v_all)
+        self._give_weights_back()
+        self._merged_mirror = (self.mirror, self.peer_backend)
+        self.mirror = self.peer_backend = None
+        self.merged = False
+
+    def _unsplit(self) -> None:
+        """Undo ``_split_move_kv`` (the peer failed its part): the merged layout again, with
+        the mirror as it was (no batch ran since)."""
+        _restore_pool_layers(self.pool, self._merged_layers)
+        self._hold_weights()
+        self.mirror, self.peer_backend = self._merged_mirror
+        self.merged = True
+
+    def _split_local(self) -> None:
+        KVResizer(self.scheduler).shrink(self.pool.size - self.kv_capacity_tokens_whole)
+        self._merged_mirror = None
+
+    def _hold_weights(self) -> None:
+        dropped = 0
+        for module in self._dropped_modules():
+            for p in module.parameters():
+                self._host_weights[id(p)] = p.data
+                dropped += p.numel() * p.element_size()
+                p.data = p.data.new_empty(0)
+        self.dropped_weight_bytes = dropped
+
+    def _give_weights_back(self) -> None:
+        for module in self._dropped_modules():
+            for p in module.parameters():
+                p.data = self._host_weights.pop(id(p))
+        self.dropped_weight_bytes = 0
+
+    # ---- forward (scheduler thread, inside ModelRunner.forward, holding compute_lock) ----
+
+    def forward_merged(self, input_ids, positions, forward_batch, input_embeds=None):
+        """LlamaModel.forward of a merged replica: the kept layers here, the others on the
+        peer. Returns what LlamaModel.forward returns (final-normed hidden states)."""
+        from sglang.srt.layers.layer_boundary.residual import batch as residual_batch
+        from sglang.srt.model_executor.forward_batch_info import PPProxyTensors
+
+        model, kept = self.model, self.member.layers
+        hidden = model.embed_tokens(input_ids) if input_embeds is None else input_embeds
+        if self.front:
+            residual_batch.start(forward_batch)
+            for i in kept:
+                hidden = model.layers[i](positions, hidden, forward_batch)
+            handoff = residual_batch.to_pp(hidden, forward_batch)
+            return self._call_peer(forward_batch, positions, input_ids,
+                                   handoff.tensors)["hidden_states"]
+        out = self._call_peer(forward_batch, positions, input_ids, {"hidden_states": hidden})
+        hidden = model.layers[kept.start].attn_boundary.from_pp(PPProxyTensors(out),
+                                                                forward_batch)
+        for i in kept:
+            hidden = model.layers[i](positions, hidden, forward_batch)
+        return residual_batch.final_norm(hidden, forward_batch, model.norm)
+
+    def _call_peer(self, fb, positions, input_ids, tensors: dict[str, torch.Tensor]):
+        mode = fb.forward_mode
+        if not (mode.is_extend() or mode.is_decode()):
+            raise NotImplementedError(f"KunServe forwards extend and decode batches, not {mode}")
+        seq_lens = fb.seq_lens.to(torch.int64)
+        rows = self.scheduler.req_to_token_pool.req_to_token[
+            fb.req_pool_indices.long(), :int(seq_lens.max())]
+        bundle = dict(tensors, positions=positions, input_ids=input_ids,
+                      out_cache_loc=fb.out_cache_loc, seq_lens=seq_lens, req_to_token=rows)
+        if mode.is_extend():
+            bundle["extend_prefix_lens"] = fb.extend_prefix_lens.to(torch.int64)
+            bundle["extend_seq_lens"] = fb.extend_seq_lens.to(torch.int64)
+        pg = self.link.calls[self.rank]
+        self.compute_lock.release()  # the peer may call our layers meanwhile
+        try:
+            self.link.send(pg, bundle, mode=int(mode))
+            out, ints = self.link.recv(pg)
+        finally:
+            self.compute_lock.acquire()
+        if ints.get("failed"):
+            raise RuntimeError(f"replica {self.link.peer} failed to run its layers for replica "
+                               f"{self.rank}'s batch (see its log)")
+        return out
+
+    # ---- the peer's batches (service thread) ----
+
+    def _serve_peer(self) -> None:
+        pg = self.link.calls[self.link.peer]
+        while True:
+            tensors, ints = self.link.recv(pg)
+            try:
+                # As SGLang runs its own forwards (the pools' views are made without grad).
+                with self.compute_lock, torch.no_grad():
+                    out, failed = self._run_for_peer(tensors, ints["mode"]), 0
+            except Exception:
+                logger.exception("sglang-morph: KunServe replica %d could not run replica %d's "
+                                 "batch", self.rank, self.link.peer)
+                out, failed = {}, 1
+            self.link.send(pg, out, failed=failed)
+
+    def _run_for_peer(self, t: dict[str, torch.Tensor], mode_value: int) -> dict[str, Any]:
+        from sglang.srt.layers.layer_boundary.residual import batch as residual_batch
+        from sglang.srt.model_executor.forward_batch_info import (
+            ForwardBatch,
+            ForwardMode,
+            PPProxyTensors,
+        )
+        from sglang.srt.model_executor.forward_context import ForwardContext, forward_context
+
+        if not self.merged:
+            raise RuntimeError("a peer batch arrived while this replica is whole")
+        mode = ForwardMode(mode_value)
+        seq_lens, bs = t["seq_lens"], t["seq_lens"].numel()
+        fb = ForwardBatch(
+            forward_mode=mode, batch_size=bs, input_ids=t["input_ids"],
+            req_pool_indices=torch.arange(bs, dtype=torch.int64), seq_lens=seq_lens,
+            out_cache_loc=t["out_cache_loc"], seq_lens_sum=int(seq_lens.sum()),
+            seq_lens_cpu=seq_lens, positions=t["positions"])
+        if mode.is_extend():
+            fb.extend_prefix_lens, fb.extend_seq_lens = (t["extend_prefix_lens"],
+                                                         t["extend_seq_lens"])
+            fb.extend_prefix_lens_cpu = t["extend_prefix_lens"].tolist()
+            fb.extend_seq_lens_cpu = t["extend_seq_lens"].tolist()
+            fb.extend_num_tokens = int(t["extend_seq_lens"].sum())
+        self._peer_rows.req_to_token = t["req_to_token"]
+        model, kept, positions = self.model, self.member.layers, t["positions"]
+        with forward_context(ForwardContext(attn_backend=self.peer_backend)):
+            if self.front:
+                residual_batch.start(fb)
+                hidden = t["hidden_states"]
+            else:
+                hidden = model.layers[kept.start].attn_boundary.from_pp(
+                    PPProxyTensors({k: t[k] for k in ("hidden_states", "residual") if k in t}),
+                    fb)
+            for i in kept:
+                hidden = model.layers[i](positions, hidden, fb)
+            if self.front:
+                return dict(residual_batch.to_pp(hidden, fb).tensors)
+            return {"hidden_states": residual_batch.final_norm(hidden, fb, model.norm)}
+
+
+class _Metrics:
+    """Prometheus series of one replica (SGLang's multiprocess registry serves them on
+    /metrics with --enable-metrics); every series carries the replica."""
+
+    def __init__(self, replica: int):
+        from prometheus_client import Counter, Gauge
+
+        r = str(replica)
+
+        def gauge(name: str, doc: str):
+            return Gauge(f"sglang_morph_kunserve_{name}", doc, ("replica",),
+                         multiprocess_mode="mostrecent").labels(replica=r)
+
+        self.group_size = gauge("group_size", "Replicas in this replica's group (1: whole)")
+        self.layers_held = gauge("layers_held", "Decoder layers whose weights this replica holds")
+        self.kv_capacity_tokens = gauge("kv_capacity_tokens", "Own KV pool capacity in tokens")
+        self.peer_kv_capacity_tokens = gauge("peer_kv_capacity_tokens",
+                                             "Mirror pool capacity for the peer's tokens")
+        transitions = Counter("sglang_morph_kunserve_transitions", "KunServe transitions",
+                              ("replica", "action"))
+        self.transitions = lambda action: transitions.labels(replica=r, action=action)
+
+
+def _pool_layers(pool: Any) -> tuple:
+    return (list(pool.k_buffer), list(pool.v_buffer), pool.start_layer, pool.end_layer,
+            pool.layer_num)
+
+
+def _restore_pool_layers(pool: Any, saved: tuple) -> None:
+    k, v, start, end, num = saved
+    _set_pool_layers(pool, range(start, end + 1), k, v)
+    assert pool.layer_num == num
+
+
+def _set_pool_layers(pool: Any, layers: range, k_buffers: list, v_buffers: list) -> None:
+    """The pool holds ``layers`` (their buffers given in order); SGLang indexes a pool's
+    buffers by ``layer_id - start_layer``, as it does for a pipeline stage's pool."""
+    pool.k_buffer[:] = list(k_buffers)
+    pool.v_buffer[:] = list(v_buffers)
+    pool.start_layer, pool.end_layer, pool.layer_num = layers.start, layers.stop - 1, len(layers)
+    pool._kv_buffer_descs = pool._build_kv_buffer_descs()
+    pool._init_data_ptrs_and_strides()
+    pool.mem_usage = sum(pool.get_kv_size_bytes()) / _GIB

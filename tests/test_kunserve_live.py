@@ -1,0 +1,254 @@
+"""KunServe on live SGLang data-parallel replicas (issue 13): ``--enable-kunserve --dp-size 2``.
+
+One DP 2 server (float32, greedy, CPU): the reference outputs are the same replicas' outputs
+before the drop (an undropped server) and are checked on both replicas.
+
+- ``/kunserve/status``: both replicas whole, every layer, the startup capacity;
+- bad input (a body with fields, not JSON, a restore of a whole group, no key, a user key) gets
+  4xx with a message and changes nothing;
+- a drop while a request streams on each replica: replica 0 keeps layers [0, 15) and replica 1
+  [15, 30), each frees exactly the bytes of the layers it dropped (derived here from the
+  model's shapes, equal to the planner's), its pool grows to half the group's capacity and
+  holds the peer's KV for its layers; the streams finish with the undropped outputs (their KV
+  of the dropped layers moved to the peer); new requests on either replica, one at a time and
+  concurrently on both (both replicas calling each other at once, and hitting the radix cache
+  filled after the drop), equal the undropped outputs token for token;
+- a restore while a replica holds more KV than a whole replica can is refused (409) and
+  changes nothing; the request (longer than a whole replica's pool) finishes;
+- a restore while a request streams on each replica gives both replicas every layer and their
+  exact startup capacity back; the streams and later requests equal the undropped outputs;
+  the transitions log and the Prometheus series say what happened.
+"""
+
+from __future__ import annotations
+
+import argparse
+import concurrent.futures
+import json
+import types
+
+import pytest
+import requests
+
+from sglang_morph.kunserve.live import config as kunserve_config
+from sglang_morph.plugin import MorphPluginError, _kunserve_from_cli_args
+# (corpus_ids and tokenizer are that module's fixtures)
+from test_morph_runtime_server import (  # noqa: F401
+    ADMIN,
+    USER,
+    Stream,
+    corpus_ids,
+    prompt_ids,
+    tokenizer,
+)
+
+N_NEW = 24
+WHOLE_TOKENS = 1024
+PROMPT_LENGTHS = (16, 48, 120)
+
+
+# ---- launch checks (no server) ----
+
+def launch_args(**overrides):
+    base = dict(dp_size=2, tp_size=1, pp_size=1, device="cpu", attention_backend="torch_native",
+                disable_radix_cache=False, speculative_algorithm=None)
+    return types.SimpleNamespace(**{**base, **overrides})
+
+
+@pytest.mark.parametrize("overrides, morph, message", [
+    (dict(dp_size=1), False, "--enable-kunserve needs --dp-size 2 (got 1)"),
+    (dict(dp_size=4), False, "--enable-kunserve needs --dp-size 2 (got 4)"),
+    (dict(tp_size=3), False, "--tp-size"),
+    ({}, True, "--enable-kunserve and --enable-morph together"),
+    (dict(device="cuda"), False, "--device cpu"),
+    (dict(attention_backend="triton"), False, "--attention-backend torch_native"),
+])
+def test_launch_refuses_what_is_not_built(overrides, morph, message):
+    server_args = launch_args(**overrides)
+    with pytest.raises(MorphPluginError, match="sglang-morph: error: ") as e:
+        _kunserve_from_cli_args(server_args, argparse.Namespace(enable_kunserve=True), morph)
+    assert message in str(e.value)
+    assert not hasattr(server_args, kunserve_config.SERVER_ARGS_ATTR)  # nothing attached
+
+
+def test_without_the_flag_nothing_changes():
+    server_args = launch_args(dp_size=1)
+    _kunserve_from_cli_args(server_args, argparse.Namespace(), False)
+    assert not kunserve_config.get(server_args).enabled
+
+
+# ---- the live server ----
+
+@pytest.fixture(scope="module")
+def dp2(server_factory):
+    return server_factory(
+        "--dtype", "float32", "--dp-size", "2", "--enable-kunserve", "--max-total-tokens",
+        str(WHOLE_TOKENS), "--enable-metrics", "--api-key", "test-api-key", "--admin-api-key",
+        "test-admin-key")
+
+
+def status(server) -> dict:
+    r = requests.get(f"{server.url}/kunserve/status", headers=USER, timeout=60)
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+def post(server, route: str, headers=ADMIN, **kwargs) -> requests.Response:
+    return requests.post(f"{server.url}/kunserve/{route}", headers=headers, timeout=600,
+                         **kwargs)
+
+
+def generate_on(server, ids, replica: int) -> list[int]:
+    r = requests.post(f"{server.url}/generate", headers=USER, timeout=600, json={
+        "input_ids": ids, "routed_dp_rank": replica, "sampling_params": {
+            "temperature": 0, "max_new_tokens": N_NEW, "ignore_eos": True}})
+    assert r.status_code == 200, r.text
+    assert r.json()["meta_info"]["dp_rank"] == replica
+    return r.json()["output_ids"]
+
+
+@pytest.fixture(scope="module")
+def prompts(corpus_ids):
+    return [prompt_ids(corpus_ids, seed=20 + i, n_tokens=n)
+            for i, n in enumerate(PROMPT_LENGTHS)]
+
+
+@pytest.fixture(scope="module")
+def undropped(dp2, prompts):
+    """Each prompt's greedy output on the whole replicas (equal on both: one thread each)."""
+    outs = [generate_on(dp2, ids, 0) for ids in prompts]
+    assert [generate_on(dp2, ids, 1) for ids in prompts] == outs
+    return outs
+
+
+def all_outputs(server, prompts) -> tuple[list, list]:
+    """(one at a time on replica 0 then 1, all at once on both replicas)."""
+    one_by_one = [[generate_on(server, ids, r) for ids in prompts] for r in (0, 1)]
+    jobs = [(ids, r) for r in (0, 1) for ids in prompts]
+    with concurrent.futures.ThreadPoolExecutor(len(jobs)) as pool:
+        together = list(pool.map(lambda job: generate_on(server, *job), jobs))
+    return one_by_one, [together[:len(prompts)], together[len(prompts):]]
+
+
+def dropped_layer_bytes(model_dir, layers: range, with_final_norm: bool) -> int:
+    """Bytes of float32 decoder layers, from the model's shapes (q, k, v, o, gate, up, down and
+    two norms), plus the final norm."""
+    cfg = json.loads((model_dir / "config.json").read_text())
+    h, inter = cfg["hidden_size"], cfg["intermediate_size"]
+    head_dim = h // cfg["num_attention_heads"]
+    kv = cfg["num_key_value_heads"] * head_dim
+    per_layer = h * h * 2 + h * kv * 2 + 3 * h * inter + 2 * h
+    return 4 * (len(layers) * per_layer + (h if with_final_norm else 0))
+
+
+def kv_bytes_per_layer_token(model_dir) -> int:
+    cfg = json.loads((model_dir / "config.json").read_text())
+    head_dim = cfg["hidden_size"] // cfg["num_attention_heads"]
+    return 2 * cfg["num_key_value_heads"] * head_dim * 4  # K and V, float32
+
+
+def test_status_at_start(dp2, undropped):
+    s = status(dp2)
+    assert s["groups"] == [[0], [1]]
+    for i, rep in enumerate(s["replicas"]):
+        assert rep["replica"] == i and rep["group"] == [i]
+        assert rep["layers"] == [0, 30] and rep["dropped_weight_bytes"] == 0
+        assert rep["kv_capacity_tokens"] == rep["kv_capacity_tokens_whole"] == WHOLE_TOKENS
+        assert rep["peer_kv_capacity_tokens"] == 0 and rep["transitions"] == []
+
+
+def test_bad_input_changes_nothing(dp2):
+    before = status(dp2)
+    cases = [
+        (post(dp2, "drop", json={"replicas": [0, 1]}), 400, "unknown fields ['replicas']"),
+        (post(dp2, "drop", data=b"not json"), 400, "JSON object"),
+        (post(dp2, "drop", json=[0, 1]), 400, "JSON object"),
+        (post(dp2, "restore"), 409, "replica 0 is not merged"),
+    ]
+    for r, code, message in cases:
+        assert r.status_code == code, r.text
+        assert message in r.json()["error"], r.text
+    assert post(dp2, "drop", headers={}).status_code == 401
+    assert post(dp2, "drop", headers=USER).status_code == 401  # the admin key only
+    assert requests.get(f"{dp2.url}/kunserve/status", timeout=60).status_code == 401
+    assert status(dp2) == before
+
+
+def test_drop_with_requests_in_flight_serves_undropped_outputs(dp2, prompts, undropped,
+                                                               default_model_path):
+    streams = [Stream(dp2, prompts[2], N_NEW, routed_dp_rank=0),
+               Stream(dp2, prompts[1], N_NEW, routed_dp_rank=1)]
+    for stream in streams:
+        stream.wait_for(4)
+    r = post(dp2, "drop")
+    assert r.status_code == 200, r.text
+    assert [stream.join() for stream in streams] == [undropped[2], undropped[1]]
+    s = r.json()
+    assert s["groups"] == [[0, 1]]
+    front, back = s["replicas"]
+    assert (front["layers"], back["layers"]) == ([0, 15], [15, 30])
+    assert front["dropped_weight_bytes"] == front["planned_freed_bytes"] == dropped_layer_bytes(
+        default_model_path, range(15, 30), with_final_norm=True)
+    assert back["dropped_weight_bytes"] == back["planned_freed_bytes"] == dropped_layer_bytes(
+        default_model_path, range(0, 15), with_final_norm=False)
+    for rep, peer in ((front, back), (back, front)):
+        assert rep["group"] == [0, 1]
+        assert rep["kv_capacity_tokens"] == rep["kv_capacity_tokens_merged"] > 2 * WHOLE_TOKENS
+        assert rep["peer_kv_capacity_tokens"] == peer["kv_capacity_tokens"]
+        assert rep["weight_bytes"] + rep["kv_bytes"] <= rep["budget_bytes"]
+        layer_token = kv_bytes_per_layer_token(default_model_path)
+        assert rep["kv_bytes"] == (rep["kv_capacity_tokens"] + rep["peer_kv_capacity_tokens"]
+                                   ) * 15 * layer_token
+        assert rep["kv_pool_bytes"] == rep["kv_bytes"] + 2 * 15 * layer_token  # padding pages
+        (t,) = rep["transitions"]
+        assert t["action"] == "drop" and t["kv_capacity_tokens"] == [
+            WHOLE_TOKENS, rep["kv_capacity_tokens"]]
+        assert t["requests_in_flight"] == 1 and t["kv_moved_bytes"] > 0
+    # The second round reuses the first's prefixes from the radix cache.
+    one_by_one, together = all_outputs(dp2, prompts)
+    assert one_by_one == [undropped, undropped]
+    assert together == [undropped, undropped]
+    r = post(dp2, "drop")
+    assert r.status_code == 409 and "already merged" in r.json()["error"]
+
+
+def test_restore_refused_while_more_is_held_than_a_whole_replica_holds(dp2, corpus_ids):
+    before = status(dp2)
+    # Longer than a whole replica's pool: only the merged group can serve it.
+    stream = Stream(dp2, prompt_ids(corpus_ids, seed=30, n_tokens=WHOLE_TOKENS + 64), 8,
+                    routed_dp_rank=0)
+    stream.wait_for(1)
+    r = post(dp2, "restore")
+    assert r.status_code == 409, r.text
+    assert "more than a whole replica's 1024" in r.json()["error"]
+    assert len(stream.join()) == 8
+    after = status(dp2)
+    for b, a in zip(before["replicas"], after["replicas"]):
+        assert (a["group"], a["layers"], a["kv_capacity_tokens"], a["transitions"]) == (
+            b["group"], b["layers"], b["kv_capacity_tokens"], b["transitions"])
+
+
+def test_restore_with_requests_in_flight_gives_whole_replicas_back(dp2, prompts, undropped):
+    streams = [Stream(dp2, prompts[0], N_NEW, routed_dp_rank=0),
+               Stream(dp2, prompts[2], N_NEW, routed_dp_rank=1)]
+    for stream in streams:
+        stream.wait_for(4)
+    r = post(dp2, "restore")
+    assert r.status_code == 200, r.text
+    assert [stream.join() for stream in streams] == [undropped[0], undropped[2]]
+    s = r.json()
+    assert s["groups"] == [[0], [1]]
+    for rep in s["replicas"]:
+        assert rep["layers"] == [0, 30] and rep["dropped_weight_bytes"] == 0
+        assert rep["kv_capacity_tokens"] == WHOLE_TOKENS and rep["peer_kv_capacity_tokens"] == 0
+        assert [t["action"] for t in rep["transitions"]] == ["drop", "restore"]
+        assert rep["transitions"][1]["kv_capacity_tokens"] == [
+            rep["kv_capacity_tokens_merged"], WHOLE_TOKENS]
+        assert rep["transitions"][1]["requests_in_flight"] == 1
+    assert [generate_on(dp2, ids, r) for r in (0, 1) for ids in prompts] == undropped * 2
+    metrics = requests.get(f"{dp2.url}/metrics", headers=USER, timeout=60).text
+    for replica in ("0", "1"):
+        assert f'sglang_morph_kunserve_group_size{{replica="{replica}"}} 1.0' in metrics
+        assert f'sglang_morph_kunserve_layers_held{{replica="{replica}"}} 30.0' in metrics
+        assert (f'sglang_morph_kunserve_transitions_total{{action="restore",replica="{replica}"}}'
+                f' 1.0') in metrics
