@@ -130,6 +130,19 @@ def all_outputs(server, prompts) -> tuple[list, list]:
     return one_by_one, [together[:len(prompts)], together[len(prompts):]]
 
 
+def transition_while_streaming(server, route: str, prompts, undropped, on_replicas) -> dict:
+    """``route`` while prompt ``on_replicas[r]`` streams on replica ``r``; the streams finish
+    with their undropped outputs. The transition's answer."""
+    streams = [Stream(server, prompts[i], N_NEW, routed_dp_rank=r)
+               for r, i in enumerate(on_replicas)]
+    for stream in streams:
+        stream.wait_for(4)
+    r = post(server, route)
+    assert r.status_code == 200, r.text
+    assert [stream.join() for stream in streams] == [undropped[i] for i in on_replicas]
+    return r.json()
+
+
 def dropped_layer_bytes(model_dir, layers: range, with_final_norm: bool) -> int:
     """Bytes of float32 decoder layers, from the model's shapes (q, k, v, o, gate, up, down and
     two norms), plus the final norm."""
@@ -176,14 +189,7 @@ def test_bad_input_changes_nothing(dp2):
 
 def test_drop_with_requests_in_flight_serves_undropped_outputs(dp2, prompts, undropped,
                                                                default_model_path):
-    streams = [Stream(dp2, prompts[2], N_NEW, routed_dp_rank=0),
-               Stream(dp2, prompts[1], N_NEW, routed_dp_rank=1)]
-    for stream in streams:
-        stream.wait_for(4)
-    r = post(dp2, "drop")
-    assert r.status_code == 200, r.text
-    assert [stream.join() for stream in streams] == [undropped[2], undropped[1]]
-    s = r.json()
+    s = transition_while_streaming(dp2, "drop", prompts, undropped, (2, 1))
     assert s["groups"] == [[0, 1]]
     front, back = s["replicas"]
     assert (front["layers"], back["layers"]) == ([0, 15], [15, 30])
@@ -229,14 +235,7 @@ def test_restore_refused_while_more_is_held_than_a_whole_replica_holds(dp2, corp
 
 
 def test_restore_with_requests_in_flight_gives_whole_replicas_back(dp2, prompts, undropped):
-    streams = [Stream(dp2, prompts[0], N_NEW, routed_dp_rank=0),
-               Stream(dp2, prompts[2], N_NEW, routed_dp_rank=1)]
-    for stream in streams:
-        stream.wait_for(4)
-    r = post(dp2, "restore")
-    assert r.status_code == 200, r.text
-    assert [stream.join() for stream in streams] == [undropped[0], undropped[2]]
-    s = r.json()
+    s = transition_while_streaming(dp2, "restore", prompts, undropped, (0, 2))
     assert s["groups"] == [[0], [1]]
     for rep in s["replicas"]:
         assert rep["layers"] == [0, 30] and rep["dropped_weight_bytes"] == 0
