@@ -63,6 +63,12 @@ def compare(profile_path: str) -> dict:
             row["memory"][figure] = {"measured_bytes": measured,
                                      "estimated_bytes": est.total_bytes[figure],
                                      "error": abs(est.total_bytes[figure] - measured) / measured}
+        accounted = [f for f in estimate.MEMORY_FIGURES if f != "rss_hwm_bytes"]
+        if all(f in row["memory"] for f in accounted):  # the accounted memory, whole
+            measured = sum(row["memory"][f]["measured_bytes"] for f in accounted)
+            row["memory"]["accounted_bytes"] = {
+                "measured_bytes": measured, "estimated_bytes": est.accounted_total_bytes,
+                "error": abs(est.accounted_total_bytes - measured) / measured}
         rows.append(row)
 
     def mean(key, group):
@@ -85,7 +91,8 @@ def compare(profile_path: str) -> dict:
         "workload": raw["workload"],
         "rows": rows,
         "mean_error": {"ttft": mean("ttft_error", "latency"), "tpot": mean("tpot_error", "latency"),
-                       **{f: mean(f, "memory") for f in estimate.MEMORY_FIGURES}},
+                       **{f: mean(f, "memory") for f in (*estimate.MEMORY_FIGURES,
+                                                         "accounted_bytes")}},
         "profiling_cpu_s": {
             "fingerprints": fingerprint_cpu_s,
             "fingerprint_servers": sum(1 for r in raw["records"] if r["kind"] == "fingerprint"),
