@@ -6,6 +6,9 @@ before the drop (an undropped server) and are checked on both replicas.
 - ``/kunserve/status``: both replicas whole, every layer, the startup capacity;
 - bad input (a body with fields, not JSON, a restore of a whole group, no key, a user key) gets
   4xx with a message and changes nothing;
+- a drop that fails on replica 1 (an injected fault in its KV grow) after replica 0 completed
+  its part: 500, replica 0 undoes its part, both are exactly as before and serve the same
+  outputs;
 - a drop while a request streams on each replica: replica 0 keeps layers [0, 15) and replica 1
   [15, 30), each frees exactly the bytes of the layers it dropped (derived here from the
   model's shapes, equal to the planner's), its pool grows to half the group's capacity and
@@ -31,6 +34,7 @@ import pytest
 import requests
 
 from sglang_morph.kunserve.live import config as kunserve_config
+from sglang_morph.kunserve.live.replica import FAULT_REPLICA_ENV
 from sglang_morph.plugin import MorphPluginError, _kunserve_from_cli_args
 # (corpus_ids and tokenizer are that module's fixtures)
 from test_morph_runtime_server import (  # noqa: F401
@@ -81,10 +85,12 @@ def test_without_the_flag_nothing_changes():
 
 @pytest.fixture(scope="module")
 def dp2(server_factory):
+    # Replica 1's first KV grow fails (a test-only fault point): the first drop fails there
+    # after replica 0 completed its part.
     return server_factory(
         "--dtype", "float32", "--dp-size", "2", "--enable-kunserve", "--max-total-tokens",
         str(WHOLE_TOKENS), "--enable-metrics", "--api-key", "test-api-key", "--admin-api-key",
-        "test-admin-key")
+        "test-admin-key", env={"SGLANG_MORPH_FAULT": "grow", FAULT_REPLICA_ENV: "1"})
 
 
 def status(server) -> dict:
@@ -185,6 +191,17 @@ def test_bad_input_changes_nothing(dp2):
     assert post(dp2, "drop", headers=USER).status_code == 401  # the admin key only
     assert requests.get(f"{dp2.url}/kunserve/status", timeout=60).status_code == 401
     assert status(dp2) == before
+
+
+def test_a_drop_one_replica_fails_changes_nothing(dp2, prompts, undropped):
+    before = status(dp2)
+    r = post(dp2, "drop")
+    assert r.status_code == 500, r.text
+    errors = [rep["error"] for rep in r.json()["replicas"]]
+    assert errors[0].startswith("drop failed, nothing changed: replica 1 failed")
+    assert "InjectedFault" in errors[1] and "nothing changed" in errors[1]
+    assert status(dp2) == before  # replica 0 undid its completed part
+    assert [generate_on(dp2, prompts[0], r) for r in (0, 1)] == [undropped[0]] * 2
 
 
 def test_drop_with_requests_in_flight_serves_undropped_outputs(dp2, prompts, undropped,

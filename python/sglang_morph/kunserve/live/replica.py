@@ -43,6 +43,7 @@ transitions log, ``duration_s``).
 from __future__ import annotations
 
 import logging
+import os
 import threading
 import time
 import types
@@ -50,6 +51,7 @@ from typing import Any
 
 import torch
 
+from sglang_morph.executor.faults import FaultInjector
 from sglang_morph.executor.kv_resizer import KVResizer
 from sglang_morph.kunserve.live.link import PeerLink
 from sglang_morph.kunserve.planner import DropPlannerConfig, MemberLayout, make_group
@@ -59,6 +61,9 @@ logger = logging.getLogger("sglang_morph.kunserve")
 
 _GIB = 1 << 30
 _OK, _REFUSED, _FAILED = 200, 409, 500
+# Tests only: the replica whose KV resizes the morph fault points (SGLANG_MORPH_FAULT) fail, so
+# that one replica of the pair fails a transition the other completed.
+FAULT_REPLICA_ENV = "SGLANG_KUNSERVE_FAULT_REPLICA"
 
 
 class KunServeReplica:
@@ -120,6 +125,9 @@ class KunServeReplica:
         self._whole_layers = self._merged_layers = self._merged_mirror = None
         self._moved_bytes = self._in_flight = 0
         self.compute_lock = threading.Lock()
+        self.faults = FaultInjector()
+        if os.environ.get(FAULT_REPLICA_ENV) == str(self.rank):
+            self.faults.arm_from_env()
         reporter = getattr(scheduler, "metrics_reporter", None)
         self._metrics = (_Metrics(self.rank) if getattr(reporter, "enable_metrics", False)
                          else None)
@@ -337,7 +345,7 @@ class KunServeReplica:
             size=self.kv_capacity_tokens_merged, page_size=self.page_size, dtype=pool.dtype,
             head_num=pool.head_num, head_dim=pool.head_dim, layer_num=len(kept),
             device=pool.device, enable_memory_saver=False, v_head_dim=pool.v_head_dim,
-            start_layer=kept.start, end_layer=kept.stop - 1, enable_alt_stream=False)
+            start_layer=kept.start, end_layer=kept.stop, enable_alt_stream=False)
         dropped = [i for i in range(self.num_layers) if i not in kept]
         self._moved_bytes = self._exchange_layers(
             [pool.k_buffer[i] for i in dropped], [pool.v_buffer[i] for i in dropped],
@@ -356,7 +364,7 @@ class KunServeReplica:
         _set_pool_layers(pool, kept, pool.k_buffer[kept.start:kept.stop],
                          pool.v_buffer[kept.start:kept.stop])
         try:
-            KVResizer(self.scheduler).grow(self.kv_capacity_tokens_merged - pool.size)
+            KVResizer(self.scheduler, self.faults).grow(self.kv_capacity_tokens_merged - pool.size)
         except BaseException:
             _restore_pool_layers(pool, self._whole_layers)
             raise
@@ -366,7 +374,7 @@ class KunServeReplica:
     def _unmerge_local(self) -> None:
         """Undo ``_merge_local`` (the peer failed its part): no batch ran since, so the pages
         above the whole capacity are free and the dropped layers' buffers are as they were."""
-        KVResizer(self.scheduler).shrink(self.pool.size - self.kv_capacity_tokens_whole)
+        KVResizer(self.scheduler, self.faults).shrink(self.pool.size - self.kv_capacity_tokens_whole)
         kept = self.member.layers
         k_all, v_all = list(self._whole_layers[0]), list(self._whole_layers[1])
         k_all[kept.start:kept.stop] = self.pool.k_buffer
@@ -410,7 +418,7 @@ class KunServeReplica:
         self.merged = True
 
     def _split_local(self) -> None:
-        KVResizer(self.scheduler).shrink(self.pool.size - self.kv_capacity_tokens_whole)
+        KVResizer(self.scheduler, self.faults).shrink(self.pool.size - self.kv_capacity_tokens_whole)
         self._merged_mirror = None
 
     def _hold_weights(self) -> None:
@@ -563,16 +571,17 @@ def _pool_layers(pool: Any) -> tuple:
 
 def _restore_pool_layers(pool: Any, saved: tuple) -> None:
     k, v, start, end, num = saved
-    _set_pool_layers(pool, range(start, end + 1), k, v)
-    assert pool.layer_num == num
+    _set_pool_layers(pool, range(start, start + num), k, v)
+    pool.end_layer = end
 
 
 def _set_pool_layers(pool: Any, layers: range, k_buffers: list, v_buffers: list) -> None:
     """The pool holds ``layers`` (their buffers given in order); SGLang indexes a pool's
-    buffers by ``layer_id - start_layer``, as it does for a pipeline stage's pool."""
+    buffers by ``layer_id - start_layer``, as it does for a pipeline stage's pool (whose
+    ``end_layer`` the model runner sets exclusive)."""
     pool.k_buffer[:] = list(k_buffers)
     pool.v_buffer[:] = list(v_buffers)
-    pool.start_layer, pool.end_layer, pool.layer_num = layers.start, layers.stop - 1, len(layers)
+    pool.start_layer, pool.end_layer, pool.layer_num = layers.start, layers.stop, len(layers)
     pool._kv_buffer_descs = pool._build_kv_buffer_descs()
     pool._init_data_ptrs_and_strides()
     pool.mem_usage = sum(pool.get_kv_size_bytes()) / _GIB
