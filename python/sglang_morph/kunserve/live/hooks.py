@@ -22,14 +22,12 @@ def around_runner_forward(original: Callable[..., Any], runner: Any, *args: Any,
         return original(runner, *args, **kwargs)
 
 
-def around_llama_forward(original: Callable[..., Any], model: Any, input_ids: Any,
-                         positions: Any, forward_batch: Any, input_embeds: Any = None,
-                         pp_proxy_tensors: Any = None) -> Any:
+def around_llama_forward(original: Callable[..., Any], model: Any, *args: Any,
+                         **kwargs: Any) -> Any:
     replica = model.__dict__.get("kunserve")
     if replica is None or not replica.merged:
-        return original(model, input_ids, positions, forward_batch, input_embeds,
-                        pp_proxy_tensors)
-    return replica.forward_merged(input_ids, positions, forward_batch, input_embeds)
+        return original(model, *args, **kwargs)
+    return replica.forward_merged(*args, **kwargs)
 
 
 HOOKS: tuple[Hook, ...] = (

@@ -438,7 +438,8 @@ class KunServeReplica:
 
     # ---- forward (scheduler thread, inside ModelRunner.forward, holding compute_lock) ----
 
-    def forward_merged(self, input_ids, positions, forward_batch, input_embeds=None):
+    def forward_merged(self, input_ids, positions, forward_batch, input_embeds=None,
+                       pp_proxy_tensors=None):
         """LlamaModel.forward of a merged replica: the kept layers here, the others on the
         peer. Returns what LlamaModel.forward returns (final-normed hidden states)."""
         from sglang.srt.layers.layer_boundary.residual import batch as residual_batch
