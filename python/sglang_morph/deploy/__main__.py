@@ -164,6 +164,8 @@ def cmd_profile(args) -> dict:
         print(f"profile: {kind} {cfg.name} at {n} layer(s)", file=sys.stderr, flush=True)
         record = measure_server(cfg, served_model, served_engines, n, workload,
                                 log_dir / f"{kind}-{cfg.name}-{n}l.log", kind)
+        # Every record names its code: a session cut short (a timeout) records no session.
+        record["git"] = session["git"]
         # A new measurement of the same server replaces the old one (a re-run on a quieter
         # machine), so the fits never mix two measurements of one point.
         profile["records"] = [r for r in profile["records"] if (r["kind"], r["config"],
