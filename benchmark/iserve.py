@@ -27,7 +27,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-import math
 import statistics
 from pathlib import Path
 
@@ -118,10 +117,9 @@ def _measured_candidate(record: dict, batch: int, output_tokens: int,
     if point is None:
         return None
     rss = [p["rss_hwm_bytes"] for p in record["processes"]]
-    e2e = point.ttft_s + (output_tokens - 1) * point.tpot_s
-    hours = cfg.processes * math.ceil(REQUESTS / batch) * e2e / 3600
-    return intents.Candidate(cfg, point.ttft_s, point.tpot_s, float(sum(rss)), float(max(rss)),
-                             hours, quality.get(cfg.bits), e2e)
+    return intents.Candidate.of(cfg, point.ttft_s, point.tpot_s, float(sum(rss)),
+                                float(max(rss)), quality.get(cfg.bits), batch, output_tokens,
+                                REQUESTS)
 
 
 def _objective(c: intents.Candidate, spec: intents.IntentSpec) -> float:

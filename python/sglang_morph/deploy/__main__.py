@@ -19,7 +19,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-import math
 import os
 import shlex
 import signal
@@ -239,14 +238,12 @@ def candidates(profile: Profile, batch: int, output_tokens: int, requests: int,
             continue
         mem = profile.estimates.memory_of(cfg)
         ttft, tpot = profile.estimates.latency_of(cfg, batch)
-        e2e = ttft + (output_tokens - 1) * tpot
         if memory_figure == "rss":
             memory, peak = mem.total_bytes["rss_hwm_bytes"], mem.peak_bytes["rss_hwm_bytes"]
         else:
             memory, peak = mem.accounted_total_bytes, mem.accounted_peak_bytes
-        hours = cfg.processes * math.ceil(requests / batch) * e2e / 3600
-        rows.append(intents.Candidate(cfg, ttft, tpot, memory, peak, hours,
-                                      quality.get(cfg.bits), e2e))
+        rows.append(intents.Candidate.of(cfg, ttft, tpot, memory, peak, quality.get(cfg.bits),
+                                         batch, output_tokens, requests))
     return rows, excluded
 
 

@@ -11,9 +11,9 @@
 
 ``fixed`` holds what one process has besides its layers (Python, torch, SGLang, the embedding,
 the LM head, the logits), ``per_layer`` the weights, KV pool share and transients of a layer
-(the activation peak has none: it is one layer's at any depth), and the deltas the pipeline overhead of a stage: what a first stage lacks (LM head, final norm,
-logits) and what a last stage lacks or adds (the embedding; its own LM head copy when the
-embedding is tied). A middle stage has neither end's tensors: both deltas, less the embedding
+(the activation peak has none: it is one layer's at any depth), and the deltas the pipeline
+overhead of a stage: what a first stage lacks (LM head, final norm, logits) and what a last
+stage lacks or adds (the embedding; its own LM head copy when the embedding is tied). A middle stage has neither end's tensors: both deltas, less the embedding
 ``E`` counted in both (its bytes are exact from the shapes, ``plan.model``; zero for the KV and
 activation figures, which hold no embedding). They are solved by least squares from the
 fingerprints: TP1/PP1 at 1 and 2 layers (fixed[1], per_layer[1]), TP1/PP2 at 2 and 3 layers
@@ -353,8 +353,9 @@ def fit_records(records: Sequence[dict[str, Any]], num_layers: int,
             if any(p.pp > 1 for p in process_points(records, bits, figure)):
                 continue
             # No pipeline run reported this figure (profiles from before 16-bit PP ran with
-            # --enable-morph have none: plain SGLang, without /morph/status). A stage boundary moves the embedding and LM head, which no
-            # bit-width quantizes, so another bit-width's deltas are this one's.
+            # --enable-morph have none: plain SGLang, without /morph/status). A stage boundary
+            # moves the embedding and LM head, which no bit-width quantizes, so another
+            # bit-width's deltas are this one's.
             donor = next((memory[b][figure] for b in all_bits if b != bits and figure in
                           memory[b] and any(p.pp > 1 for p in
                                             process_points(records, b, figure))), None)

@@ -58,6 +58,16 @@ class Candidate:
     perplexity: float | None
     e2e_s: float
 
+    @classmethod
+    def of(cls, cfg: Configuration, ttft_s: float, tpot_s: float, memory_bytes: float,
+           peak_process_bytes: float, perplexity: float | None, batch: int,
+           output_tokens: int, requests: int) -> "Candidate":
+        """A row from TTFT and TPOT (estimated or measured): the end-to-end time of a request
+        of ``output_tokens``, and the device-hours of ``requests`` served in batches."""
+        e2e = ttft_s + (output_tokens - 1) * tpot_s
+        hours = cfg.processes * math.ceil(requests / batch) * e2e / 3600
+        return cls(cfg, ttft_s, tpot_s, memory_bytes, peak_process_bytes, hours, perplexity, e2e)
+
     def cost(self, kind: str) -> float:
         if kind == "memory-x-latency":
             return self.memory_bytes / GB * self.e2e_s
