@@ -83,10 +83,7 @@ def _after_from_cli_args(server_args: Any, _cls: Any, args: Any) -> None:
     morph_config.attach(server_args, cfg)
     _kunserve_from_cli_args(server_args, args, cfg.enabled)
     if cfg.enabled:
-        # Transitions rewrite weights and KV slot indices between two batches; with overlap
-        # scheduling a launched batch's results would still hold the old ones.
-        server_args.disable_overlap_schedule = True
-        _turn_off_graphs(server_args)
+        _prepare_for_transitions(server_args)
         _install_http_side()
         missing = sym.missing_symbols(sym.ALL_SYMBOLS)
         if missing:
@@ -168,9 +165,7 @@ def _kunserve_from_cli_args(server_args: Any, args: Any, morph_enabled: bool) ->
     kunserve_config.attach(server_args, cfg)
     if not cfg.enabled:
         return
-    # Transitions rewrite weights and KV between batches (as morph's do).
-    server_args.disable_overlap_schedule = True
-    _turn_off_graphs(server_args)
+    _prepare_for_transitions(server_args)
     from sglang.srt.entrypoints.http_server import app
 
     from sglang_morph.kunserve.live.http import add_routes
@@ -178,6 +173,14 @@ def _kunserve_from_cli_args(server_args: Any, args: Any, morph_enabled: bool) ->
     add_routes(app)
     register_and_verify((Hook(sym.HOOK_TOKENIZER_MANAGER_INIT, _after_tokenizer_manager_init,
                               "AFTER"),))
+
+
+def _prepare_for_transitions(server_args: Any) -> None:
+    """Morph's and KunServe's transitions rewrite weights and KV slot indices between two
+    batches; with overlap scheduling a launched batch's results would still hold the old ones,
+    and graphs would replay the old tensors."""
+    server_args.disable_overlap_schedule = True
+    _turn_off_graphs(server_args)
 
 
 def _turn_off_graphs(server_args: Any) -> None:

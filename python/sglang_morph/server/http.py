@@ -88,12 +88,18 @@ def _bad_request(message: str):
     return JSONResponse({"error": message}, status_code=400)
 
 
+def control_client() -> Any:
+    """The TokenizerManager's control client (``attach_to_tokenizer_manager``), or None where
+    no control routes were installed. The /morph and /kunserve routes both go through it."""
+    from sglang.srt.entrypoints.http_server import get_global_state
+
+    return getattr(get_global_state().tokenizer_manager, "morph_control", None)
+
+
 async def _forward(req: MorphStatusReq | MorphSwapReq | MorphModeReq):
     """The scheduler's answer; under ``--dp-size N`` (several answers) ``{"replicas": [...]}``,
     with the first failing replica's status code if any failed."""
-    from sglang.srt.entrypoints.http_server import get_global_state
-
-    client = getattr(get_global_state().tokenizer_manager, "morph_control", None)
+    client = control_client()
     if client is None:
         return JSONResponse({"error": "sglang-morph is not running in this server"},
                               status_code=503)
@@ -122,13 +128,12 @@ def _replica_field(body: dict[str, Any], replicas: int, required: bool):
 
 
 def _replicas() -> int:
-    from sglang.srt.entrypoints.http_server import get_global_state
-
-    client = getattr(get_global_state().tokenizer_manager, "morph_control", None)
+    client = control_client()
     return 1 if client is None else client.replicas
 
 
-async def _json_object(request) -> dict[str, Any] | None:
+async def json_object(request) -> dict[str, Any] | None:
+    """The request's JSON body if it is an object, else None (not JSON, or not an object)."""
     try:
         body = await request.json()
     except (ValueError, UnicodeDecodeError):
@@ -150,7 +155,7 @@ def add_routes(app: Any) -> None:
         pinned where the operator put them (the controller does not move them) unless
         ``"pin": false``, which hands them back to the controller. Under ``--dp-size N`` the
         body names the ``"replica"`` that swaps."""
-        body = await _json_object(request)
+        body = await json_object(request)
         if body is None:
             return _bad_request('expected a JSON object like {"layers": [0, 1], "bits": 4}')
         unknown = sorted(set(body) - {"layers", "bits", "pin", "replica"})
@@ -175,7 +180,7 @@ def add_routes(app: Any) -> None:
     async def morph_mode(request: Request):
         """``{"mode": "performance"}``: change the controller's policy at runtime (every
         replica's, or one's with ``"replica"``)."""
-        body = await _json_object(request)
+        body = await json_object(request)
         if (body is None or not isinstance(body.get("mode"), str)
                 or not set(body) <= {"mode", "replica"}):
             return _bad_request('expected a JSON object like {"mode": "performance"}')

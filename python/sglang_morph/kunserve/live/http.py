@@ -6,7 +6,6 @@ transitions are ``ADMIN_OPTIONAL`` (``--admin-api-key`` when set)."""
 
 from __future__ import annotations
 
-import json
 from typing import Any
 
 from fastapi import Request
@@ -17,12 +16,11 @@ from sglang_morph.kunserve.live.messages import (
     KunServeRestoreReq,
     KunServeStatusReq,
 )
+from sglang_morph.server.http import control_client, json_object
 
 
 async def _forward(req: Any) -> JSONResponse:
-    from sglang.srt.entrypoints.http_server import get_global_state
-
-    client = getattr(get_global_state().tokenizer_manager, "morph_control", None)
+    client = control_client()
     if client is None:
         return JSONResponse({"error": "KunServe is not running in this server"}, status_code=503)
     outs = await client.call(req)
@@ -38,14 +36,10 @@ async def _forward(req: Any) -> JSONResponse:
 async def _empty_body(request: Request) -> str | None:
     """The transitions take no parameters: no body, or an empty JSON object. A message when
     the body is anything else."""
-    raw = await request.body()
-    if not raw.strip():
+    if not (await request.body()).strip():
         return None
-    try:
-        body = json.loads(raw)
-    except (ValueError, UnicodeDecodeError):
-        return "the body must be empty or a JSON object"
-    if not isinstance(body, dict):
+    body = await json_object(request)
+    if body is None:
         return "the body must be empty or a JSON object"
     if body:
         return (f"unknown fields {sorted(body)}: the group is replicas 0 and 1, split as the "
