@@ -408,11 +408,8 @@ class KVResizer:
             new_v[:keep] = v[:keep]
             new_k_buffers.append(new_k)
             new_v_buffers.append(new_v)
-        pool.k_buffer[:], pool.v_buffer[:] = new_k_buffers, new_v_buffers
         pool.size = capacity_tokens
-        pool._kv_buffer_descs = pool._build_kv_buffer_descs()
-        pool._init_data_ptrs_and_strides()
-        pool.mem_usage = sum(pool.get_kv_size_bytes()) / _GIB
+        set_pool_buffers(pool, new_k_buffers, new_v_buffers)
 
     def _max_req_len(self, capacity_tokens: int) -> int:
         return min(self.context_len - 1, capacity_tokens - 1)
@@ -481,3 +478,14 @@ def _remapped(indices: torch.Tensor, remap: torch.Tensor) -> torch.Tensor:
     beyond = idx >= remap.numel()
     out = torch.where(beyond, idx, remap[idx.clamp(max=remap.numel() - 1)])
     return out.to(indices.dtype)
+
+
+def set_pool_buffers(pool: Any, k_buffers: list, v_buffers: list) -> None:
+    """Give an MHA pool new per-layer K/V buffers (one per layer it holds, in order) and
+    rebuild what SGLang derives from them: the transfer descriptors, the data pointers and
+    strides the kernels read, and the reported memory usage."""
+    pool.k_buffer[:] = list(k_buffers)
+    pool.v_buffer[:] = list(v_buffers)
+    pool._kv_buffer_descs = pool._build_kv_buffer_descs()
+    pool._init_data_ptrs_and_strides()
+    pool.mem_usage = sum(pool.get_kv_size_bytes()) / _GIB

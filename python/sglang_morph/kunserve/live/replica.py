@@ -52,14 +52,13 @@ from typing import Any
 import torch
 
 from sglang_morph.executor.faults import FaultInjector
-from sglang_morph.executor.kv_resizer import KVResizer
+from sglang_morph.executor.kv_resizer import KVResizer, set_pool_buffers
 from sglang_morph.kunserve.live.link import PeerLink
 from sglang_morph.kunserve.planner import DropPlannerConfig, MemberLayout, make_group
 from sglang_morph.parallel.replicas import replica_index
 
 logger = logging.getLogger("sglang_morph.kunserve")
 
-_GIB = 1 << 30
 _OK, _REFUSED, _FAILED = 200, 409, 500
 # Tests only: the replica whose KV resizes the morph fault points (SGLANG_MORPH_FAULT) fail, so
 # that one replica of the pair fails a transition the other completed.
@@ -145,9 +144,13 @@ class KunServeReplica:
     def front(self) -> bool:
         return self.member.layers.start == 0
 
+    @property
+    def dropped_layers(self) -> list[int]:
+        """The decoder layers the peer holds in a merged group, in order."""
+        return [i for i in range(self.num_layers) if i not in self.member.layers]
+
     def _dropped_modules(self) -> list[torch.nn.Module]:
-        kept = self.member.layers
-        out = [self.model.layers[i] for i in range(self.num_layers) if i not in kept]
+        out = [self.model.layers[i] for i in self.dropped_layers]
         if self.front:
             out.append(self.model.norm)  # the back member normalizes the front's output
         return out
@@ -346,7 +349,7 @@ class KunServeReplica:
             head_num=pool.head_num, head_dim=pool.head_dim, layer_num=len(kept),
             device=pool.device, enable_memory_saver=False, v_head_dim=pool.v_head_dim,
             start_layer=kept.start, end_layer=kept.stop, enable_alt_stream=False)
-        dropped = [i for i in range(self.num_layers) if i not in kept]
+        dropped = self.dropped_layers
         self._moved_bytes = self._exchange_layers(
             [pool.k_buffer[i] for i in dropped], [pool.v_buffer[i] for i in dropped],
             mirror.k_buffer, mirror.v_buffer)
@@ -391,7 +394,7 @@ class KunServeReplica:
     def _split_move_kv(self) -> None:
         pool, kept = self.pool, self.member.layers
         rows, shape = pool.k_buffer[0].shape[0], pool.k_buffer[0].shape[1:]
-        dropped = [i for i in range(self.num_layers) if i not in kept]
+        dropped = self.dropped_layers
         fused = [torch.zeros((2, rows, *shape), dtype=pool.k_buffer[0].dtype,
                              device=pool.k_buffer[0].device) for _ in dropped]
         self._moved_bytes = self._exchange_layers(
@@ -580,9 +583,5 @@ def _set_pool_layers(pool: Any, layers: range, k_buffers: list, v_buffers: list)
     """The pool holds ``layers`` (their buffers given in order); SGLang indexes a pool's
     buffers by ``layer_id - start_layer``, as it does for a pipeline stage's pool (whose
     ``end_layer`` the model runner sets exclusive)."""
-    pool.k_buffer[:] = list(k_buffers)
-    pool.v_buffer[:] = list(v_buffers)
     pool.start_layer, pool.end_layer, pool.layer_num = layers.start, layers.stop, len(layers)
-    pool._kv_buffer_descs = pool._build_kv_buffer_descs()
-    pool._init_data_ptrs_and_strides()
-    pool.mem_usage = sum(pool.get_kv_size_bytes()) / _GIB
+    set_pool_buffers(pool, k_buffers, v_buffers)
