@@ -173,13 +173,12 @@ def main() -> None:
     parser.add_argument("--devices", default=DEVICES,
                         help=f"the two stages' devices, NAME:MEMORY (default {DEVICES})")
     args = parser.parse_args()
-    from sglang_morph.plan.__main__ import parse_size
+    from sglang_morph.plan.__main__ import _default_engines, _default_model_dir, parse_size
+    from sglang_morph.plan.model import ModelSpec
 
     devices = args.devices
     total_bytes = sum(parse_size(d.split(":", 1)[1]) for d in devices.split(","))
     even_devices = f"cpu:{total_bytes // 2}B,cpu:{total_bytes // 2}B"  # the same total, split
-    from sglang_morph.plan.model import ModelSpec
-    from sglang_morph.plan.__main__ import _default_engines, _default_model_dir
 
     model_dir = _default_model_dir()
     engines = str(_default_engines(model_dir))
