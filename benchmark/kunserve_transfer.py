@@ -14,7 +14,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import socket
 import statistics
 import subprocess
 import time
@@ -25,17 +24,11 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from benchmark.harness import git_state, load_average, machine_info
+from benchmark.harness import free_port, git_state, load_average, machine_info
 
 SIZES_BYTES = (4 << 10, 64 << 10, 1 << 20, 8 << 20, 32 << 20)
 REPEATS = 9
 COPY_BYTES = 256 << 20
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _peer(rank: int, port: int, queue) -> None:
@@ -65,7 +58,7 @@ def _peer(rank: int, port: int, queue) -> None:
 def measure_gloo() -> dict[int, float]:
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
-    port = _free_port()
+    port = free_port()
     procs = [ctx.Process(target=_peer, args=(r, port, queue)) for r in (0, 1)]
     for p in procs:
         p.start()
