@@ -1,20 +1,27 @@
 """Measure KunServe's chunk cost model on this machine, through a real SGLang server.
 
-Prefill chunks: for every (p cached tokens, c new tokens, b requests) point, ``b`` random
-prompts of ``p`` tokens are prefilled once (the radix cache keeps them), then the same prompts
-extended by ``c`` fresh tokens run as one batch with ``max_new_tokens=1``; SGLang reports
-``cached_tokens`` (checked to equal ``p``) and its own ``e2e_latency`` per request, which is
-the forward of the ``c`` tokens plus the fixed per-request path (IPC, scheduling, sampling,
-detokenizing) that the model's ``gamma`` absorbs.
+The server runs with ``SGLANG_MORPH_FORWARD_TIMINGS`` (``kunserve/live/forward_timings.py``):
+each scheduler forward is timed around ``ModelRunner.forward`` and logged with its chunks as
+SGLang ran them (its own prefix and extend lengths). So a point is the forward alone (model and
+logits), not a client's end-to-end latency (HTTP, tokenizer and scheduler IPC, scheduling,
+sampling), and its ``(p, c)`` are what ran, not what was asked for.
 
-Decode steps: ``b`` fresh prompts of ``p`` tokens run once with ``max_new_tokens=1`` and once
-(other fresh prompts, the same prefill) with ``N``; ``(e2e(N) - e2e(1)) / (N - 1)`` is one
-decode step of the batch, at the mean context ``p + N/2`` (the model is linear in ``p`` for
-``c = 1``, so the mean step is the step at the mean context).
+Prefill points (grid ``PREFILL_CACHED x PREFILL_NEW`` at one request, ``PREFILL_BATCHED`` at 2
+and 4): ``b`` random prompts of ``p`` tokens are prefilled (the radix cache keeps them), then
+the same prompts extended by ``c`` fresh tokens run as one batch with ``max_new_tokens=1``;
+the extend forward whose chunks are ``b x (p, c)`` is the point (another shape, e.g. a batch
+SGLang split in two, is counted as a miss). Each repetition uses fresh new tokens behind the
+same prefix. Decode points (grid ``DECODE_CONTEXT x DECODE_BATCH``): ``b`` prompts of ``p``
+tokens generate ``DECODE_STEPS`` tokens; every decode forward of all ``b`` requests is a step
+at contexts ``p .. p + DECODE_STEPS - 2``; the point is the mean over steps of each step's
+median over repetitions, at the mean context (the model is linear in ``p`` for ``c = 1``).
 
-Every point is the fastest of ``--repeats`` runs (other work on a shared 2-core machine only
-ever makes a run slower, so the fastest is the least disturbed one). A fixed quarter of the points (seeded) is held
-out; the fit uses the rest, and the held-out mean relative error is reported per phase.
+A point's time is the median of ``--repeats`` runs (all runs are kept). A seeded quarter of
+each phase's grid points is held out; the fit uses the rest. Two models per phase: KunServe's
+as the paper writes it (alpha, beta, gamma) and with torch_native's padded prefix (``+ delta
+p^2 + epsilon p``, ``cost.TORCH_NATIVE_TERMS``; prefill only: a decode step attends with its
+one row, no padding). The results (JSON with every run, and a table) are written by this
+script; ``--refit`` fits them again without a server.
 
     .venv/bin/python -m benchmark.kunserve_costs [--out benchmark/results/kunserve]
 """
@@ -25,6 +32,7 @@ import argparse
 import dataclasses
 import json
 import signal
+import statistics
 import subprocess
 import sys
 import time
@@ -35,6 +43,8 @@ import numpy as np
 
 from benchmark.harness import git_state, load_average, machine_info, running_server
 from sglang_morph.kunserve.cost import (
+    KUNSERVE_TERMS,
+    TORCH_NATIVE_TERMS,
     Chunk,
     ForwardTiming,
     PhaseCosts,
@@ -43,142 +53,191 @@ from sglang_morph.kunserve.cost import (
     timings_from_json,
     timings_to_json,
 )
+from sglang_morph.kunserve.live.forward_timings import ENV as TIMINGS_ENV
 
-# About 7 minutes on this 2-core machine (prefill ~900 tokens/s, a decode step 50-150 ms);
-# batched points only up to BATCHED_TOKENS tokens in the forward.
-PREFILL_CACHED = (0, 256, 1024, 2048)
-PREFILL_NEW = (16, 128, 512, 1024)
-PREFILL_BATCH = (1, 2)
-DECODE_CONTEXT = (32, 512, 1024, 2048)
-DECODE_BATCH = (1, 4, 8)
-BATCHED_TOKENS = 4096
-DECODE_STEPS = 34  # 33 decode steps after the prefill's token: cached p+1 .. p+33, mean p+17
-MAX_BATCH_TOKENS = 8192  # one forward (no chunked prefill splitting a point)
+PREFILL_CACHED = (0, 256, 512, 1024, 1536, 2048)
+PREFILL_NEW = (16, 64, 128, 256, 512, 1024)
+PREFILL_BATCHED = {2: ((0, 64), (0, 256), (512, 64), (512, 256), (1536, 64), (1536, 256)),
+                   4: ((0, 64), (0, 256), (512, 64), (512, 256), (1536, 64), (1536, 256))}
+DECODE_CONTEXT = (64, 512, 1024, 2048)
+DECODE_BATCH = (1, 2, 4, 8, 16)
+DECODE_MAX_TOKENS = 8192  # b * p at most: the prompts' prefill is not what is measured
+DECODE_STEPS = 9  # generated tokens: the first from the prefill, then 8 decode forwards
+MAX_BATCH_TOKENS = 8192  # one forward per point (no chunked prefill splitting it)
 HELD_OUT_SHARE = 0.25
 MIN_POINTS_TO_HOLD_OUT = 8
-RAW = Path("benchmark/results/raw")  # server log and partial progress (git-ignored)
+RAW = Path("benchmark/results/raw")  # server log and the forward timings (git-ignored)
 VOCAB_LOW, VOCAB_HIGH = 1000, 40000  # ordinary tokens of the default model's vocabulary
 SERVER_ARGS = ("--chunked-prefill-size", str(MAX_BATCH_TOKENS),
                "--max-prefill-tokens", str(MAX_BATCH_TOKENS))
 
 
 class Client:
-    def __init__(self, url: str, seed: int):
+    """Requests to the server, and the forwards its scheduler logged since the last read."""
+
+    def __init__(self, url: str, seed: int, timings_path: Path):
         self.http = httpx.Client(base_url=url, timeout=600.0)
         self.rng = np.random.default_rng(seed)
+        self.timings_path = timings_path
+        self.read_at = 0
+        self.forwards()  # the server's own warm-up forwards are not points
 
     def tokens(self, n: int) -> list[int]:
         return self.rng.integers(VOCAB_LOW, VOCAB_HIGH, n).tolist()
 
-    def generate(self, prompts: list[list[int]], max_new_tokens: int) -> list[dict]:
+    def generate(self, prompts: list[list[int]], max_new_tokens: int) -> None:
         r = self.http.post("/generate", json={
             "input_ids": prompts,
             "sampling_params": {"temperature": 0, "max_new_tokens": max_new_tokens,
                                 "ignore_eos": True}})
         r.raise_for_status()
-        out = r.json()
-        return out if isinstance(out, list) else [out]
 
-    def e2e_s(self, outs: list[dict]) -> float:
-        # One forward serves the whole batch: the slowest member's path is the batch's.
-        return max(float(o["meta_info"]["e2e_latency"]) for o in outs)
+    def flush_cache(self) -> None:
+        self.http.post("/flush_cache").raise_for_status()
+
+    def forwards(self) -> list[dict]:
+        """The forwards logged since the last call (the request that caused them has been
+        answered, so its forwards are in the file)."""
+        with open(self.timings_path) as f:
+            f.seek(self.read_at)
+            text = f.read()
+        complete = text[: text.rfind("\n") + 1]
+        self.read_at += len(complete.encode())
+        return [json.loads(line) for line in complete.splitlines()]
 
 
-def prefill_point(client: Client, p: int, c: int, b: int) -> float:
+def prefill_runs(client: Client, p: int, c: int, b: int, repeats: int) -> tuple[list[float], int]:
+    """``repeats`` forwards of ``b x (p, c)`` behind one set of cached prefixes; the misses."""
+    client.flush_cache()
     prefixes = [client.tokens(p) for _ in range(b)]
     if p:
         client.generate(prefixes, 1)
-    outs = client.generate([pre + client.tokens(c) for pre in prefixes], 1)
-    cached = [int(o["meta_info"]["cached_tokens"]) for o in outs]
-    if cached != [p] * b:
-        raise RuntimeError(f"prefill point p={p} c={c} b={b}: cached_tokens {cached}, "
-                           f"expected {p} each (radix cache off or evicted?)")
-    return client.e2e_s(outs)
+        client.forwards()
+    runs, misses = [], 0
+    for _ in range(repeats):
+        client.generate([pre + client.tokens(c) for pre in prefixes], 1)
+        hits = [f["seconds"] for f in client.forwards() if f["mode"] == "extend"
+                and sorted(zip(f["cached"], f["new"])) == [(p, c)] * b]
+        runs += hits[:1]
+        misses += not hits
+    return runs, misses
 
 
-def decode_point(client: Client, p: int, b: int) -> float:
-    one = client.e2e_s(client.generate([client.tokens(p) for _ in range(b)], 1))
-    many = client.e2e_s(client.generate([client.tokens(p) for _ in range(b)], DECODE_STEPS))
-    return (many - one) / (DECODE_STEPS - 1)
+def decode_runs(client: Client, p: int, b: int, repeats: int) -> dict[int, list[float]]:
+    """Step -> its times over ``repeats`` runs of ``b`` prompts of ``p`` tokens (prefilled by
+    the first run and cached for the others, whose prefill is one token each)."""
+    client.flush_cache()
+    prompts = [client.tokens(p) for _ in range(b)]
+    steps: dict[int, list[float]] = {}
+    for _ in range(repeats):
+        client.generate(prompts, DECODE_STEPS)
+        for f in client.forwards():
+            if f["mode"] == "decode" and len(f["cached"]) == b:
+                step = min(f["cached"]) - p
+                if max(f["cached"]) - p == step and 0 <= step < DECODE_STEPS - 1:
+                    steps.setdefault(step, []).append(f["seconds"])
+    return steps
 
 
-def measure(client: Client, repeats: int, deadline: float,
-            progress: Path) -> list[ForwardTiming]:
-    points: list[tuple[str, int, int, int]] = []
-    for b in PREFILL_BATCH:
-        for p in PREFILL_CACHED:
-            for c in PREFILL_NEW:
-                if b == 1 or b * (p + c) <= BATCHED_TOKENS * 5 // 8:
-                    points.append(("prefill", p, c, b))
-    for b in DECODE_BATCH:
-        for p in DECODE_CONTEXT:
-            if b * p <= BATCHED_TOKENS:
-                points.append(("decode", p, 1, b))
-    # Warm-up: first forwards of each shape pay one-time costs (allocator, kernels).
-    prefill_point(client, 64, 64, 1)
-    decode_point(client, 64, 1)
-    # A seeded shuffle: a run cut short by its time limit still holds both phases and all
-    # sizes, and a stretch of other load on the machine does not fall on one kind of point.
+def grid() -> list[tuple[str, int, int, int]]:
+    points = [("prefill", p, c, 1) for p in PREFILL_CACHED for c in PREFILL_NEW]
+    points += [("prefill", p, c, b) for b, pcs in PREFILL_BATCHED.items() for p, c in pcs]
+    points += [("decode", p, 1, b) for p in DECODE_CONTEXT for b in DECODE_BATCH
+               if b * p <= DECODE_MAX_TOKENS]
+    return points
+
+
+def measure(client: Client, repeats: int, deadline: float, progress: Path) -> list[dict]:
+    """Every grid point in a seeded order (a stretch of load on the machine does not fall on
+    one kind of point; a run stopped by its time limit still holds both phases)."""
+    prefill_runs(client, 64, 64, 1, 2)  # first forwards of a shape pay one-time costs
+    decode_runs(client, 64, 2, 1)
+    points = grid()
     order = np.random.default_rng(len(points)).permutation(len(points))
-    points = [points[i] for i in order]
-    timings = []
-    for k, (phase, p, c, b) in enumerate(points):
+    records = []
+    for k, i in enumerate(order):
+        phase, p, c, b = points[i]
         if time.monotonic() > deadline:
             print(f"time limit: stopped after {k} of {len(points)} points", flush=True)
             break
-        runs = [prefill_point(client, p, c, b) if phase == "prefill" else decode_point(client, p, b)
-                for _ in range(repeats)]
-        seconds = min(runs)
-        cached = p if phase == "prefill" else p + DECODE_STEPS // 2
-        timings.append(ForwardTiming(tuple(Chunk(cached, c) for _ in range(b)), seconds))
-        # Kept as it goes: a run cut short still leaves what it measured.
-        progress.write_text(json.dumps(timings_to_json(timings)))
-        print(f"[{k + 1}/{len(points)}] {phase} p={p} c={c} b={b}: {seconds * 1e3:.1f} ms "
-              f"(runs {', '.join(f'{r * 1e3:.1f}' for r in runs)})", flush=True)
-    return timings
+        if phase == "prefill":
+            runs, misses = prefill_runs(client, p, c, b, repeats)
+            if not runs:
+                print(f"[{k + 1}/{len(points)}] prefill p={p} c={c} b={b}: no forward of that "
+                      f"shape in {repeats} runs", flush=True)
+                continue
+            record = {"phase": phase, "grid": [p, c, b], "chunks": [[p, c]] * b,
+                      "seconds": statistics.median(runs), "runs_s": runs, "misses": misses}
+        else:
+            steps = decode_runs(client, p, b, repeats)
+            if not steps:
+                print(f"[{k + 1}/{len(points)}] decode p={p} b={b}: no decode step of all "
+                      f"{b} requests", flush=True)
+                continue
+            mean_context = p + round(statistics.mean(steps))
+            record = {"phase": phase, "grid": [p, 1, b], "chunks": [[mean_context, 1]] * b,
+                      "seconds": statistics.mean(statistics.median(v) for v in steps.values()),
+                      "runs_s": {str(s): v for s, v in sorted(steps.items())}}
+        records.append(record)
+        progress.write_text(json.dumps(records))  # a run cut short keeps what it measured
+        print(f"[{k + 1}/{len(points)}] {phase} p={p} c={c} b={b}: "
+              f"{record['seconds'] * 1e3:.1f} ms", flush=True)
+    return records
 
 
-def split_held_out(timings: list[ForwardTiming], seed: int):
+def split_held_out(records: list[dict], seed: int) -> tuple[list[dict], list[dict]]:
+    """A seeded quarter of the grid points held out (a point with all its runs, so no run of
+    a held-out point is seen by the fit)."""
     rng = np.random.default_rng(seed)
-    held = set(rng.permutation(len(timings))[: round(HELD_OUT_SHARE * len(timings))].tolist())
-    train = [t for i, t in enumerate(timings) if i not in held]
-    test = [t for i, t in enumerate(timings) if i in held]
-    return train, test
+    held = set(rng.permutation(len(records))[: round(HELD_OUT_SHARE * len(records))].tolist())
+    return ([r for i, r in enumerate(records) if i not in held],
+            [r for i, r in enumerate(records) if i in held])
 
 
-VARIANTS = {"kunserve": False, "kunserve + delta p^2": True}
+def timing(record: dict) -> ForwardTiming:
+    return timings_from_json([record])[0]
 
 
-def fit_and_evaluate(timings: list[ForwardTiming], seed: int, source: str) -> dict:
-    """Both variants of the model per phase (KunServe's, and with the ``p^2`` term SGLang's
-    torch_native attention adds), fitted on the same training points; the simulation and the
-    lookahead use the variant with the lower held-out prefill error."""
+# Decode attends with its one query row, unpadded: the torch_native terms are prefill-only.
+VARIANTS = {"kunserve": {"prefill": KUNSERVE_TERMS, "decode": KUNSERVE_TERMS},
+            "kunserve + torch_native prefix":
+                {"prefill": TORCH_NATIVE_TERMS, "decode": KUNSERVE_TERMS}}
+USED = "kunserve + torch_native prefix"
+
+
+def fit_and_evaluate(records: list[dict], seed: int, source: str) -> dict:
+    """Both variants per phase, fitted on the same training points and scored on the same
+    held-out ones. The simulation and the lookahead use ``USED``: KunServe's terms cannot
+    express what torch_native's extend does with a cached prefix (``cost.py``)."""
     fits: dict[str, dict] = {}
     models: dict[str, dict] = {}
-    for variant, squared in VARIANTS.items():
+    split = {}
+    for phase in ("prefill", "decode"):
+        own = [r for r in records if r["phase"] == phase]
+        # Too few points to spare any: fit them all and report no held-out error.
+        split[phase] = split_held_out(own, seed) if len(own) >= MIN_POINTS_TO_HOLD_OUT \
+            else (own, [])
+    for variant, terms in VARIANTS.items():
         fits[variant], models[variant] = {}, {}
         for phase in ("prefill", "decode"):
-            own = [t for t in timings if t.phase == phase]
-            # Too few points to spare any: fit them all and report no held-out error.
-            train, test = split_held_out(own, seed) if len(own) >= MIN_POINTS_TO_HOLD_OUT \
-                else (own, [])
-            # Decode attends with one query row: the p^2 term is a prefill-only effect.
-            model = fit_chunk_cost(train, prefix_squared=squared and phase == "prefill")
+            train, test = split[phase]
+            model = fit_chunk_cost([timing(r) for r in train], terms[phase])
             models[variant][phase] = model
-            train_err = relative_errors(model, train)
-            test_err = relative_errors(model, test) if test else None
+            train_err = relative_errors(model, [timing(r) for r in train])
+            test_err = relative_errors(model, [timing(r) for r in test]) if test else None
             fits[variant][phase] = {
-                "coefficients": dataclasses.asdict(model), "points": len(own),
-                "train_points": len(train), "held_out_points": len(test),
+                "coefficients": dataclasses.asdict(model), "terms": list(terms[phase]),
+                "points": len(train) + len(test), "train_points": len(train),
+                "held_out_points": len(test),
                 "train_mean_error": float(train_err.mean()),
                 "held_out_mean_error": float(test_err.mean()) if test else None,
                 "held_out_max_error": float(test_err.max()) if test else None}
-    chosen = min(VARIANTS, key=lambda v: fits[v]["prefill"]["held_out_mean_error"]
-                 if fits[v]["prefill"]["held_out_mean_error"] is not None
-                 else fits[v]["prefill"]["train_mean_error"])
-    fit = PhaseCosts(models[chosen]["prefill"], models[chosen]["decode"],
-                     f"{source}, {chosen}")
-    return {"fit": fit.to_json(), "chosen": chosen, "fits": fits}
+    fit = PhaseCosts(models[USED]["prefill"], models[USED]["decode"], f"{source}, {USED}")
+    held = {id(r) for phase in split.values() for r in phase[1]}
+    points = [{**r, "held_out": id(r) in held,
+               "predicted_s": {v: models[v][r["phase"]].seconds(timing(r).chunks)
+                               for v in VARIANTS}} for r in records]
+    return {"fit": fit.to_json(), "chosen": USED, "fits": fits, "points": points}
 
 
 def _pct(x: float | None) -> str:
@@ -188,32 +247,49 @@ def _pct(x: float | None) -> str:
 def write_markdown(path: Path, result: dict) -> None:
     meta = result["meta"]
     lines = ["# KunServe chunk cost model, measured on this machine (real SGLang server)", "",
-             f"Measured with `{meta['command']}` at commit {meta['git']['commit']} "
-             f"(dirty: {meta['git']['dirty']}), {meta['machine']['cpu_model']}, "
-             f"{meta['machine']['cpu_cores']} cores, sglang {meta['machine']['versions']['sglang']}, "
-             f"default dtype, torch_native attention; load average before {meta['load_before']}, "
-             f"after {meta['load_after']}; `uptime` after: {meta['uptime']}; "
+             f"`{meta['command']}` at commit {meta['git']['commit']} "
+             f"(dirty: {meta['git']['dirty']}), {meta['started_utc']} UTC, "
+             f"{meta['machine']['cpu_model']}, {meta['machine']['cpu_cores']} cores, sglang "
+             f"{meta['machine']['versions']['sglang']}, default dtype, torch_native attention; "
+             f"load average before {meta['load_before']}, after {meta['load_after']}; "
              f"{meta['seconds']:.0f} s. Fitted at commit {result['fitted_at']}.", "",
-             *[f"- {key.replace('_', ' ')}: {value}" for key, value in meta.items()
-               if key.endswith("_provenance")], "",
              "cost(batch) = gamma + sum_i [alpha (p_i c_i + c_i^2 + c_i) + beta c_i] "
-             "(+ delta sum_i p_i^2 in the second variant: SGLang's torch_native extend pads each "
-             "request's query to the whole sequence, so its attention also grows with p^2); "
-             "server-side `e2e_latency`, fastest of "
-             f"{meta['repeats']} runs per point, {HELD_OUT_SHARE:.0%} of the points held out "
+             "(KunServe) + delta sum_i p_i^2 + epsilon sum_i p_i (torch_native's extend pads "
+             "each request's query over its cached prefix: attention in p^2, gathered and "
+             "padded rows in p; prefill only). Times: the scheduler's `ModelRunner.forward` "
+             "(model and logits, no sampling, scheduling or HTTP), logged by "
+             "`SGLANG_MORPH_FORWARD_TIMINGS` with the chunks SGLang ran; median of "
+             f"{meta['repeats']} runs per point (decode: mean over {DECODE_STEPS - 1} steps of "
+             f"each step's median); {HELD_OUT_SHARE:.0%} of each phase's points held out "
              f"(seed {meta['seed']}). Used by the simulation and the lookahead: "
              f"**{result['chosen']}**.", "",
-             "| model | phase | alpha (s) | beta (s/token) | gamma (s) | delta (s) | points | "
-             "train mean err | held-out mean err | held-out max err |",
-             "|---|---|---|---|---|---|---|---|---|---|"]
+             "| model | phase | alpha (s) | beta (s/token) | gamma (s) | delta (s) | "
+             "epsilon (s/token) | points (train + held out) | train mean err | "
+             "held-out mean err | held-out max err |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
     for variant, phases in result["fits"].items():
         for phase, e in phases.items():
             f = e["coefficients"]
             lines.append(
                 f"| {variant} | {phase} | {f['alpha_s']:.3e} | {f['beta_s']:.3e} | "
-                f"{f['gamma_s']:.3e} | {f['delta_s']:.3e} | {e['points']} | "
+                f"{f['gamma_s']:.3e} | {f['delta_s']:.3e} | {f['epsilon_s']:.3e} | "
+                f"{e['train_points']} + {e['held_out_points']} | "
                 f"{e['train_mean_error']:.1%} | {_pct(e['held_out_mean_error'])} | "
                 f"{_pct(e['held_out_max_error'])} |")
+    names = list(result["fits"])
+    lines += ["", "Every point (ms; error relative to the measured median):", "",
+              "| phase | p | c | b | held out | measured | runs | "
+              + " | ".join(f"{n} (err)" for n in names) + " |",
+              "|---|---|---|---|---|---|---|" + "---|" * len(names)]
+    for r in sorted(result["points"], key=lambda r: (r["phase"], *r["grid"])):
+        p, c, b = r["grid"]
+        runs = (r["runs_s"] if isinstance(r["runs_s"], list)
+                else [t for v in r["runs_s"].values() for t in v])
+        spread = f"{min(runs) * 1e3:.1f}-{max(runs) * 1e3:.1f} ({len(runs)})"
+        cells = [f"{r['predicted_s'][n] * 1e3:.1f} "
+                 f"({abs(r['predicted_s'][n] / r['seconds'] - 1):.1%})" for n in names]
+        lines.append(f"| {r['phase']} | {p} | {c} | {b} | {'yes' if r['held_out'] else ''} | "
+                     f"{r['seconds'] * 1e3:.1f} | {spread} | " + " | ".join(cells) + " |")
     path.write_text("\n".join(lines) + "\n")
 
 
@@ -225,42 +301,45 @@ def main() -> None:
     ap.add_argument("--time-limit-s", type=float, default=14 * 60,
                     help="stop measuring past this many seconds and fit the points measured")
     ap.add_argument("--refit", action="store_true",
-                    help="fit timings again (no server): OUT/costs.json's or --timings'")
-    ap.add_argument("--timings", type=Path, default=None,
-                    help="with --refit: a JSON file with 'meta' and 'timings'")
+                    help="fit OUT/costs.json's points again (no server)")
     args = ap.parse_args()
     if args.repeats < 1:
         ap.error("--repeats must be >= 1")
     if args.refit:
-        raw = json.loads((args.timings or args.out / "costs.json").read_text())
-        timings = timings_from_json(raw["timings"])
-        meta = raw["meta"]
-        source = f"{meta['machine']['cpu_model']}, commit {meta['git']['commit']}"
-        write_results(args.out, timings, meta, source)
+        raw = json.loads((args.out / "costs.json").read_text())
+        records = [{k: v for k, v in r.items() if k not in ("held_out", "predicted_s")}
+                   for r in raw["points"]]
+        write_results(args.out, records, raw["meta"])
         return
     args.out.mkdir(parents=True, exist_ok=True)
     # A background run ignores SIGINT; SIGTERM must still stop the server (the with block).
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
 
     started = time.monotonic()
+    started_utc = time.strftime("%Y-%m-%d %H:%M", time.gmtime())
     load_before = load_average()
     RAW.mkdir(parents=True, exist_ok=True)
-    with running_server(SERVER_ARGS, RAW / "kunserve_costs_server.log") as server:
-        timings = measure(Client(server.url, args.seed), args.repeats,
+    timings_path = (RAW / "kunserve_forward_timings.jsonl").resolve()
+    timings_path.unlink(missing_ok=True)
+    timings_path.touch()
+    with running_server(SERVER_ARGS, RAW / "kunserve_costs_server.log",
+                        env={TIMINGS_ENV: str(timings_path)}) as server:
+        records = measure(Client(server.url, args.seed, timings_path), args.repeats,
                           started + args.time_limit_s, RAW / "kunserve_costs_progress.json")
-    meta = {"command": "python -m benchmark.kunserve_costs", "git": git_state(),
-            "machine": machine_info(), "repeats": args.repeats, "seed": args.seed,
-            "server_args": list(SERVER_ARGS), "load_before": load_before,
-            "load_after": load_average(), "seconds": time.monotonic() - started,
+    meta = {"command": f"python -m benchmark.kunserve_costs --repeats {args.repeats} "
+                       f"--seed {args.seed}",
+            "git": git_state(), "machine": machine_info(), "repeats": args.repeats,
+            "seed": args.seed, "server_args": list(SERVER_ARGS), "started_utc": started_utc,
+            "load_before": load_before, "load_after": load_average(),
+            "seconds": time.monotonic() - started,
             "uptime": subprocess.run(["uptime"], capture_output=True, text=True).stdout.strip()}
+    write_results(args.out, records, meta)
+
+
+def write_results(out: Path, records: list[dict], meta: dict) -> None:
     source = f"{meta['machine']['cpu_model']}, commit {meta['git']['commit']}"
-    write_results(args.out, timings, meta, source)
-
-
-def write_results(out: Path, timings: list[ForwardTiming], meta: dict, source: str) -> None:
-    result = {**fit_and_evaluate(timings, meta["seed"], source),
-              "fitted_at": git_state()["commit"], "meta": meta,
-              "timings": timings_to_json(timings)}
+    result = {**fit_and_evaluate(records, meta["seed"], source),
+              "fitted_at": git_state()["commit"], "meta": meta}
     (out / "costs.json").write_text(json.dumps(result, indent=1))
     write_markdown(out / "costs.md", result)
     print(json.dumps(result["fits"], indent=1))

@@ -20,6 +20,8 @@ from sglang_morph.kunserve.controller import (
     Restore,
 )
 from sglang_morph.kunserve.cost import (
+    KUNSERVE_TERMS,
+    TORCH_NATIVE_TERMS,
     Chunk,
     ChunkCostModel,
     ForwardTiming,
@@ -264,19 +266,23 @@ def test_fit_recovers_known_coefficients(decode):
     noisy = fit_chunk_cost(noisy_points)
     assert np.allclose(noisy.coefficients, truth.coefficients, rtol=0.15)
     assert relative_errors(noisy, noisy_points).mean() < 0.02
-    # With a p^2 term (a backend that recomputes the prefix's attention), the 4-term fit
-    # recovers it and the 3-term fit, which cannot, is worse.
-    backend = ChunkCostModel(3e-9, 4e-5, 0.012, 2e-7)
+    # With p^2 and p terms (a backend that pads the query over the prefix, as torch_native),
+    # the 5-term fit recovers them and KunServe's 3 terms, which cannot, fit worse.
+    backend = ChunkCostModel(3e-9, 4e-5, 0.012, 2e-7, 3e-5)
     points = _synthetic(backend, rng, 0.0)
-    assert np.allclose(fit_chunk_cost(points, prefix_squared=True).coefficients,
+    assert np.allclose(fit_chunk_cost(points, TORCH_NATIVE_TERMS).coefficients,
                        backend.coefficients, rtol=1e-6)
     assert (relative_errors(fit_chunk_cost(points), points).mean()
-            > relative_errors(fit_chunk_cost(points, prefix_squared=True), points).mean())
+            > relative_errors(fit_chunk_cost(points, TORCH_NATIVE_TERMS), points).mean() + 0.05)
+    # A term left out stays exactly 0.
+    assert fit_chunk_cost(points, KUNSERVE_TERMS + ("delta_s",)).epsilon_s == 0.0
 
 
 def test_fit_rejects_bad_input():
     with pytest.raises(ValueError, match="at least 3"):
         fit_chunk_cost([ForwardTiming((Chunk(0, 16),), 0.1)] * 2)
+    with pytest.raises(ValueError, match="subset"):
+        fit_chunk_cost([ForwardTiming((Chunk(0, 16),), 0.1)] * 5, ("alpha_s", "zeta_s"))
     with pytest.raises(ValueError, match="do not vary"):
         fit_chunk_cost([ForwardTiming((Chunk(0, 16),), 0.1)] * 5)
     with pytest.raises(ValueError, match="phases"):
@@ -294,6 +300,58 @@ def test_fit_rejects_bad_input():
         Chunk(0, 0)
     with pytest.raises(ValueError, match=">= 0"):
         ChunkCostModel(-1e-9, 0.0, 0.0)
+
+
+class _Mode:
+    """Stands in for SGLang's ForwardMode (importing SGLang would cost this pure module ~10 s);
+    the three members and methods the timing hook reads."""
+
+    def __init__(self, name: str):
+        self.name = name
+
+    def is_decode(self) -> bool:
+        return self.name == "DECODE"
+
+    def is_extend(self) -> bool:
+        return self.name in ("EXTEND", "MIXED")
+
+
+def test_forward_timings_log_the_chunks_sglang_ran(tmp_path, monkeypatch):
+    import json
+    import time
+    from types import SimpleNamespace
+
+    import torch
+
+    from sglang_morph.kunserve.live import forward_timings
+
+    monkeypatch.delenv(forward_timings.ENV, raising=False)
+    assert forward_timings.hooks() == ()  # nothing hooked unless asked for
+    path = tmp_path / "t.jsonl"
+    monkeypatch.setenv(forward_timings.ENV, str(path))
+    (hook,) = forward_timings.hooks()
+    assert (hook.target, hook.kind) == (forward_timings.HOOK_RUNNER_FORWARD, "AROUND")
+    runner = SimpleNamespace(is_draft_worker=False, device="cpu")
+    calls = []
+
+    def forward(runner_, batch, *args, **kwargs):
+        calls.append((batch, args, kwargs))
+        time.sleep(0.02)
+        return "logits"
+
+    extend = SimpleNamespace(forward_mode=_Mode("EXTEND"), extend_prefix_lens_cpu=[0, 512],
+                             extend_seq_lens_cpu=[64, 16])
+    decode = SimpleNamespace(forward_mode=_Mode("DECODE"), seq_lens_cpu=torch.tensor([10, 300]))
+    idle = SimpleNamespace(forward_mode=_Mode("IDLE"))
+    assert hook.fn(forward, runner, extend, 1, flag=True) == "logits"
+    assert calls[0][1:] == ((1,), {"flag": True})  # SGLang's arguments passed through
+    hook.fn(forward, runner, decode)
+    hook.fn(forward, runner, idle)
+    hook.fn(forward, SimpleNamespace(is_draft_worker=True, device="cpu"), extend)  # not logged
+    lines = [json.loads(line) for line in path.read_text().splitlines()]
+    assert [(r["mode"], r["cached"], r["new"]) for r in lines] == [
+        ("extend", [0, 512], [64, 16]), ("decode", [9, 299], [1, 1]), ("idle", [], [])]
+    assert all(0.02 <= r["seconds"] < 1.0 for r in lines)
 
 
 def test_phase_costs_round_trip(tmp_path):

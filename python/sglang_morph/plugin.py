@@ -406,8 +406,11 @@ def load() -> None:
 
     del messages, kunserve_messages
     # Multi-rank SGLang on CPU (TP, PP, DP, nodes), with or without --enable-morph.
+    from sglang_morph.kunserve.live import forward_timings
     from sglang_morph.kunserve.live.hooks import HOOKS as KUNSERVE_HOOKS
     from sglang_morph.parallel.hooks import HOOKS as PARALLEL_HOOKS
 
-    applied = register_and_verify(HOOKS + PARALLEL_HOOKS + KUNSERVE_HOOKS)
+    # forward_timings: none unless SGLANG_MORPH_FORWARD_TIMINGS names a file (cost benchmark).
+    applied = register_and_verify(HOOKS + PARALLEL_HOOKS + KUNSERVE_HOOKS
+                                  + forward_timings.hooks())
     logger.debug("sglang-morph hooks applied: %s", applied)

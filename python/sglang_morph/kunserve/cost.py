@@ -10,10 +10,13 @@ scheduling overhead), so a batch of chunks costs
     gamma + sum_i [alpha * (p_i*c_i + c_i^2 + c_i) + beta * c_i].
 
 Some attention backends do more: SGLang's ``torch_native`` backend (the CPU path here) runs
-a prefill chunk's attention over the whole sequence, cached prefix included (its query is
-padded to ``p + c`` rows), which adds a term in ``p^2`` that KunServe's model does not have.
-``delta_s * sum(p^2)`` covers it; ``delta_s = 0`` is KunServe's model exactly, and fitting
-with ``prefix_squared=False`` keeps it there.
+a prefill chunk's attention over the whole sequence, cached prefix included: per request and
+layer it gathers the ``p + c`` cached and new K/V rows, pads the query to ``p + c`` rows and
+runs a causal attention of ``p + c`` rows, keeping the last ``c``. The padded rows add work in
+``p^2`` (their attention) and in ``p`` (gathering, padding, copying rows), which KunServe's
+model, written for kernels that attend with the new rows only, has no terms for.
+``delta_s * sum(p^2) + epsilon_s * sum(p)`` covers them; ``delta_s = epsilon_s = 0`` is
+KunServe's model exactly (``KUNSERVE_TERMS``), ``TORCH_NATIVE_TERMS`` fits all five.
 
 Prefill and decode are fitted apart (``PhaseCosts``): a decode step is bound by reading the
 weights and the KV, a prefill chunk by arithmetic, so one ``(alpha, beta, gamma)`` for both
@@ -53,21 +56,26 @@ class Chunk:
         return "decode" if self.new_tokens == 1 and self.cached_tokens > 0 else "prefill"
 
 
+TERMS = ("alpha_s", "beta_s", "gamma_s", "delta_s", "epsilon_s")
+KUNSERVE_TERMS = TERMS[:3]  # KunServe's model as the paper writes it
+TORCH_NATIVE_TERMS = TERMS  # plus the padded prefix of torch_native's extend (p^2 and p)
+
+
 def batch_features(chunks: Sequence[Chunk]) -> np.ndarray:
-    """``[sum(p*c + c^2 + c), sum(c), 1, sum(p^2)]``: the multipliers of alpha, beta, gamma,
-    delta for one forward."""
+    """``[sum(p*c + c^2 + c), sum(c), 1, sum(p^2), sum(p)]``: the multipliers of alpha, beta,
+    gamma, delta, epsilon (``TERMS``) for one forward."""
     if not chunks:
         raise ValueError("a forward needs at least one chunk")
     p = np.array([ch.cached_tokens for ch in chunks], dtype=np.float64)
     c = np.array([ch.new_tokens for ch in chunks], dtype=np.float64)
     return np.array([float(np.sum(p * c + c * c + c)), float(np.sum(c)), 1.0,
-                     float(np.sum(p * p))])
+                     float(np.sum(p * p)), float(np.sum(p))])
 
 
 @dataclasses.dataclass(frozen=True)
 class ChunkCostModel:
     """``seconds(chunks) = alpha_s * sum(p*c + c^2 + c) + beta_s * sum(c) + gamma_s
-    + delta_s * sum(p^2)`` (``delta_s = 0``: KunServe's model).
+    + delta_s * sum(p^2) + epsilon_s * sum(p)`` (``delta_s = epsilon_s = 0``: KunServe's model).
 
     Invariant (``check_integrity``): every coefficient finite and >= 0, so the cost never
     decreases when a chunk grows or joins the batch (what balancing relies on).
@@ -76,34 +84,36 @@ class ChunkCostModel:
     alpha_s: float
     beta_s: float
     gamma_s: float
-    delta_s: float = 0.0
+    delta_s: float = 0.0  # per squared cached token (torch_native's padded query)
+    epsilon_s: float = 0.0  # per cached token (torch_native's gathered and padded rows)
 
     def __post_init__(self) -> None:
         self.check_integrity()
 
     def check_integrity(self) -> None:
-        for name in ("alpha_s", "beta_s", "gamma_s", "delta_s"):
+        for name in TERMS:
             value = getattr(self, name)
             if not math.isfinite(value) or value < 0:
                 raise ValueError(f"chunk cost model: {name} must be finite and >= 0, got {value}")
 
     @property
     def coefficients(self) -> np.ndarray:
-        return np.array([self.alpha_s, self.beta_s, self.gamma_s, self.delta_s])
+        return np.array([getattr(self, name) for name in TERMS])
 
     def seconds(self, chunks: Sequence[Chunk]) -> float:
         # Plain Python: the balancer and the simulator call this millions of times on a few
         # chunks, where building numpy arrays costs more than the arithmetic.
         if not chunks:
             raise ValueError("a forward needs at least one chunk")
-        attention = tokens = prefix_sq = 0
+        attention = tokens = prefix_sq = prefix = 0
         for ch in chunks:
             p, c = ch.cached_tokens, ch.new_tokens
             attention += p * c + c * c + c
             tokens += c
             prefix_sq += p * p
+            prefix += p
         return (self.alpha_s * attention + self.beta_s * tokens + self.gamma_s
-                + self.delta_s * prefix_sq)
+                + self.delta_s * prefix_sq + self.epsilon_s * prefix)
 
     def chunk_seconds(self, chunk: Chunk) -> float:
         """One chunk's share without the per-forward ``gamma`` (what a balancer adds up)."""
@@ -131,9 +141,9 @@ class ForwardTiming:
 
 
 def fit_chunk_cost(timings: Sequence[ForwardTiming],
-                   prefix_squared: bool = False) -> ChunkCostModel:
-    """Non-negative least squares on relative error over ``timings`` (one phase); with
-    ``prefix_squared`` the ``delta * p^2`` term is fitted too, otherwise it stays 0.
+                   terms: Sequence[str] = KUNSERVE_TERMS) -> ChunkCostModel:
+    """Non-negative least squares on relative error over ``timings`` (one phase), fitting the
+    coefficients named in ``terms`` (a subset of ``TERMS``); the others stay 0.
 
     Refuses what cannot determine the coefficients: fewer timings than coefficients, one
     phase mixed with another, or features that do not vary (every point the same size).
@@ -141,14 +151,18 @@ def fit_chunk_cost(timings: Sequence[ForwardTiming],
     from scipy.optimize import nnls
 
     timings = list(timings)
-    n_coef = 4 if prefix_squared else 3
+    unknown = set(terms) - set(TERMS)
+    if unknown or not terms:
+        raise ValueError(f"terms must be a non-empty subset of {TERMS}, got {tuple(terms)}")
+    columns = [TERMS.index(name) for name in TERMS if name in terms]
+    n_coef = len(columns)
     if len(timings) < n_coef:
         raise ValueError(f"fitting {n_coef} coefficients needs at least {n_coef} timings, got "
                          f"{len(timings)}")
     phases = {t.phase for t in timings}
     if len(phases) != 1:
         raise ValueError(f"timings of several phases {sorted(phases)}: fit each phase apart")
-    x = np.stack([batch_features(t.chunks) for t in timings])[:, :n_coef]
+    x = np.stack([batch_features(t.chunks) for t in timings])[:, columns]
     y = np.array([t.seconds for t in timings])
     if np.linalg.matrix_rank(x) < 2:
         raise ValueError("the timings' features do not vary: measure several chunk sizes")
@@ -156,7 +170,7 @@ def fit_chunk_cost(timings: Sequence[ForwardTiming],
     scale = np.abs(x).max(axis=0)
     scale[scale == 0] = 1.0
     solution, _ = nnls(x / y[:, None] / scale, np.ones(len(y)))
-    return ChunkCostModel(*(float(v) for v in solution / scale))
+    return ChunkCostModel(**{TERMS[j]: float(v) for j, v in zip(columns, solution / scale)})
 
 
 def relative_errors(model: ChunkCostModel, timings: Iterable[ForwardTiming]) -> np.ndarray:

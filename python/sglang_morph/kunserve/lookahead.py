@@ -63,8 +63,10 @@ def by_request_count(items: Sequence[BatchItem], k: int) -> tuple[MicroBatch, ..
 
 
 def _tokens_for_cost(model: ChunkCostModel, cached: int, seconds: float) -> int:
-    """Most tokens ``c`` with ``alpha(p*c + c^2 + c) + beta*c <= seconds`` (at least 1)."""
+    """Most tokens ``c`` whose chunk behind ``cached`` costs at most ``seconds`` (at least 1):
+    ``alpha(p*c + c^2 + c) + beta*c + delta*p^2 + epsilon*p``, the last two paid by any ``c``."""
     a, b = model.alpha_s, model.alpha_s * (cached + 1) + model.beta_s
+    seconds -= model.delta_s * cached * cached + model.epsilon_s * cached
     if seconds <= 0:
         return 1
     if a == 0:
