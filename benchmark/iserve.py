@@ -31,13 +31,43 @@ import statistics
 from pathlib import Path
 
 from sglang_morph.deploy import estimate, intents, space
-from sglang_morph.deploy.__main__ import candidates, load_profile
+from sglang_morph.deploy.__main__ import candidates, fingerprint_runs, load_profile
 
 REPO = Path(__file__).resolve().parents[1]
 
 
-def compare(profile_path: str) -> dict:
+def shared_layout_records(records: list[dict], layout_bits: int) -> list[dict]:
+    """The fingerprint records ``profile --layouts-at layout_bits`` would have measured (only
+    that bit-width's TP t and PP 2 runs; TP1/PP1 at every bit-width) and every full record."""
+    runs = {(cfg.name, n) for cfg, n in fingerprint_runs(
+        tuple(sorted({r["bits"] for r in records}, reverse=True)),
+        tuple(sorted({r["tp"] for r in records})),
+        tuple(sorted({r["num_layers"] for r in records if r["kind"] == "fingerprint"
+                      and r["pp"] == 1})), layout_bits)}
+    return [r for r in records if r["kind"] == "full" or (r["config"], r["num_layers"]) in runs]
+
+
+def cost_breakdown(records: list[dict]) -> list[dict]:
+    """Where the profiling CPU-seconds went, per server: start-up (until ready) and the rest
+    (warm-up and measured requests); records from before ``start_cpu_s`` have no split."""
+    out = []
+    for r in records:
+        start = r.get("start_cpu_s")
+        out.append({"kind": r["kind"], "config": r["config"], "num_layers": r["num_layers"],
+                    "cpu_s": round(r["cpu_s"], 1), "wall_s": round(r["wall_s"], 1),
+                    "start_cpu_s": None if start is None else round(start, 1),
+                    "requests_cpu_s": None if start is None else round(r["cpu_s"] - start, 1)})
+    return out
+
+
+def compare(profile_path: str, layouts_at: int | None = None) -> dict:
     profile = load_profile(profile_path)
+    if layouts_at is not None:  # the same measurements, fewer fingerprints fitted and costed
+        raw = {**profile.raw, "records": shared_layout_records(profile.raw["records"],
+                                                               layouts_at)}
+        fits = estimate.fit_records([r for r in raw["records"] if r["kind"] == "fingerprint"],
+                                    raw["num_layers"], raw["embedding_bytes"])
+        profile = dataclasses.replace(profile, raw=raw, estimates=fits)
     raw, fits = profile.raw, profile.estimates
     rows = []
     for r in raw["records"]:
@@ -87,6 +117,7 @@ def compare(profile_path: str) -> dict:
     return {
         "intents": intent_check(profile, full),
         "profile": str(profile_path), "sessions": raw.get("sessions"),
+        "layouts_at": layouts_at,
         "workload": raw["workload"],
         "rows": rows,
         "mean_error": {"ttft": mean("ttft_error", "latency"), "tpot": mean("tpot_error", "latency"),
@@ -100,7 +131,8 @@ def compare(profile_path: str) -> dict:
             "all_servable_full_projected": projected,
             "servable_configs": len(servable),
             "ratio_projected_full_over_fingerprints": (projected / fingerprint_cpu_s
-                                                       if projected else None)},
+                                                       if projected else None),
+            "per_server": cost_breakdown(raw["records"])},
     }
 
 
@@ -189,9 +221,17 @@ def markdown(result: dict) -> str:
                     else f"no: {x['chosen_infeasible_measured']}")
         lines.append(f"| {x['batch']} | {intent} | {limits} | {x['chosen']} | "
                      f"{x['measured_best']} | {gap} | {feasible} |")
+    cost = {k: v for k, v in result["profiling_cpu_s"].items() if k != "per_server"}
     lines += ["", "Mean errors: " + ", ".join(
         f"{k} {v:.1%}" for k, v in result["mean_error"].items() if v is not None), "",
-        "Profiling CPU-seconds: " + json.dumps(result["profiling_cpu_s"])]
+        "Profiling CPU-seconds: " + json.dumps(cost), "",
+        "| server | layers | CPU-s | start-up CPU-s | requests CPU-s | wall s |",
+        "|---|---:|---:|---:|---:|---:|"]
+    for x in result["profiling_cpu_s"]["per_server"]:
+        lines.append(f"| {x['kind']} {x['config']} | {x['num_layers']} | {x['cpu_s']} | "
+                     f"{x['start_cpu_s'] if x['start_cpu_s'] is not None else '-'} | "
+                     f"{x['requests_cpu_s'] if x['requests_cpu_s'] is not None else '-'} | "
+                     f"{x['wall_s']} |")
     return "\n".join(lines) + "\n"
 
 
@@ -199,13 +239,20 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--profile", required=True)
     parser.add_argument("--out-dir", default=str(REPO / "benchmark/results/iserve"))
+    parser.add_argument("--layouts-at", type=int, metavar="BITS",
+                        help="also fit and cost only the fingerprints `profile --layouts-at "
+                        "BITS` runs (written to estimates_vs_measured_layouts_at_BITS.*)")
     args = parser.parse_args(argv)
-    result = compare(args.profile)
     out = Path(args.out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    (out / "estimates_vs_measured.json").write_text(json.dumps(result, indent=1))
-    (out / "estimates_vs_measured.md").write_text(markdown(result))
-    print(markdown(result))
+    variants = [(None, "estimates_vs_measured")]
+    if args.layouts_at is not None:
+        variants.append((args.layouts_at, f"estimates_vs_measured_layouts_at_{args.layouts_at}"))
+    for layouts_at, name in variants:
+        result = compare(args.profile, layouts_at)
+        (out / f"{name}.json").write_text(json.dumps(result, indent=1))
+        (out / f"{name}.md").write_text(markdown(result))
+        print(f"## {name}\n\n{markdown(result)}")
     return 0
 
 

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from sglang_morph.deploy import __main__ as cli
-from sglang_morph.deploy import estimate, intents, placement, space
+from sglang_morph.deploy import estimate, intents, measure, placement, space
 
 # Ground truth of the synthetic measurements (bytes / seconds), per TP size.
 FIXED = {1: 900e6, 3: 700e6}
@@ -197,6 +197,10 @@ def test_serve_argv_per_configuration(tmp_path):
     assert w4[w4.index("--pp-size") + 1] == "2" and "--tp-size" not in w4
     assert w4[w4.index("--morph-precision-map") + 1] == "*:4"
     assert "--disable-morph-controller" in w4 and w4[w4.index("--max-total-tokens") + 1] == "4096"
+    # One pipeline micro-batch holds every running request (SGLang's default splits them).
+    assert w4[w4.index("--pp-max-micro-batch-size") + 1] == "4"
+    pp1 = space.serve_argv(space.Configuration(4, 1, 1), tmp_path, tmp_path / "e", 4096, 4)
+    assert "--pp-max-micro-batch-size" not in pp1
     fp = space.serve_argv(space.Configuration(16, 3, 2), None, None, 4096)
     assert "--enable-morph" not in fp and fp[fp.index("--tp-size") + 1] == "3"
     with pytest.raises(ValueError, match="engines"):
@@ -415,3 +419,75 @@ def test_an_incomplete_bit_width_is_left_out_with_its_reason():
     fits = estimate.fit_records(records, 30, EMBEDDING)
     assert "cannot be fitted" in fits.covers(space.Configuration(4, 1, 1))
     assert fits.covers(space.Configuration(16, 3, 2)) is None
+
+
+# ---- shared layouts (profile --layouts-at) and streamed timing -----------------------------
+
+
+def test_layouts_at_runs_the_layouts_at_one_bit_width_only():
+    runs = [(c.name, n) for c, n in cli.fingerprint_runs((16, 8, 4), (1, 3), (4, 8), 16)]
+    assert runs == [("W16-TP1-PP1", 4), ("W16-TP1-PP1", 8), ("W16-TP1-PP2", 5),
+                    ("W16-TP1-PP2", 9), ("W16-TP3-PP1", 4), ("W16-TP3-PP1", 8),
+                    ("W8-TP1-PP1", 4), ("W8-TP1-PP1", 8), ("W4-TP1-PP1", 4), ("W4-TP1-PP1", 8)]
+
+
+def _w8_records(offset_bytes, per_layer_delta_bytes, time_scale, pp2_time_scale=None):
+    """W16 at every layout; W8 at TP1/PP1 (and PP 2 when ``pp2_time_scale``), whose processes
+    hold ``offset_bytes`` more (own overhead, not sharded) and ``per_layer_delta_bytes`` more
+    per layer (sharded over TP), and whose times are W16's times ``time_scale``."""
+    records = [r for r in fingerprint_records({16: 1.0})]
+    runs = [(space.Configuration(8, 1, 1), n) for n in (1, 2)]
+    if pp2_time_scale is not None:
+        runs += [(space.Configuration(8, 1, 2), n) for n in (2, 3)]
+    for cfg, n in runs:
+        r = synthetic_record(8, cfg.tp, cfg.pp, n, 1.0,
+                             time_scale if cfg.pp == 1 else pp2_time_scale)
+        split = space.stage_layers(n, cfg.pp)
+        for p in r["processes"]:
+            p["weight_bytes"] += offset_bytes + split[p["pp_rank"]] * per_layer_delta_bytes
+        records.append(r)
+    return records
+
+
+def test_a_bit_width_fingerprinted_at_tp1_pp1_borrows_the_reference_layouts():
+    offset, delta, scale = 5e6, -4e6, 0.6
+    fits = estimate.fit_records(_w8_records(offset, delta, scale), 30, EMBEDDING)
+    assert not fits.unfitted
+    for tp, pp, batch in itertools.product((1, 3), (1, 2, 3), (1, 4)):
+        cfg = space.Configuration(8, tp, pp)
+        if space.exclusion_reason(cfg, DEFAULT_CONFIG):
+            continue
+        assert fits.covers(cfg) is None
+        ttft, tpot = fits.latency_of(cfg, batch)
+        assert ttft == pytest.approx(scale * true_seconds("ttft", tp, 30, batch, pp), rel=1e-7)
+        assert tpot == pytest.approx(scale * true_seconds("tpot", tp, 30, batch, pp), rel=1e-7)
+        split = space.stage_layers(30, pp)
+        want = sum(tp * (true_process_bytes(tp, pp, s, n) + offset + n * delta / tp)
+                   for s, n in enumerate(split))
+        assert fits.memory_of(cfg).total_bytes["weight_bytes"] == pytest.approx(want, rel=1e-9)
+
+
+def test_a_bit_width_keeps_the_pipeline_line_it_measured_itself():
+    fits = estimate.fit_records(_w8_records(0.0, 0.0, 0.6, pp2_time_scale=2.0), 30, EMBEDDING)
+    ttft, tpot = fits.latency_of(space.Configuration(8, 1, 2), 4)
+    assert tpot == pytest.approx(2.0 * true_seconds("tpot", 1, 30, 4, 2), rel=1e-7)
+    ttft, tpot = fits.latency_of(space.Configuration(8, 3, 1), 4)  # TP 3 borrowed
+    assert tpot == pytest.approx(0.6 * true_seconds("tpot", 3, 30, 4, 1), rel=1e-7)
+
+
+def test_streamed_timing_gaps_and_workload():
+    gaps = measure.token_gaps([(0.0, 1), (0.1, 2), (0.4, 5), (0.4, 5)])
+    assert gaps == pytest.approx([0.1, 0.1, 0.1, 0.1])
+    measure.Workload(128, (64,), (1, 4), 3, 4096, "stream").check_integrity()
+    with pytest.raises(ValueError, match="two distinct"):
+        measure.Workload(128, (64,), (1, 4), 3, 4096, "e2e").check_integrity()
+    with pytest.raises(ValueError, match="timing"):
+        measure.Workload(128, (8, 40), (1, 4), 3, 4096, "clock").check_integrity()
+
+
+def test_streamed_points_take_each_phase_at_its_fastest_repetition():
+    record = {"bits": 16, "tp": 1, "pp": 1, "num_layers": 4, "latency": [
+        {"batch": 1, "output_tokens": 64, "e2e_s": [2.0, 1.9],
+         "ttft_s": [0.30, 0.25], "tpot_s": [0.020, 0.022]}]}
+    (point,) = estimate.latency_points([record], 16)
+    assert (point.ttft_s, point.tpot_s) == (0.25, 0.020)

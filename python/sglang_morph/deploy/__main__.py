@@ -85,16 +85,20 @@ def cmd_fingerprint(args) -> dict:
 
 
 def fingerprint_runs(bits: tuple[int, ...], tp_sizes: tuple[int, ...],
-                     layers: tuple[int, int] = FINGERPRINT_LAYERS
-                     ) -> list[tuple[space.Configuration, int]]:
+                     layers: tuple[int, int] = FINGERPRINT_LAYERS,
+                     layout_bits: int | None = None) -> list[tuple[space.Configuration, int]]:
     """(configuration, fingerprint layers) of M2 and L2: TP1/PP1 and TP t/PP1 at ``layers``
     (1 and 2), TP1/PP2 at one layer more each (2 and 3: a 1-layer model has no second stage;
-    ``estimate`` says why PP needs two depths of its own)."""
+    ``estimate`` says why PP needs two depths of its own). With ``layout_bits`` only that
+    bit-width runs the TP t and PP 2 fingerprints; the others run TP1/PP1 alone and
+    ``estimate`` takes their layouts' terms from it (``estimate.fit_records``)."""
     runs = []
     for b in bits:
         for tp in sorted(set(tp_sizes) | {1}):
+            if layout_bits is not None and b != layout_bits and tp != 1:
+                continue
             runs += [(space.Configuration(b, tp, 1), n) for n in layers]
-            if tp == 1:
+            if tp == 1 and (layout_bits is None or b == layout_bits):
                 runs += [(space.Configuration(b, 1, 2), n + 1) for n in layers]
     return runs
 
@@ -107,7 +111,8 @@ def cmd_profile(args) -> dict:
     model_dir, engines = _model_and_engines(args)
     hf_config = json.loads((model_dir / "config.json").read_text())
     workload = Workload(args.prompt, tuple(_ints(args.output, "--output")),
-                        _ints(args.batches, "--batches"), args.repetitions, args.kv_tokens)
+                        _ints(args.batches, "--batches"), args.repetitions, args.kv_tokens,
+                        args.timing)
     try:
         workload.check_integrity()
     except ValueError as e:
@@ -115,6 +120,13 @@ def cmd_profile(args) -> dict:
     bits = _ints(args.bits, "--bits")
     tp_sizes = _ints(args.tp, "--tp")
     layers = _ints(args.layers, "--layers")
+    layout_bits = None
+    if args.layouts_at is not None:
+        # Not necessarily among --bits: `--bits 8,4 --layouts-at 16 --append` adds the W8/W4
+        # TP1/PP1 fingerprints to a profile whose 16-bit session ran every layout.
+        if args.layouts_at not in space.BITS:
+            raise CliError(f"--layouts-at {args.layouts_at}: expected one of {space.BITS}")
+        layout_bits = args.layouts_at
     if len(set(layers)) != 2 or max(layers) >= hf_config["num_hidden_layers"]:
         raise CliError(f"--layers needs two distinct fingerprint depths below the model's "
                        f"{hf_config['num_hidden_layers']} layers, got {args.layers!r}")
@@ -146,7 +158,8 @@ def cmd_profile(args) -> dict:
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     log_dir = Path(args.log_dir)
     jobs = [] if args.skip_fingerprints else [
-        (cfg, n, "fingerprint") for cfg, n in fingerprint_runs(bits, tp_sizes, layers)]
+        (cfg, n, "fingerprint") for cfg, n in fingerprint_runs(bits, tp_sizes, layers,
+                                                               layout_bits)]
     if args.only:
         only = {item.strip() for item in args.only.split(",") if item.strip()}
         jobs = [j for j in jobs if f"{j[0].name}@{j[1]}" in only]
@@ -387,6 +400,12 @@ def main(argv=None) -> int:
     p.add_argument("--output", default="8,40", help="the two output lengths of L2")
     p.add_argument("--batches", default="1,4")
     p.add_argument("--repetitions", type=int, default=3)
+    p.add_argument("--timing", choices=("e2e", "stream"), default="e2e",
+                   help="e2e: end-to-end times at two output lengths; stream: each token's "
+                   "arrival (TTFT, median TPOT; one output length is enough)")
+    p.add_argument("--layouts-at", type=int, metavar="BITS",
+                   help="only this bit-width runs the TP t and PP 2 fingerprints; the others "
+                   "run TP1/PP1 and borrow its layout terms (e.g. 16)")
     p.add_argument("--kv-tokens", type=int, default=4096)
     p.add_argument("--log-dir", default="/tmp/sglang-morph-deploy-logs")
 

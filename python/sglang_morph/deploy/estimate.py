@@ -38,6 +38,11 @@ fitted on TP1/PP2 fingerprints of 2 and 3 layers (a 1-layer model has no second 
 being what PP 2's fixed cost exceeds PP 1's. Under TP x PP (16 bits, plain SGLang; no
 fingerprint runs it) the TP 1 hop is added to the TP t/PP 1 line, ``p - 1`` times: an
 assumption this profile does not check.
+
+**Shared layouts** (``profile --layouts-at 16``): only one bit-width's fingerprints run TP t and
+PP 2; the others run TP1/PP1 alone (10 fingerprint servers instead of 18) and take what a
+layout adds from it: memory additively (``_borrow_layouts``; exact for weights and KV), latency
+as a factor (``BorrowedLatencyFit``).
 """
 
 from __future__ import annotations
@@ -248,6 +253,37 @@ class LatencyFit:
         return base + (pp - 2) * self.hop_s(phase, batch)
 
 
+@dataclasses.dataclass(frozen=True)
+class BorrowedLatencyFit:
+    """A bit-width whose fingerprints ran TP1/PP1 only (``profile --layouts-at``): a layout (TP
+    ``tp``, PP ``p``) is taken to slow it by the factor it slows the reference bit-width, whose
+    fingerprints ran every layout, at the same depth and batch:
+
+        T_b(layout) = T_b(TP1/PP1) * T_ref(layout) / T_ref(TP1/PP1)
+
+    A factor, not an added time: a pipeline stage here runs one thread where a PP 1 rank runs
+    two, so a layer under PP costs more in proportion to what it costs at all. The data do not
+    settle it: refitted on the profile of 275a433 without the W8/W4 layout fingerprints, the
+    factor and an added time missed the W8/W4 configurations measured in full by about the
+    same (all nine: TTFT 23% and 21% mean, TPOT 23% both). An assumption per bit-width, which
+    ``benchmark/iserve.py --layouts-at`` checks against the configurations measured in full."""
+
+    tp: int
+    own: LatencyFit  # TP1/PP1 of this bit-width
+    reference: dict[int, LatencyFit]  # the reference bit-width's fits, per TP size
+    reference_bits: int
+
+    def seconds(self, phase: str, layers: int, batch: int, pp: int) -> float:
+        if self.tp == 1 and (pp == 1 or self.own.pp2 is not None):
+            return self.own.seconds(phase, layers, batch, pp)  # measured at this bit-width
+        own = self.own.seconds(phase, layers, batch, 1)
+        if self.tp not in self.reference:
+            raise ValueError(f"no fingerprint was profiled at TP {self.tp} (not at the "
+                             f"reference {self.reference_bits} bits either)")
+        base = self.reference[1].seconds(phase, layers, batch, 1)
+        return own * self.reference[self.tp].seconds(phase, layers, batch, pp) / base
+
+
 def fit_latency(points: Sequence[LatencyPoint], tp: int,
                 hop_from: LatencyFit | None = None) -> LatencyFit:
     points = [p for p in points if p.tp == tp]
@@ -281,16 +317,22 @@ def process_points(records: Iterable[dict[str, Any]], bits: int, figure: str
 
 
 def latency_points(records: Iterable[dict[str, Any]], bits: int) -> list[LatencyPoint]:
+    """TTFT and TPOT per record and batch, each the fastest repetition's (see measure's
+    docstring): streamed (``ttft_s``/``tpot_s``, at the longest output length) or solved from
+    the end-to-end times at two lengths."""
     out = []
     for r in records:
         if r["bits"] != bits or not r["latency"]:
             continue
-        by_batch: dict[int, dict[int, float]] = {}
+        by_batch: dict[int, dict[int, dict]] = {}
         for point in r["latency"]:
-            by_batch.setdefault(point["batch"], {})[point["output_tokens"]] = \
-                min(point["e2e_s"])  # the fastest: see measure's docstring
-        for batch, e2e in sorted(by_batch.items()):
-            ttft, tpot = ttft_tpot(e2e)
+            by_batch.setdefault(point["batch"], {})[point["output_tokens"]] = point
+        for batch, by_length in sorted(by_batch.items()):
+            longest = by_length[max(by_length)]
+            if "tpot_s" in longest:
+                ttft, tpot = min(longest["ttft_s"]), min(longest["tpot_s"])
+            else:
+                ttft, tpot = ttft_tpot({n: min(p["e2e_s"]) for n, p in by_length.items()})
             out.append(LatencyPoint(r["tp"], r["pp"], r["num_layers"], batch, ttft, tpot))
     return out
 
@@ -302,7 +344,7 @@ class ModelEstimates:
 
     num_layers: int
     memory: dict[int, dict[str, MemoryFit]]
-    latency: dict[int, dict[int, LatencyFit]]
+    latency: dict[int, dict[int, "LatencyFit | BorrowedLatencyFit"]]
     # bit-width -> why its fingerprints could not be fitted (an incomplete profile)
     unfitted: dict[int, str] = dataclasses.field(default_factory=dict)
 
@@ -374,4 +416,51 @@ def fit_records(records: Sequence[dict[str, Any]], num_layers: int,
                     latency[bits][tp] = fit_latency(points, tp, hop_from=latency[bits].get(1))
         except ValueError as e:
             unfitted[bits] = f"latency: {e}"
+    _borrow_layouts(records, memory, latency, unfitted)
     return ModelEstimates(num_layers, memory, latency, unfitted)
+
+
+def _layouts(records: Sequence[dict[str, Any]], bits: int) -> tuple[set[int], bool]:
+    """TP sizes and whether PP 2 was fingerprinted at ``bits``."""
+    mine = [r for r in records if r["bits"] == bits]
+    return {r["tp"] for r in mine}, any(r["pp"] > 1 for r in mine)
+
+
+def _borrow_layouts(records, memory, latency, unfitted) -> None:
+    """Bit-widths fingerprinted at TP1/PP1 only (``profile --layouts-at``) take their TP t and
+    PP terms from the reference bit-width that ran every layout (the widest; 16 bits first).
+
+    Memory: what a layout adds (TP t's fixed and per-layer terms; the pipeline deltas, already
+    borrowed above) is the reference's, plus this bit-width's own TP 1 difference from it:
+    ``fixed[t] = ref.fixed[t] + (fixed[1] - ref.fixed[1])`` (a process's own overhead is not
+    sharded) and ``per_layer[t] = ref.per_layer[t] + (per_layer[1] - ref.per_layer[1]) / t``
+    (a layer's tensors are). Weights and KV come out exact (the embedding is not quantized and
+    the KV is the same at every bit-width); the RSS terms are the assumption.
+    Latency: ``BorrowedLatencyFit``."""
+    fitted = [b for b in sorted(latency, reverse=True) if b not in unfitted and 1 in latency[b]]
+    full_layouts = {b: _layouts(records, b) for b in fitted}
+    reference = max(fitted, key=lambda b: (len(full_layouts[b][0]), full_layouts[b][1],
+                                            b), default=None)
+    if reference is None:
+        return
+    ref_tps, ref_pp = full_layouts[reference]
+    for bits in fitted:
+        tps, has_pp = full_layouts[bits]
+        if bits == reference or (tps >= ref_tps and has_pp >= ref_pp):
+            continue
+        for figure, fit in list(memory[bits].items()):
+            ref = memory[reference].get(figure)
+            if ref is None:
+                continue
+            fixed, per_layer = dict(fit.fixed_bytes), dict(fit.per_layer_bytes)
+            for t in ref.fixed_bytes:
+                if t not in fixed:
+                    fixed[t] = ref.fixed_bytes[t] + fit.fixed_bytes[1] - ref.fixed_bytes[1]
+                    per_layer[t] = ref.per_layer_bytes[t] + (
+                        fit.per_layer_bytes[1] - ref.per_layer_bytes[1]) / t
+            memory[bits][figure] = dataclasses.replace(fit, fixed_bytes=fixed,
+                                                       per_layer_bytes=per_layer)
+        own = latency[bits]
+        latency[bits] = {t: own[t] if t in own and (t != 1 or has_pp) else
+                         BorrowedLatencyFit(t, own[1], latency[reference], reference)
+                         for t in sorted(set(latency[reference]) | set(own))}

@@ -17,21 +17,33 @@ installed; ``/morph/status`` reports the served tensors), under TP alone or PP a
 refused by ``--enable-morph``, so 16-bit TP x PP runs as plain SGLang, as it is launched, with no
 status: only its RSS and activation peak are measured.
 
-Latency (L2's inputs): end-to-end seconds of ``batch`` concurrent greedy requests of
-``prompt_tokens`` fixed token ids and ``n`` new tokens (``ignore_eos``: a 1-layer model's text
-is noise and must not stop early) at two output lengths; ``estimate`` solves
-``E2E(n) = TTFT + (n - 1) * TPOT`` from the two. Every repetition is recorded; ``estimate``
-takes the fastest (on a shared machine other processes only ever add time; here a two-thread
-rank next to other work measured several times its quiet time).
+Latency (L2's inputs): ``batch`` concurrent greedy requests of ``prompt_tokens`` fixed token ids
+and ``n`` new tokens (``ignore_eos``: a 1-layer model's text is noise and must not stop early).
+Two timings (``Workload.timing``):
+
+- ``e2e``: each request's end-to-end seconds at two output lengths; ``estimate`` solves
+  ``E2E(n) = TTFT + (n - 1) * TPOT`` from the two. A slow stretch anywhere in the 128-token
+  request moves both (identical requests here varied by up to 27%), and the subtraction of two
+  such numbers adds their noise.
+- ``stream``: each request streamed (SGLang sends every token as it is sampled): TTFT is the
+  time to its first token, TPOT the median of its gaps between tokens (a gap that carried k
+  tokens counts as k gaps of 1/k of it). One output length gives both, and the median does not
+  move when a few steps are slowed by another process or interrupted by a prefill.
+
+Every repetition is recorded; ``estimate`` takes the fastest (on a shared machine other
+processes only ever add time; here a two-thread rank next to other work measured several times
+its quiet time). Fingerprints and full configurations are timed the same way.
 
 The CPU-seconds of every process of the server (start-up included: it is the price of
-profiling) are read from ``/proc/<pid>/stat`` before the server stops.
+profiling) are read from ``/proc/<pid>/stat`` once the server is ready (``start_cpu_s``) and
+before it stops (``cpu_s``).
 """
 
 from __future__ import annotations
 
 import concurrent.futures
 import dataclasses
+import json
 import os
 import re
 import statistics
@@ -47,21 +59,31 @@ from sglang_morph.deploy.space import REPO, Configuration, serve_argv
 
 _TITLE = re.compile(r"^sglang::scheduler")
 _CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
+TIMINGS = ("e2e", "stream")
 
 
 @dataclasses.dataclass(frozen=True)
 class Workload:
-    """What each server is asked to do. Invariant: two distinct output lengths."""
+    """What each server is asked to do. Invariant: ``e2e`` timing has two distinct output
+    lengths (L2 solves TTFT and TPOT from them), ``stream`` timing one or more."""
 
     prompt_tokens: int = 128
-    output_tokens: tuple[int, int] = (8, 40)
+    output_tokens: tuple[int, ...] = (8, 40)
     batches: tuple[int, ...] = (1, 4)
     repetitions: int = 3
     kv_tokens: int = 4096  # --max-total-tokens of every rank / stage
+    timing: str = "e2e"  # or "stream" (see the module docstring)
 
     def check_integrity(self) -> None:
-        if len(set(self.output_tokens)) != 2 or min(self.output_tokens) < 2:
-            raise ValueError("L2 needs two distinct output lengths of at least 2 tokens")
+        if self.timing not in TIMINGS:
+            raise ValueError(f"timing {self.timing!r}: expected one of {TIMINGS}")
+        if self.timing == "e2e" and len(set(self.output_tokens)) != 2:
+            raise ValueError("e2e timing needs two distinct output lengths (L2 solves TTFT and "
+                             "TPOT from them)")
+        if not self.output_tokens or min(self.output_tokens) < 2:
+            raise ValueError("output lengths must be at least 2 tokens (TPOT needs a second)")
+        if self.repetitions < 1:
+            raise ValueError(f"repetitions must be >= 1, got {self.repetitions}")
         if self.prompt_tokens < 1 or not self.batches or min(self.batches) < 1:
             raise ValueError(f"bad workload {self}")
         if max(self.batches) * (self.prompt_tokens + max(self.output_tokens)) > self.kv_tokens:
@@ -159,16 +181,66 @@ def _request(url: str, ids: list[int], new_tokens: int) -> float:
     return elapsed
 
 
+def _prompts(batch: int, prompt_tokens: int, salt: int) -> list[list[int]]:
+    # Every request of every call (``salt``) has its own first token, so SGLang's radix cache
+    # reuses no prefix: a repeated prompt would prefill one token and hide the prefill (the
+    # first profile here did).
+    rest = [1000 + (i * 13) % 4000 for i in range(1, prompt_tokens)]
+    return [[1000 + 97 * salt + 7 * b] + rest for b in range(batch)]
+
+
 def e2e_seconds(url: str, batch: int, prompt_tokens: int, new_tokens: int,
                 salt: int = 0) -> float:
-    """Mean end-to-end seconds of ``batch`` requests sent together. Every request of every
-    call (``salt``) has its own first token, so SGLang's radix cache reuses no prefix: a
-    repeated prompt would prefill one token and hide the prefill (the first profile here did)."""
-    rest = [1000 + (i * 13) % 4000 for i in range(1, prompt_tokens)]
-    prompts = [[1000 + 97 * salt + 7 * b] + rest for b in range(batch)]
+    """Mean end-to-end seconds of ``batch`` requests sent together."""
+    prompts = _prompts(batch, prompt_tokens, salt)
     with concurrent.futures.ThreadPoolExecutor(batch) as pool:
         times = list(pool.map(lambda ids: _request(url, ids, new_tokens), prompts))
     return sum(times) / len(times)
+
+
+def token_gaps(arrivals: list[tuple[float, int]]) -> list[float]:
+    """Seconds per token between streamed chunks ``(arrival time, tokens so far)``; a chunk that
+    brought k tokens (the client read late) gives k gaps of a k-th of its interval each."""
+    gaps = []
+    for (t0, c0), (t1, c1) in zip(arrivals, arrivals[1:]):
+        if c1 > c0:
+            gaps += [(t1 - t0) / (c1 - c0)] * (c1 - c0)
+    return gaps
+
+
+def _stream_request(url: str, ids: list[int], new_tokens: int) -> tuple[float, float, float]:
+    """(TTFT, median TPOT, end-to-end) seconds of one streamed request."""
+    arrivals: list[tuple[float, int]] = []
+    started = time.perf_counter()
+    with httpx.stream("POST", f"{url}/generate", timeout=600, json={
+            "input_ids": ids, "stream": True,
+            "sampling_params": {"temperature": 0, "max_new_tokens": new_tokens,
+                                "ignore_eos": True}}) as r:
+        if r.status_code != 200:
+            raise RuntimeError(f"/generate answered {r.status_code}: {r.read()[:300]!r}")
+        for line in r.iter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            out = json.loads(line[len("data: "):])
+            if "error" in out:
+                raise RuntimeError(f"/generate streamed an error: {out['error']}")
+            arrivals.append((time.perf_counter(), out["meta_info"]["completion_tokens"]))
+    if not arrivals or arrivals[-1][1] != new_tokens:
+        raise RuntimeError(f"asked {new_tokens} new tokens, got "
+                           f"{arrivals[-1][1] if arrivals else 0}")
+    gaps = token_gaps(arrivals)
+    return arrivals[0][0] - started, statistics.median(gaps), arrivals[-1][0] - started
+
+
+def stream_seconds(url: str, batch: int, prompt_tokens: int, new_tokens: int,
+                   salt: int = 0) -> tuple[float, float, float]:
+    """(TTFT, TPOT, end-to-end) seconds of ``batch`` streamed requests sent together, each the
+    mean over the requests."""
+    prompts = _prompts(batch, prompt_tokens, salt)
+    with concurrent.futures.ThreadPoolExecutor(batch) as pool:
+        times = list(pool.map(lambda ids: _stream_request(url, ids, new_tokens), prompts))
+    ttft, tpot, e2e = (statistics.mean(x) for x in zip(*times))
+    return ttft, tpot, e2e
 
 
 # ---- one server ---------------------------------------------------------------------------
@@ -203,12 +275,15 @@ def measure_server(cfg: Configuration, model_dir: Path, engines_dir: Path | None
     try:
         start_s = time.monotonic() - started
         pgid = server.proc.pid
+        start_cpu_s = group_cpu_seconds(pgid)  # start-up's share of the profiling cost
         procs = scheduler_processes(pgid)
         if len(procs) != cfg.processes:
             raise RuntimeError(f"{cfg.name}: found {len(procs)} scheduler processes "
                                f"({sorted(procs)}), expected {cfg.processes}")
         # One short request first: kernels, caches and allocator pools settle before the mark.
         e2e_seconds(server.url, 1, 16, 2)
+        if workload.timing == "stream":
+            stream_seconds(server.url, 1, 16, 2)
         load_hwm = {k: status_kib(pid, "VmHWM") for k, pid in procs.items()}
         rss_idle = {k: status_kib(pid, "VmRSS") for k, pid in procs.items()}
         for pid in procs.values():
@@ -218,13 +293,23 @@ def measure_server(cfg: Configuration, model_dir: Path, engines_dir: Path | None
         if with_latency:
             for batch in workload.batches:
                 for n in workload.output_tokens:
-                    runs = []
+                    runs, ttfts, tpots = [], [], []
                     for _ in range(workload.repetitions):
-                        runs.append(e2e_seconds(server.url, batch, workload.prompt_tokens, n,
-                                                salt))
+                        if workload.timing == "stream":
+                            ttft, tpot, e2e = stream_seconds(
+                                server.url, batch, workload.prompt_tokens, n, salt)
+                            ttfts.append(ttft)
+                            tpots.append(tpot)
+                        else:
+                            e2e = e2e_seconds(server.url, batch, workload.prompt_tokens, n,
+                                              salt)
+                        runs.append(e2e)
                         salt += 1
-                    points.append({"batch": batch, "output_tokens": n, "e2e_s": runs,
-                                   "e2e_median_s": statistics.median(runs)})
+                    point = {"batch": batch, "output_tokens": n, "e2e_s": runs,
+                             "e2e_median_s": statistics.median(runs)}
+                    if workload.timing == "stream":
+                        point.update(ttft_s=ttfts, tpot_s=tpots)
+                    points.append(point)
         else:  # memory only: one pass at the largest batch and length
             e2e_seconds(server.url, max(workload.batches), workload.prompt_tokens,
                         max(workload.output_tokens))
@@ -251,5 +336,6 @@ def measure_server(cfg: Configuration, model_dir: Path, engines_dir: Path | None
     return {"kind": kind, "config": cfg.name, "bits": cfg.bits, "tp": cfg.tp, "pp": cfg.pp,
             "num_layers": num_layers, "argv": ["scripts/serve.sh", *argv],
             "start_s": start_s, "wall_s": time.monotonic() - started, "cpu_s": cpu_s,
+            "start_cpu_s": start_cpu_s, "timing": workload.timing,
             "uptime_s_at_start": float(uptime_before), "load_average": list(os.getloadavg()),
             "processes": processes, "latency": points}

@@ -106,4 +106,11 @@ def serve_argv(cfg: Configuration, model_dir: Path | None, engines_dir: Path | N
     argv += ["--max-total-tokens", str(kv_tokens)]
     if max_running_requests is not None:
         argv += ["--max-running-requests", str(max_running_requests)]
+        if cfg.pp > 1:
+            # One micro-batch holds every running request. SGLang's default cap is
+            # max_running_requests // pp: at 4 requests a PP 3 server ran micro-batches of one
+            # and held the fourth request back (TPOT 2.3x PP 2's in the profile of 275a433),
+            # which no stage-and-hop line models; a whole batch per micro-batch is what L2's
+            # pipeline line (and iserve_sim's) describes.
+            argv += ["--pp-max-micro-batch-size", str(max_running_requests)]
     return argv + list(extra)
