@@ -4,6 +4,7 @@ micro-batching, controller policy and the cluster simulation. Pure Python, no se
 from __future__ import annotations
 
 import itertools
+import math
 import random
 
 import networkx as nx
@@ -30,13 +31,14 @@ from sglang_morph.kunserve.cost import (
     relative_errors,
 )
 from sglang_morph.kunserve.lookahead import (
+    POLICIES,
     BatchItem,
+    PipelineRequest,
     StagedMicroBatch,
     by_lookahead,
-    by_request_count,
     micro_batch_seconds,
     pipeline_schedule,
-    serve_batch_bubbles,
+    serve_pipeline,
 )
 from sglang_morph.kunserve.planner import (
     DropPlan,
@@ -365,10 +367,16 @@ def test_phase_costs_round_trip(tmp_path):
 # ---- lookahead ------------------------------------------------------------------------------
 
 COSTS = PhaseCosts(ChunkCostModel(2e-8, 1e-4, 5e-3), ChunkCostModel(1e-7, 2e-4, 2e-2))
+# A backend that pads a chunk's prefix (torch_native): cutting a prefill adds work.
+PADDED = PhaseCosts(ChunkCostModel(2e-8, 1e-4, 5e-3, 2e-8, 2e-5), COSTS.decode)
+COSTS_KUNSERVE = COSTS
 
 
 @pytest.mark.parametrize("seed", range(6))
-def test_lookahead_places_every_token_once_in_order_and_balances(seed):
+@pytest.mark.parametrize("costs", [COSTS, PADDED], ids=["kunserve", "padded"])
+def test_lookahead_places_every_token_once_in_order_and_balances(seed, costs):
+    COSTS = costs  # noqa: N806 (the body reads the module's name)
+    costs_model = costs
     rng = random.Random(seed)
     items = [BatchItem(f"r{i}", 0, rng.randint(16, 2000)) for i in range(rng.randint(2, 12))]
     for k in (2, 3, 4):
@@ -384,9 +392,10 @@ def test_lookahead_places_every_token_once_in_order_and_balances(seed):
         total = sum(micro_batch_seconds(COSTS, (it,)) - COSTS.prefill.gamma_s for it in items)
         if total > 20 * k * COSTS.prefill.gamma_s:  # a batch big enough to cut k ways
             assert len(mbs) == k
-            assert max(costs) / min(costs) < 1.05
-    counted = by_request_count(items, 2)
-    assert [it for mb in counted for it in mb] == items
+            # On a padded backend a cut's cost jumps when it moves onto a request boundary
+            # (no prefix to pad), so an exact balance may not exist: placement only.
+            if costs_model is COSTS_KUNSERVE:
+                assert max(costs) / min(costs) < 1.05
 
 
 def _reference_makespan(mbs: list[StagedMicroBatch], transfer_s: float) -> float:
@@ -421,15 +430,87 @@ def test_pipeline_schedule_matches_a_longest_path_reference(seed):
     assert run.bubble_share == pytest.approx(1 - busy / (2 * run.makespan_s))
 
 
-def test_bubble_share_closed_form_and_lookahead_helps():
+def test_bubble_share_closed_form():
     # K equal micro-batches of t on S stages, one iteration: bubble (S-1)/(K+S-1).
     mbs = [StagedMicroBatch(0, frozenset({str(i)}), (0.1, 0.1, 0.1)) for i in range(4)]
     assert pipeline_schedule(mbs).bubble_share == pytest.approx(2 / 6)
-    # A long prompt next to short ones: by count the first micro-batch is far heavier.
-    prompts = [("long", 3000, 40)] + [(f"s{i}", 100, 40) for i in range(5)]
-    runs = serve_batch_bubbles(COSTS, prompts, [0.5, 0.5])
-    assert runs["lookahead"].bubble_share < runs["by_request_count"].bubble_share
-    assert runs["lookahead"].busy_s == pytest.approx(runs["by_request_count"].busy_s, rel=0.05)
+
+
+def _random_requests(rng, n, spread_s):
+    return [PipelineRequest(f"r{i}", rng.randint(1, 1500), rng.randint(1, 30),
+                            rng.uniform(0, spread_s)) for i in range(n)]
+
+
+@pytest.mark.parametrize("seed", range(4))
+@pytest.mark.parametrize("policy", POLICIES)
+def test_serve_pipeline_runs_every_step_once_in_order_after_the_previous_came_back(seed, policy):
+    rng = random.Random(seed)
+    requests = _random_requests(rng, rng.randint(1, 12), rng.choice([0.0, 2.0]))
+    max_running = rng.choice([None, 3])
+    costs = rng.choice([COSTS, PADDED])
+    cap = rng.choice([math.inf, 0.05])
+    transfer = 0.002
+    run, order = serve_pipeline(costs, requests, [0.4, 0.6], policy, transfer, max_running, cap)
+    by_rid = {r.rid: r for r in requests}
+    steps: dict[str, list] = {r.rid: [] for r in requests}
+    for mb in order:
+        assert len({it.rid for it in mb.items}) == len(mb.items)  # one step per request
+        assert mb.back_s > mb.enter_s
+        for it in mb.items:
+            steps[it.rid].append((it, mb.enter_s, mb.back_s))
+    for rid, done in steps.items():
+        r = by_rid[rid]
+        prefill = [d for d in done if d[0].cached_tokens < r.prompt_tokens]
+        decode = done[len(prefill):]
+        assert done[0][1] >= r.arrival_s
+        position = 0
+        for it, _, _ in prefill:  # the prompt's chunks, contiguous, in order, once each
+            assert it.cached_tokens == position
+            position += it.new_tokens
+        assert position == r.prompt_tokens
+        assert [(it.cached_tokens, it.new_tokens) for it, _, _ in decode] == [
+            (r.prompt_tokens + k - 1, 1) for k in range(1, r.output_tokens)]
+        # Every decode step enters stage 0 after the previous step's token came back.
+        for (_, _, back), (_, enter, _) in zip(done[len(prefill) - 1:], decode):
+            assert enter >= back - 1e-12
+    assert run.busy_s == pytest.approx(sum(micro_batch_seconds(costs, mb.items) for mb in order))
+    assert run.makespan_s == pytest.approx(max(mb.back_s for mb in order) - transfer
+                                           - min(r.arrival_s for r in requests))
+    if max_running is not None:
+        # At most max_running requests between their first step and their last token back.
+        spans = [(min(e for _, e, _ in d), max(b for _, _, b in d)) for d in steps.values()]
+        for start, _ in spans:
+            assert sum(a <= start < b for a, b in spans) <= max_running
+
+
+def test_lookahead_fills_the_bubbles_of_slots_and_cutting_has_a_price():
+    # A long prompt next to short ones: its slot's micro-batches are far heavier, the other
+    # slot's requests come back early and stage 0 waits; the lookahead balances the rounds.
+    requests = [PipelineRequest("long", 3000, 40)] + [
+        PipelineRequest(f"s{i}", 100, 40) for i in range(5)]
+    slots, _ = serve_pipeline(COSTS, requests, [0.5, 0.5], "slots")
+    ahead, _ = serve_pipeline(COSTS, requests, [0.5, 0.5], "lookahead")
+    assert ahead.bubble_share < 0.75 * slots.bubble_share
+    assert ahead.makespan_s < slots.makespan_s
+    # On a padded-prefix backend, small pieces of a prefill re-read their prefix: fewer
+    # bubbles, more work (why the benchmark reports the makespan next to the bubble share).
+    whole, _ = serve_pipeline(PADDED, requests, [0.5, 0.5], "lookahead")
+    pieces, _ = serve_pipeline(PADDED, requests, [0.5, 0.5], "lookahead", max_micro_batch_s=0.02)
+    assert pieces.busy_s > 1.2 * whole.busy_s
+
+
+def test_serve_pipeline_rejects_bad_input():
+    one = [PipelineRequest("a", 10, 2)]
+    with pytest.raises(ValueError, match="unknown policy"):
+        serve_pipeline(COSTS, one, [0.5, 0.5], "fastest")
+    with pytest.raises(ValueError, match="max_running"):
+        serve_pipeline(COSTS, one, [0.5, 0.5], "slots", max_running=0)
+    with pytest.raises(ValueError, match="unique"):
+        serve_pipeline(COSTS, one * 2, [0.5, 0.5], "slots")
+    with pytest.raises(ValueError, match="add up to 1"):
+        serve_pipeline(COSTS, one, [0.5, 0.6], "slots")
+    with pytest.raises(ValueError, match="output_tokens"):
+        PipelineRequest("a", 10, 0)
 
 
 # ---- controller ----------------------------------------------------------------------------

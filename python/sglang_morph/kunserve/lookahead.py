@@ -1,25 +1,23 @@
 """Micro-batches for a merged group's pipeline, and the pipeline's bubbles.
 
-A group of ``S`` members runs its batch as ``K`` micro-batches through ``S`` stages; stage ``j``
-of a micro-batch takes the micro-batch's whole-model cost times the share of layers the stage
-holds (plus an activation transfer to the next stage). When micro-batches cost different
-amounts, the cheap ones wait on the expensive ones and stages idle: the pipeline bubble.
+A group of ``S`` members runs its work as micro-batches through ``S`` stages; stage ``j`` of a
+micro-batch takes the micro-batch's whole-model cost times the share of layers the stage holds
+(plus an activation transfer to the next stage). A request's next step (its next token) can
+only enter stage 0 once its previous step has left the last stage. When micro-batches cost
+different amounts, or too few requests are back to fill one, stages idle: the pipeline bubble.
+``bubble_share`` is the idle share of the stages' time, ``1 - busy / (S x makespan)``.
 
-- ``by_request_count``: the batch cut into ``K`` runs of (nearly) equal request counts, in
-  order, no request split (what a pipeline does without a cost model, e.g. SGLang's
-  ``--pp-max-micro-batch-size``).
-- ``by_lookahead``: KunServe's lookahead: with the chunk cost model, every micro-batch gets
-  the same cost. Requests are placed in order; a prefill that would overshoot the target is cut
-  where the micro-batch reaches it (the cost of a chunk is quadratic in its tokens, solved
-  exactly) and its rest goes first into the next micro-batch, behind the part already placed
-  (its cached tokens grow by the first part, which the cost model accounts for). Decode steps
-  (one token) are never cut. Within a micro-batch, chunk order does not matter.
-
-``pipeline_schedule`` runs micro-batches through the stages (a stage works on one micro-batch
-at a time, in order; a request's next iteration waits for its previous one to leave the last
-stage) and returns the makespan; ``bubble_share`` is the idle share of the stages' time,
-``1 - busy / (S x makespan)``. ``serve_batch_bubbles`` serves a whole batch (one prefill
-iteration, then decode iterations) that way, once per splitter, re-splitting every iteration.
+- ``serve_pipeline`` serves a stream of requests to completion, forming a micro-batch whenever
+  stage 0 is free, under one of two policies (``POLICIES``, described there): ``slots``, no
+  cost model (SGLang's pipeline parallelism), and ``lookahead``, KunServe's (micro-batches of
+  a target cost from the requests that are back, prefills cut by the chunk cost model).
+- ``by_lookahead`` cuts one iteration's items into ``K`` micro-batches of equal cost (the
+  cluster simulation's pipeline, ``benchmark/kunserve_sim.py``): requests are placed in order;
+  a prefill that would overshoot the target is cut where the micro-batch reaches it (solved from
+  the cost model) and its rest goes first into the next micro-batch, behind the part already
+  placed (its cached tokens grow by the first part, which the cost model accounts for). Decode
+  steps (one token) are never cut. Within a micro-batch, chunk order does not matter.
+- ``PipelineState`` / ``pipeline_schedule`` place micro-batches on the stages in order.
 """
 
 from __future__ import annotations
@@ -50,18 +48,6 @@ def micro_batch_seconds(costs: PhaseCosts, mb: MicroBatch) -> float:
     return costs.seconds([item.chunk() for item in mb]) if mb else 0.0
 
 
-def by_request_count(items: Sequence[BatchItem], k: int) -> tuple[MicroBatch, ...]:
-    if k < 1:
-        raise ValueError(f"need at least one micro-batch, got {k}")
-    base, extra = divmod(len(items), k)
-    out, start = [], 0
-    for j in range(k):
-        stop = start + base + (1 if j < extra else 0)
-        out.append(tuple(items[start:stop]))
-        start = stop
-    return tuple(mb for mb in out if mb)
-
-
 def _tokens_for_cost(model: ChunkCostModel, cached: int, seconds: float) -> int:
     """Most tokens ``c`` whose chunk behind ``cached`` costs at most ``seconds`` (at least 1):
     ``alpha(p*c + c^2 + c) + beta*c + delta*p^2 + epsilon*p``, the last two paid by any ``c``."""
@@ -80,8 +66,9 @@ def by_lookahead(items: Sequence[BatchItem], k: int, costs: PhaseCosts,
 
     The first ``k - 1`` micro-batches are filled to a per-micro-batch cost and the last takes
     the rest; the cost is found by bisection so that the rest costs the same. (Cutting a
-    prefill makes its parts cheaper than the whole, by ``alpha * c1 * c2``: the second part's
-    attention no longer counts the first as new tokens, so ``total / k`` overshoots.)
+    prefill changes its cost: KunServe's model makes the parts cheaper by ``alpha * c1 * c2``,
+    the padded prefix of torch_native dearer by ``delta * c1^2 + epsilon * c1``; so the target
+    is not ``total / k``.)
 
     Invariant: every request's new tokens are placed exactly once, the chunks of one request
     are contiguous and in order (a later chunk's cached tokens = the earlier chunks' end), and
@@ -93,7 +80,9 @@ def by_lookahead(items: Sequence[BatchItem], k: int, costs: PhaseCosts,
         return ()
     model = costs.model([item.chunk() for item in items])
     total = sum(model.chunk_seconds(item.chunk()) for item in items)
-    lo, hi = 0.0, total / k
+    # The balanced target lies below the whole (every micro-batch holds part of it); not
+    # always below total / k: on a backend that pads a chunk's prefix, cutting adds work.
+    lo, hi = 0.0, total
     best = _fill(items, k, model, hi)
     for _ in range(iterations if k > 1 else 0):
         mid = (lo + hi) / 2
@@ -226,52 +215,211 @@ def stage_micro_batches(costs: PhaseCosts, iteration: int, micro_batches: Sequen
             for mb in micro_batches]
 
 
-SPLITTERS = ("by_request_count", "lookahead")
+# ---- serving a stream of requests through the pipeline, micro-batch by micro-batch ----------
+#
+# A pipeline scheduler forms the next micro-batch whenever stage 0 is free, from the requests
+# whose previous step has come back. ``serve_pipeline`` does that for two policies, on the same
+# requests, the same cost model and the same stages; the bubble share is the stages' idle share
+# from the first arrival to the last stage's last micro-batch (``PipelineRun``).
+#
+# - ``slots`` (no cost model; SGLang's pipeline parallelism, ``scheduler_pp_mixin``): one
+#   micro-batch slot per stage; a request joins the slot with the fewest live requests when it
+#   is admitted and stays there; the slots take turns, and a slot's next micro-batch is every
+#   member's next step (a whole prefill, or a decode step) once the slot's previous
+#   micro-batch has come back.
+# - ``lookahead`` (KunServe's, with the cost model): whenever stage 0 is free, the next
+#   micro-batch is formed from the requests that are back (a prefill's next chunk is ready as
+#   soon as its previous chunk has gone in: the stages keep the chunks in order), earliest
+#   first, up to a target cost: one round of work of every live request (a decode step each,
+#   each prefill whole) over the number of stages, so that a round fills the stages, and
+#   at most ``max_micro_batch_s``, so that a burst of prefills enters in pieces instead of
+#   leaving the next stage idle for a whole batch of prompts. A prefill that overshoots is cut
+#   where the micro-batch reaches the target (solved from the cost model; the rest is ready
+#   for the next micro-batch). Looking ahead at what comes back: when requests that would
+#   still fit the target come back sooner than a micro-batch's fixed cost (``gamma``), stage 0
+#   waits for them instead of splitting the round into more, smaller micro-batches (each pays
+#   ``gamma`` again on every stage).
 
 
-def split(name: str, items: Sequence[BatchItem], k: int, costs: PhaseCosts) -> tuple[MicroBatch, ...]:
-    if name == "by_request_count":
-        return by_request_count(items, k)
-    if name == "lookahead":
-        return by_lookahead(items, k, costs)
-    raise ValueError(f"unknown splitter {name!r}; choose from {SPLITTERS}")
+@dataclasses.dataclass(frozen=True)
+class PipelineRequest:
+    rid: str
+    prompt_tokens: int
+    output_tokens: int
+    arrival_s: float = 0.0
+
+    def __post_init__(self) -> None:
+        if self.prompt_tokens < 1 or self.output_tokens < 1 or self.arrival_s < 0:
+            raise ValueError(f"request {self.rid}: needs prompt_tokens >= 1, output_tokens >= 1 "
+                             f"and arrival_s >= 0")
 
 
-def serve_batch_bubbles(costs: PhaseCosts, prompts: Sequence[tuple[str, int, int]],
-                        layer_shares: Sequence[float], micro_batches: int | None = None,
-                        transfer_s: float = 0.0,
-                        join_every: int | None = None) -> dict[str, PipelineRun]:
-    """Serve a batch to completion through the pipeline, once per splitter.
+@dataclasses.dataclass
+class _Live:
+    req: PipelineRequest
+    slot: int = -1
+    prefilled: int = 0
+    produced: int = 0
+    ready_at: float = 0.0
 
-    ``prompts``: (rid, prompt tokens, output tokens), in arrival order. With ``join_every``
-    None every prompt is prefilled in iteration 0; with ``n``, request ``i`` joins at iteration
-    ``i * n`` and its prefill runs in one forward with the others' decode steps (SGLang's
-    mixed chunk), which is where micro-batches of equal request counts differ most in cost.
-    A prefill yields the request's first token; each later iteration decodes one token of
-    every request that still has tokens to produce. Every iteration is re-split into
-    ``micro_batches`` (default: one per stage, the fewest that keep every stage busy).
+    @property
+    def finished(self) -> bool:
+        return self.produced >= self.req.output_tokens
+
+    def next_item(self, max_new: int | None = None) -> BatchItem:
+        if self.prefilled < self.req.prompt_tokens:
+            left = self.req.prompt_tokens - self.prefilled
+            return BatchItem(self.req.rid, self.prefilled, min(left, max_new or left))
+        return BatchItem(self.req.rid, self.req.prompt_tokens + self.produced - 1, 1)
+
+
+POLICIES = ("slots", "lookahead")
+
+
+@dataclasses.dataclass(frozen=True)
+class ScheduledMicroBatch:
+    """A micro-batch as served: when it entered stage 0 and when its tokens were back."""
+
+    enter_s: float
+    back_s: float
+    items: MicroBatch
+
+
+def serve_pipeline(costs: PhaseCosts, requests: Sequence[PipelineRequest],
+                   layer_shares: Sequence[float], policy: str, transfer_s: float = 0.0,
+                   max_running: int | None = None,
+                   max_micro_batch_s: float = math.inf,
+                   ) -> tuple[PipelineRun, list[ScheduledMicroBatch]]:
+    """Serve ``requests`` to completion through ``len(layer_shares)`` stages under ``policy``.
+
+    ``max_running``: at most that many requests live at once (KV-bound), admitted first come,
+    first served when one finishes (its last token back); None admits each at its arrival.
+    Returns the run and the micro-batches in the order they entered stage 0.
+
+    Invariant: every request's prompt tokens run exactly once, in order, then one decode step
+    per output token after the first (which the prefill yields), each only after the previous
+    step came back from the last stage.
     """
-    k = micro_batches or len(layer_shares)
-    out = {}
-    for name in SPLITTERS:
-        staged: list[StagedMicroBatch] = []
-        join = {rid: (0 if join_every is None else i * join_every)
-                for i, (rid, _, _) in enumerate(prompts)}
-        prompt = {rid: p for rid, p, _ in prompts}
-        left = {rid: o for rid, _, o in prompts}
-        produced = {rid: 0 for rid, _, _ in prompts}
-        iteration = 0
-        while left:
-            items = [BatchItem(rid, 0, prompt[rid]) if produced[rid] == 0
-                     else BatchItem(rid, prompt[rid] + produced[rid] - 1, 1)
-                     for rid in left if join[rid] <= iteration]
-            if items:
-                staged += stage_micro_batches(costs, iteration, split(name, items, k, costs),
-                                              layer_shares)
-            for item in items:
-                produced[item.rid] += 1
-                if produced[item.rid] == left[item.rid]:
-                    del left[item.rid]
-            iteration += 1
-        out[name] = pipeline_schedule(staged, transfer_s)
-    return out
+    if policy not in POLICIES:
+        raise ValueError(f"unknown policy {policy!r}; choose from {POLICIES}")
+    if max_running is not None and max_running < 1:
+        raise ValueError(f"max_running must be >= 1, got {max_running}")
+    if not math.isclose(sum(layer_shares), 1.0):
+        raise ValueError(f"layer shares must add up to 1, got {sum(layer_shares)}")
+    if len({r.rid for r in requests}) != len(requests):
+        raise ValueError("request ids must be unique")
+    stages = len(layer_shares)
+    start = min((r.arrival_s for r in requests), default=0.0)
+    state = PipelineState(stages, transfer_s, start)
+    waiting = sorted(requests, key=lambda r: r.arrival_s)
+    live: list[_Live] = []
+    leaving: list[float] = []  # when finished requests' last steps come back (KV freed)
+    order: list[ScheduledMicroBatch] = []
+    next_slot = 0
+    now = start
+
+    def room() -> bool:
+        return max_running is None or len(live) + sum(t > now for t in leaving) < max_running
+
+    while waiting or live:
+        now = max(now, state.done[0])
+        # Admission, first come first served, within max_running.
+        while waiting and waiting[0].arrival_s <= now and room():
+            entry = _Live(waiting.pop(0), ready_at=now)
+            counts = [sum(1 for x in live if x.slot == s) for s in range(stages)]
+            entry.slot = counts.index(min(counts))
+            live.append(entry)
+        if policy == "slots":
+            mb, next_slot = _form_slot(live, now, stages, next_slot)
+        else:
+            mb = _form_lookahead(costs, live, now, stages, max_micro_batch_s)
+        if not mb:
+            # Nothing ready: stage 0 waits for the earliest return, arrival or freed room.
+            events = [x.ready_at for x in live] + [t for t in leaving if waiting]
+            if waiting:
+                events.append(waiting[0].arrival_s)
+            later = [t for t in events if t > now]
+            if not later:
+                raise AssertionError("pipeline stalled with work left")  # unreachable
+            now = min(later)
+            continue
+        seconds = micro_batch_seconds(costs, mb)
+        enter = max(now, state.done[0])
+        # Dependencies are this loop's (only ready requests are placed), so no rids here.
+        back = state.submit(StagedMicroBatch(0, frozenset(),
+                                             tuple(seconds * s for s in layer_shares)), now)
+        order.append(ScheduledMicroBatch(enter, back, mb))
+        by_rid = {x.req.rid: x for x in live}
+        for item in mb:
+            entry = by_rid[item.rid]
+            if entry.prefilled < entry.req.prompt_tokens:
+                entry.prefilled += item.new_tokens
+                if entry.prefilled == entry.req.prompt_tokens:
+                    entry.produced, entry.ready_at = 1, back
+                else:  # the next chunk may follow in the next micro-batch
+                    entry.ready_at = now
+            else:
+                entry.produced += 1
+                entry.ready_at = back
+            if entry.finished:
+                leaving.append(back)
+        live = [x for x in live if not x.finished]
+        leaving = [t for t in leaving if t > now]
+    return PipelineRun(state.done[-1] - start, state.busy_s, stages), order
+
+
+def _form_slot(live: list[_Live], now: float, stages: int,
+               next_slot: int) -> tuple[MicroBatch, int]:
+    """The next slot in turn with live members, once all of them are back."""
+    for k in range(stages):
+        slot = (next_slot + k) % stages
+        members = [x for x in live if x.slot == slot]
+        if not members:
+            continue
+        if any(x.ready_at > now for x in members):
+            return (), next_slot  # its previous micro-batch is not back: stage 0 waits
+        return tuple(x.next_item() for x in members), (slot + 1) % stages
+    return (), next_slot
+
+
+def _form_lookahead(costs: PhaseCosts, live: list[_Live], now: float, stages: int,
+                    max_micro_batch_s: float) -> MicroBatch:
+    ready = sorted((x for x in live if x.ready_at <= now), key=lambda x: x.ready_at)
+    if not ready:
+        return ()
+    # A round: every live request's step, a prefill counted whole (not only its rest, or the
+    # target would shrink with each piece and cut the tail of a prompt ever finer).
+    round_items = [BatchItem(x.req.rid, 0, x.req.prompt_tokens)
+                   if x.prefilled < x.req.prompt_tokens else x.next_item() for x in live]
+    model = costs.model([i.chunk() for i in round_items])
+    target = min(max_micro_batch_s,
+                 sum(model.chunk_seconds(i.chunk()) for i in round_items) / stages)
+    ready_s = sum(model.chunk_seconds(x.next_item().chunk()) for x in ready)
+    soon = [x for x in live if now < x.ready_at < now + model.gamma_s]
+    if soon and ready_s + sum(model.chunk_seconds(x.next_item().chunk())
+                              for x in soon) <= target * 1.05:
+        # Requests that would still fit this micro-batch come back sooner than a micro-batch
+        # of their own would cost in overhead: wait for them rather than split the round
+        # into more micro-batches than stages.
+        return ()
+    out: list[BatchItem] = []
+    filled = 0.0
+    for x in ready:
+        item = x.next_item()
+        cost = model.chunk_seconds(item.chunk())
+        if filled + cost <= target:
+            out.append(item)
+            filled += cost
+            continue
+        if item.new_tokens > 1:
+            # A prefill that overshoots is cut where the micro-batch reaches the target (an
+            # empty micro-batch takes at least one token, so the loop always advances).
+            c = min(_tokens_for_cost(model, item.cached_tokens, target - filled),
+                    item.new_tokens)
+            cut = x.next_item(max_new=c)
+            if not out or filled + model.chunk_seconds(cut.chunk()) <= target:
+                out.append(cut)
+        elif not out or target - filled > filled + cost - target:
+            out.append(item)  # a decode step: where it overshoots less than it leaves short
+        break
+    return tuple(out)
