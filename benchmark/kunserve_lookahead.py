@@ -152,6 +152,16 @@ def main() -> None:
                      f"{v['makespan_ratio']:.2f})" for v in r["lookahead"].values()]
             lines.append(f"| {name} | {r['runs']} | {r['slots']['bubble_share']:.1%} | "
                          + " | ".join(cells) + " |")
+        for cap, cap_name in zip(caps, cap_names):
+            entries = [r["lookahead"][str(cap)] for r in rows.values()]
+            halved = sum(e["bubble_ratio"] <= 0.5 for e in entries)
+            free = sum(e["bubble_ratio"] <= 0.5 and e["makespan_ratio"] <= 1.0 for e in entries)
+            lines.append(f"\nlookahead {cap_name}: bubble share halved in {halved} of "
+                         f"{len(entries)} scenarios, {free} of them without a longer makespan; "
+                         f"bubble ratios {min(e['bubble_ratio'] for e in entries):.2f}-"
+                         f"{max(e['bubble_ratio'] for e in entries):.2f}, makespan ratios "
+                         f"{min(e['makespan_ratio'] for e in entries):.2f}-"
+                         f"{max(e['makespan_ratio'] for e in entries):.2f}.")
         lines.append("")
     (args.out / "lookahead.md").write_text("\n".join(lines))
 
