@@ -296,7 +296,7 @@ def _after_scheduler_init(_result: None, scheduler: Any, *args: Any, **kwargs: A
         from sglang_morph.kunserve.live.hooks import attach
 
         try:
-            attach(scheduler, kunserve.link_port)
+            attach(scheduler, kunserve.link_port, kunserve.auto)
         except NotImplementedError as e:
             raise MorphPluginError(f"sglang-morph: error: --enable-kunserve does not support "
                                    f"this configuration: {e}") from e
@@ -336,6 +336,9 @@ def _before_get_next_batch(scheduler: Any, *args: Any, **kwargs: Any) -> None:
     runtime = getattr(scheduler, "morph_runtime", None)
     if runtime is not None:
         runtime.on_step()
+    kunserve = scheduler.__dict__.get("kunserve")  # --enable-kunserve --kunserve-auto
+    if kunserve is not None and kunserve.auto is not None:
+        kunserve.auto.on_step()
 
 
 def _after_poll_timeout_aborts(result: list, scheduler: Any) -> list:

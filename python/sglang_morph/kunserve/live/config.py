@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 import socket
 from typing import Any
 
@@ -21,16 +22,88 @@ class KunServeConfigError(ValueError):
 
 
 @dataclasses.dataclass(frozen=True)
+class AutoControlConfig:
+    """``--kunserve-auto``: the controller (``kunserve/controller.py``) drives the transitions.
+
+    ``interval_ms``: how often replica 1 publishes its view to replica 0 and replica 0 decides
+    (a decision needs both replicas' queues, so it is no fresher than the last publication);
+    the other fields are ``ControllerConfig``'s, with its defaults."""
+
+    interval_ms: float = 250.0
+    drop_persist: int = 2
+    restore_usage: float = 0.5
+    restore_headroom: float = 0.8
+    restore_persist: int = 3
+    min_dwell_s: float = 5.0
+    partial_drop: bool = True
+
+    def __post_init__(self) -> None:
+        if not (isinstance(self.interval_ms, (int, float)) and 1 <= self.interval_ms <= 60_000):
+            raise ValueError(f"interval_ms must be a number in [1, 60000], got "
+                             f"{self.interval_ms!r}")
+        if not isinstance(self.partial_drop, bool):
+            raise ValueError(f"partial_drop must be true or false, got {self.partial_drop!r}")
+        for name in ("drop_persist", "restore_persist"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
+        for name in ("restore_usage", "restore_headroom", "min_dwell_s"):
+            value = getattr(self, name)
+            if not isinstance(value, (int, float)) or isinstance(value, bool):
+                raise ValueError(f"{name} must be a number, got {value!r}")
+        self.controller()  # ControllerConfig's own range checks
+
+    def controller(self):
+        from sglang_morph.kunserve.controller import ControllerConfig
+
+        fields = {f.name for f in dataclasses.fields(ControllerConfig)}
+        return ControllerConfig(**{k: v for k, v in dataclasses.asdict(self).items()
+                                   if k in fields})
+
+    @classmethod
+    def from_json(cls, text: str | None) -> "AutoControlConfig":
+        """``--kunserve-auto-config``: a JSON object of some of the fields. Raises
+        KunServeConfigError naming the flag and the problem."""
+        if text is None:
+            return cls()
+        flag = "--kunserve-auto-config"
+        try:
+            body = json.loads(text)
+        except json.JSONDecodeError as e:
+            raise KunServeConfigError(f"{flag} is not JSON: {e}") from e
+        if not isinstance(body, dict):
+            raise KunServeConfigError(f"{flag} must be a JSON object, got {text!r}")
+        known = [f.name for f in dataclasses.fields(cls)]
+        unknown = sorted(set(body) - set(known))
+        if unknown:
+            raise KunServeConfigError(f"{flag}: unknown fields {unknown}; known: "
+                                      f"{', '.join(known)}")
+        try:
+            return cls(**body)
+        except ValueError as e:
+            raise KunServeConfigError(f"{flag}: {e}") from e
+
+
+@dataclasses.dataclass(frozen=True)
 class KunServeLiveConfig:
     enabled: bool = False
     link_port: int | None = None  # TCPStore port of the replicas' gloo link
+    auto: AutoControlConfig | None = None  # None: operator-driven only
 
     @classmethod
     def from_cli_namespace(cls, args: argparse.Namespace) -> "KunServeLiveConfig":
+        auto = bool(getattr(args, "kunserve_auto", False))
+        auto_json = getattr(args, "kunserve_auto_config", None)
         if not getattr(args, "enable_kunserve", False):
+            if auto or auto_json is not None:
+                raise KunServeConfigError("--kunserve-auto and --kunserve-auto-config need "
+                                          "--enable-kunserve")
             return cls()
+        if auto_json is not None and not auto:
+            raise KunServeConfigError("--kunserve-auto-config needs --kunserve-auto")
         port = getattr(args, "kunserve_link_port", None)
-        return cls(enabled=True, link_port=port if port is not None else _free_port())
+        return cls(enabled=True, link_port=port if port is not None else _free_port(),
+                   auto=AutoControlConfig.from_json(auto_json) if auto else None)
 
 
 def _free_port() -> int:
@@ -51,6 +124,16 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
         "--kunserve-link-port", type=int, default=None, metavar="PORT",
         help="TCP port of the replicas' gloo link rendezvous on 127.0.0.1 (default: a free "
         "port picked at launch).")
+    group.add_argument(
+        "--kunserve-auto", action="store_true",
+        help="Drop and restore automatically: replica 0 runs the KunServe controller on both "
+        "replicas' KV use and queues (the POST routes keep working).")
+    group.add_argument(
+        "--kunserve-auto-config", default=None, metavar="JSON",
+        help="The controller's thresholds as a JSON object, e.g. '{\"interval_ms\": 250, "
+        "\"drop_persist\": 2, \"restore_usage\": 0.5, \"restore_headroom\": 0.8, "
+        "\"restore_persist\": 3, \"min_dwell_s\": 5, \"partial_drop\": true}' (the "
+        "defaults).")
 
 
 def check_launch(server_args: Any, morph_enabled: bool) -> None:

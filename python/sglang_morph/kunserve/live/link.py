@@ -50,6 +50,10 @@ class PeerLink:
                 rank=rank, group_name=f"kunserve-{name}", timeout=_IDLE_TIMEOUT)
 
         self._store = store  # the groups' rendezvous; kept alive with them
+        # Small non-blocking messages (the automatic control's views and proposals): a key
+        # written on one side is read on the other without either waiting (gloo's recv
+        # cannot be polled).
+        self.mailbox = PrefixStore("kunserve/mailbox", store)
         self.control = group("control")
         self.calls = (group("calls0"), group("calls1"))
 

@@ -72,7 +72,7 @@ class KunServeReplica:
     ``kv_capacity_tokens_merged`` tokens, and a mirror pool of the same layers sized to the
     peer's capacity; the KV of both plus the kept weights fit the planner's budget."""
 
-    def __init__(self, scheduler: Any, link_port: int):
+    def __init__(self, scheduler: Any, link_port: int, auto: Any = None):
         from sglang_morph.plan.memory import MemoryModel
         from sglang_morph.plan.model import ModelSpec
 
@@ -132,6 +132,11 @@ class KunServeReplica:
                          else None)
         self._publish_metrics()
         self.link = PeerLink(self.rank, link_port)
+        self.auto = None  # --kunserve-auto: the controller's side (auto.py)
+        if auto is not None:
+            from sglang_morph.kunserve.live.auto import AutoControl
+
+            self.auto = AutoControl(self, auto)
         runner.kunserve = self
         self.model.kunserve = self
         self._service = threading.Thread(target=self._serve_peer, name="kunserve-service",
@@ -158,6 +163,8 @@ class KunServeReplica:
     # ---- status ----
 
     def status(self) -> dict[str, Any]:
+        from sglang_morph.kunserve.live.auto import local_view
+
         layers = self.member.layers if self.merged else range(self.num_layers)
         own = int(self.pool.size)
         used = own - int(self.allocator.available_size()) - int(
@@ -185,6 +192,10 @@ class KunServeReplica:
                                 else self.planner.full_weight_bytes),
             "planned_freed_bytes": int(self.member.freed_bytes),
             "dropped_weight_bytes": self.dropped_weight_bytes,
+            # What the automatic control sees of this replica (also without it): held KV,
+            # the remaining outputs of its running requests, its queue.
+            "load": {k: v for k, v in local_view(self).items() if k != "epoch"},
+            "auto": self.auto.status() if self.auto is not None else {"enabled": False},
             "transitions": list(self.transitions),
         }
 
@@ -223,25 +234,28 @@ class KunServeReplica:
         from sglang_morph.server.messages import MorphControlOutput
 
         if isinstance(req, (KunServeDropReq, KunServeRestoreReq)):
-            code, body = self._transition(merge=isinstance(req, KunServeDropReq))
+            code, body = self.transition(merge=isinstance(req, KunServeDropReq))
         else:
             code, body = _OK, self.status()
         return MorphControlOutput(rid=req.rid, status_code=code, body=body, replica=self.rank)
 
-    def _transition(self, merge: bool) -> tuple[int, dict[str, Any]]:
-        """Both replicas, in their schedulers' handlers of the same request, between batches.
+    def transition(self, merge: bool, trigger: str = "operator",
+                   reason: str | None = None) -> tuple[int, dict[str, Any]]:
+        """Both replicas, in their schedulers' handlers of the same request (a POST, or the
+        automatic control's proposal: ``trigger`` "auto" and the controller's ``reason``, both
+        logged), between batches.
         Phase 1 moves KV between the replicas and is undone by discarding what it built;
         phase 2 is local. After each phase the replicas exchange their outcomes, and a replica
         whose peer failed undoes its own part, so a transition happens on both or on neither."""
         action = "drop" if merge else "restore"
-        reason = self._refusal(merge)
-        votes = self.link.exchange(ok=int(reason is None))
-        if reason is not None or not votes["ok"]:
-            return _REFUSED, {"error": reason or f"replica {self.link.peer} refused the {action} "
+        refusal = self._refusal(merge)
+        votes = self.link.exchange(ok=int(refusal is None))
+        if refusal is not None or not votes["ok"]:
+            return _REFUSED, {"error": refusal or f"replica {self.link.peer} refused the {action} "
                               f"(see its answer)", "replica": self.rank}
         started = time.perf_counter()
         before = int(self.pool.size)
-        self._in_flight = len(self._live_requests())
+        self._in_flight = len(self.live_requests())
         if merge:
             error = self._both(self._merge_move_kv, undo=self._discard_mirror)
             if error is None:
@@ -264,7 +278,8 @@ class KunServeReplica:
                              "replica": self.rank}
         self.check_integrity()
         self.transitions.append({
-            "action": action, "at_unix_s": round(time.time(), 3),
+            "action": action, "trigger": trigger, "reason": reason,
+            "at_unix_s": round(time.time(), 3),
             "duration_s": round(time.perf_counter() - started, 4),
             "layers": [self.member.layers.start, self.member.layers.stop] if merge
             else [0, self.num_layers],
@@ -293,10 +308,18 @@ class KunServeReplica:
             return f"replica {self.link.peer} failed (see its answer); undone on {self.rank}"
         return error
 
-    def _live_requests(self) -> list:
-        batch = self.scheduler.running_batch
-        return [*batch.reqs, *([self.scheduler.chunked_req] if self.scheduler.chunked_req
-                               else [])]
+    def live_requests(self) -> list:
+        """Requests holding KV here, between two batches: the running batch's, the chunked
+        request, and the last prefill's (get_next_batch_to_run merges them into the running
+        batch only after this point)."""
+        s = self.scheduler
+        batches = [s.running_batch]
+        if s.last_batch is not None and s.last_batch.forward_mode.is_extend():
+            batches.append(s.last_batch)
+        live = {id(r): r for b in batches if b is not None for r in b.reqs}
+        if s.chunked_req is not None:
+            live[id(s.chunked_req)] = s.chunked_req
+        return [r for r in live.values() if not r.finished()]
 
     def _refusal(self, merge: bool) -> str | None:
         if merge == self.merged:

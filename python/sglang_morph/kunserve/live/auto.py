@@ -1,0 +1,187 @@
+"""``--kunserve-auto``: the KunServe controller drives the live pair's drop and restore.
+
+Design (leader and follower, no new process): every ``interval_ms`` replica 1 publishes its
+view (KV capacity and use, the remaining outputs of its running requests, its queue) to
+replica 0 through the link's mailbox (keys in the link's TCPStore: written and read without
+either side waiting; gloo's recv cannot be polled). Replica 0 builds the ``ClusterView`` of
+both from its own view and replica 1's latest, runs ``KunServeController.decide`` and, for a
+drop or a restore, writes a *proposal* (the direction and the controller's reason) and enters
+the transition; replica 1 reads proposals between its batches (every loop of its scheduler,
+at most every ``_FOLLOW_POLL_S``) and enters the same transition. The transition is the
+operator's (``KunServeReplica.transition``): the vote, the two phases and their undo, the
+refusals (a restore waits while a replica holds more than a whole replica can), the log. So
+an automatic transition completes on both replicas or changes nothing, exactly as a POST.
+
+Why a leader and not both deciding from an exchanged view: an exchange would be a rendezvous
+every interval, each replica waiting up to a whole batch of the other's (a long prefill is
+seconds here). With a leader the replicas wait for each other only in a transition, and only
+one controller keeps hysteresis state.
+
+Ordering with operator POSTs: both replicas enter exactly one transition per proposal and
+one per POST (the data-parallel controller sends a POST to both), and every transition begins
+with the vote on the link's control group, so the votes pair up in order even when a proposal
+and a POST cross (a replica answering a POST may vote with the other answering a proposal).
+The replicas' state is always the same (a transition happens on both or neither), so a
+crossed pair either asks the same thing of both, or one of them refuses ("already merged",
+"not merged") and the pair changes nothing.
+
+A view from replica 1 older than the last transition (its count of transitions differs from
+replica 0's) is not used: it describes the layout before.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from typing import Any
+
+from sglang_morph.kunserve.controller import (
+    ClusterView,
+    Drop,
+    KunServeController,
+    KvCentric,
+    ReplicaSnapshot,
+)
+from sglang_morph.kunserve.live.config import AutoControlConfig
+from sglang_morph.kunserve.planner import LiveRequest
+
+logger = logging.getLogger("sglang_morph.kunserve")
+
+# The follower reads the proposal counter at most this often (one store round trip on
+# 127.0.0.1); the leader waits in the vote meanwhile.
+_FOLLOW_POLL_S = 0.01
+_VIEW_KEY, _COUNT_KEY = "view1", "proposals"
+
+
+def local_view(replica: Any) -> dict[str, int]:
+    """This replica's part of the cluster view, between two batches (scheduler thread).
+
+    ``kv_used_tokens``: KV held by requests and locked cache (not free, not evictable);
+    ``kv_growth_tokens``: output tokens its running requests may still add (their
+    ``max_new_tokens`` minus what they produced); ``waiting_tokens``: prompt + ``max_new_tokens``
+    of its queued requests. Also the count of transitions, which dates the view."""
+    s = replica.scheduler
+    running = replica.live_requests()
+
+    def max_new(req: Any) -> int:
+        return int(req.sampling_params.max_new_tokens or 0)
+
+    growth = sum(max(0, max_new(r) - len(r.output_ids)) for r in running)
+    waiting = sum(len(r.origin_input_ids) + max_new(r) for r in s.waiting_queue)
+    capacity = int(replica.pool.size)
+    used = capacity - int(replica.allocator.available_size()) - int(
+        s.tree_cache.evictable_size())
+    return {"epoch": len(replica.transitions), "kv_capacity_tokens": capacity,
+            "kv_used_tokens": max(0, used), "kv_growth_tokens": int(growth),
+            "waiting_tokens": int(waiting), "running_reqs": len(running),
+            "waiting_reqs": len(s.waiting_queue)}
+
+
+def snapshot(replica: int, view: dict[str, int]) -> ReplicaSnapshot:
+    """The controller's ``ReplicaSnapshot`` of one replica's view. Its running requests are one
+    live entry owned by it: a request never leaves its scheduler, so a restore homes the
+    replica's KV on itself (``plan_restore`` then checks exactly that it fits)."""
+    used = view["kv_used_tokens"]
+    return ReplicaSnapshot(
+        replica=replica, kv_capacity_tokens=view["kv_capacity_tokens"], kv_used_tokens=used,
+        kv_growth_tokens=view["kv_growth_tokens"], waiting_tokens=view["waiting_tokens"],
+        live=(LiveRequest(f"replica{replica}", used, owner=replica),) if used else ())
+
+
+class AutoControl:
+    """One replica's side of the automatic control. Invariant: the follower has entered one
+    transition for each proposal the leader wrote before its last poll, in order."""
+
+    def __init__(self, replica: Any, cfg: AutoControlConfig):
+        self.replica, self.cfg = replica, cfg
+        self.leader = replica.rank == 0
+        self.mailbox = replica.link.mailbox
+        self.controller = (KunServeController(replica.planner, cfg.controller())
+                           if self.leader else None)
+        self._next_s = 0.0
+        self._next_poll_s = 0.0
+        self._retry_at_s = 0.0
+        self.proposals = 0  # written (leader) or entered (follower)
+        self.views = 0  # views decided on (leader) or published (follower)
+        self.stale_views = 0
+        self.kv_centric = 0
+        self.last_decision: dict[str, Any] | None = None
+        self.errors = 0
+
+    def status(self) -> dict[str, Any]:
+        return {"enabled": True, "role": "leader" if self.leader else "follower",
+                "config": {k: getattr(self.cfg, k) for k in self.cfg.__dataclass_fields__},
+                "views": self.views, "stale_views": self.stale_views,
+                "proposals": self.proposals, "kv_centric": self.kv_centric,
+                "last_decision": self.last_decision, "errors": self.errors}
+
+    def on_step(self) -> None:
+        """Before every ``get_next_batch_to_run`` (scheduler thread, between batches)."""
+        try:
+            now = time.monotonic()
+            if not self.leader and now >= self._next_poll_s:
+                self._next_poll_s = now + _FOLLOW_POLL_S
+                self._follow()
+            if now < self._next_s:
+                return
+            self._next_s = now + self.cfg.interval_ms / 1000
+            if self.leader:
+                self._decide(now)
+            else:
+                self.mailbox.set(_VIEW_KEY, json.dumps(local_view(self.replica)))
+                self.views += 1
+        except Exception:  # a broken mailbox must not stop serving; the POST routes remain
+            self.errors += 1
+            logger.exception("sglang-morph: KunServe automatic control failed on replica %d",
+                             self.replica.rank)
+
+    def _follow(self) -> None:
+        written = self.mailbox.add(_COUNT_KEY, 0)
+        while self.proposals < written:
+            self.proposals += 1
+            proposal = json.loads(self.mailbox.get(f"proposal{self.proposals}"))
+            code, _ = self.replica.transition(proposal["merge"], trigger="auto",
+                                              reason=proposal["reason"])
+            self.last_decision = {"proposal": self.proposals, "merge": proposal["merge"],
+                                  "reason": proposal["reason"], "status_code": code}
+
+    def _decide(self, now: float) -> None:
+        own = local_view(self.replica)
+        if not self.mailbox.check([_VIEW_KEY]):
+            return  # replica 1 has not published yet
+        peer = json.loads(self.mailbox.get(_VIEW_KEY))
+        if peer["epoch"] != own["epoch"]:
+            self.stale_views += 1
+            return
+        view = ClusterView(now, (snapshot(0, own), snapshot(1, peer)),
+                           (self.replica.group,) if self.replica.merged else ())
+        self.views += 1
+        action = self.controller.decide(view)
+        if action is None:
+            return
+        if isinstance(action, KvCentric):
+            self.kv_centric += 1
+            self.last_decision = {"action": "kv_centric", "reason": action.fallback.reason,
+                                  "views": [own, peer]}
+            return
+        merge = isinstance(action, Drop)
+        if merge and not any(g.replicas == self.replica.group.replicas
+                             for g in action.plan.groups):
+            raise RuntimeError(f"the controller planned groups {action.plan.groups}, not the "
+                               f"live pair")
+        if now < self._retry_at_s:
+            return  # the last automatic transition was refused or failed: wait
+        self.proposals += 1
+        # The proposal before the count: the follower never sees a count without its key.
+        self.mailbox.set(f"proposal{self.proposals}",
+                         json.dumps({"merge": merge, "reason": action.reason}))
+        self.mailbox.add(_COUNT_KEY, 1)
+        code, _ = self.replica.transition(merge, trigger="auto", reason=action.reason)
+        self.last_decision = {"proposal": self.proposals, "merge": merge,
+                              "reason": action.reason, "status_code": code,
+                              "views": [own, peer]}
+        if code == 200:
+            self.controller.applied(action, time.monotonic())
+        else:  # refused (e.g. a restore while too much KV is held) or failed and undone
+            self._retry_at_s = time.monotonic() + max(1.0, self.cfg.min_dwell_s)
