@@ -4,6 +4,7 @@
     python -m benchmark.replay --quick              # harness check (CI), < 2 minutes
     python -m benchmark.replay --url http://127.0.0.1:30000 --label mine   # a running server
     python -m benchmark.replay --sweep 0.5,1,2,3    # rate sweep, full precision vs morph default
+    python -m benchmark.replay --dp2                # two replicas: KunServe, DP 2, morph, W4
 
 Every configuration gets a fresh server (``scripts/serve.sh``) with the same memory budget for
 weights + KV (``--morph-memory-budget``), the same trace and the same prompts. See
@@ -303,6 +304,39 @@ def run_sweep(profile: Profile, multipliers: Sequence[float]) -> dict[str, Any]:
     return sweep
 
 
+def run_dp2_arms(profile: Profile, replica_budget: str | None,
+                 auto_config: str | None) -> dict[str, Any]:
+    from benchmark.replay import dp2
+
+    requests, prompts = load_inputs(profile.window)
+    engines = engines_dir() if {"morph_dp2", "w4_dp2"} & set(profile.configs) else None
+    budget = replica_budget or dp2.REPLICA_BUDGET
+    report: dict[str, Any] = {"settings": {
+        "trace": dataclasses.asdict(profile.window) | {"path": repo_path(profile.window.path)},
+        "requests": len(requests),
+        "replay_duration_s": profile.window.replay_duration_s,
+        "offered_requests_per_s": len(requests) / profile.window.replay_duration_s,
+        "prompt_tokens_total": sum(r.prompt_tokens for r in requests),
+        "output_tokens_total": sum(r.output_tokens for r in requests),
+        "slo": dataclasses.asdict(profile.slo),
+        "engines": str(engines) if engines else None,
+        "swap_order": repo_path(SWAP_ORDER),
+        "prompt_corpus": str(CORPUS.name),
+        "kunserve_auto_config": auto_config,
+        "sampling": "greedy, ignore_eos, max_new_tokens = the request's output length",
+        "command": " ".join(sys.argv),
+    } | git_and_machine()}
+    started = time.time()
+    report["dp2"] = dp2.run_dp2(profile.configs, requests, prompts, budget=budget,
+                                slo=profile.slo, drain_timeout_s=profile.drain_timeout_s,
+                                engines=engines, swap_order=SWAP_ORDER, out_dir=profile.out_dir,
+                                auto_config=auto_config)
+    report["wall_s"] = time.time() - started
+    report["load_average_after"] = load_average()
+    dp2.write(report, profile.out_dir)
+    return report
+
+
 def parse_args(argv: Sequence[str] | None) -> tuple[argparse.Namespace, Profile]:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--quick", action="store_true",
@@ -326,6 +360,13 @@ def parse_args(argv: Sequence[str] | None) -> tuple[argparse.Namespace, Profile]
                    help="W4 layers of the static mixed config (first N of the LIS order)")
     p.add_argument("--sweep", help="comma-separated rate multipliers: run the rate sweep")
     p.add_argument("--out", type=Path, help="output directory")
+    p.add_argument("--dp2", action="store_true",
+                   help="the two-replica arms instead (benchmark/replay/dp2.py): --configs from "
+                   "dp2,kunserve,morph_dp2,w4_dp2 (default all), float32")
+    p.add_argument("--replica-budget", default=None,
+                   help="--dp2: weights + KV budget of each replica (default 580MB)")
+    p.add_argument("--kunserve-auto-config", default=None, metavar="JSON",
+                   help="--dp2: the kunserve arm's --kunserve-auto-config (default: none)")
     a = p.parse_args(argv)
     window = dict(QUICK_WINDOW if a.quick else DEFAULT_WINDOW)
     if a.trace:
@@ -344,11 +385,17 @@ def parse_args(argv: Sequence[str] | None) -> tuple[argparse.Namespace, Profile]
         w = TraceWindow(**window)
     except ValueError as e:
         p.error(str(e))
+    from benchmark.replay.dp2 import DP2_CONFIGS
+
+    names = DP2_CONFIGS if a.dp2 else CONFIG_NAMES
     configs = tuple(a.configs.split(",")) if a.configs else (
-        ("fp", "default") if a.quick else CONFIG_NAMES)
-    unknown = set(configs) - set(CONFIG_NAMES)
+        ("fp", "default") if a.quick and not a.dp2 else names)
+    unknown = set(configs) - set(names)
     if unknown:
-        p.error(f"unknown configs {sorted(unknown)}; choose from {', '.join(CONFIG_NAMES)}")
+        p.error(f"unknown configs {sorted(unknown)}; choose from {', '.join(names)}"
+                f"{' (with --dp2)' if a.dp2 else ''}")
+    if not a.dp2 and (a.replica_budget or a.kunserve_auto_config):
+        p.error("--replica-budget and --kunserve-auto-config go with --dp2")
     out = a.out or (RESULTS / "raw" / "replay_quick" if a.quick else RESULTS / "replay")
     profile = Profile(w, a.budget, M.Slo(a.ttft_slo, a.tpot_slo), configs,
                       a.mixed_layers, 512 if a.quick else 3072, 120.0 if a.quick else 300.0, out)
@@ -368,6 +415,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 0
     if a.sweep:
         run_sweep(profile, [float(x) for x in a.sweep.split(",")])
+        return 0
+    if a.dp2:
+        run_dp2_arms(profile, a.replica_budget, a.kunserve_auto_config)
         return 0
     report = run_driver(profile)
     write_report(report, profile.out_dir, profile.configs)

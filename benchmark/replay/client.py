@@ -13,7 +13,7 @@ import asyncio
 import dataclasses
 import json
 import time
-from typing import Any
+from typing import Any, Callable
 
 import httpx
 from tqdm import tqdm
@@ -115,24 +115,30 @@ async def _one(client: httpx.AsyncClient, url: str, req: TraceRequest, ids: list
         bar.update(1)
 
 
+def morph_sample(s: dict[str, Any]) -> dict[str, Any]:
+    """A timeline sample of ``GET /morph/status`` (one server, no data parallelism)."""
+    sig = s.get("signals") or {}
+    return {
+        "kv_capacity_tokens": s["kv_capacity_tokens"],
+        "kv_used_tokens": s["kv_used_tokens"],
+        "quantized_layers": s["quantized_layers"],
+        "num_waiting_reqs": sig.get("num_waiting_reqs", 0),
+        "num_running_reqs": sig.get("num_running_reqs", 0),
+        "retractions_total": s["retractions_total"],
+        "transitions_total": s["transitions_total"],
+    }
+
+
+Sampler = Callable[[dict[str, Any]], dict[str, Any]]
+
+
 async def _poll_status(client: httpx.AsyncClient, url: str, out: list[dict[str, Any]],
-                       stop: asyncio.Event) -> None:
+                       stop: asyncio.Event, path: str, sample: Sampler) -> None:
     while not stop.is_set():
         try:
-            r = await client.get(f"{url}/morph/status", timeout=10.0)
+            r = await client.get(f"{url}{path}", timeout=10.0)
             if r.status_code == 200:
-                s = r.json()
-                sig = s.get("signals") or {}
-                out.append({
-                    "t": time.time(),
-                    "kv_capacity_tokens": s["kv_capacity_tokens"],
-                    "kv_used_tokens": s["kv_used_tokens"],
-                    "quantized_layers": s["quantized_layers"],
-                    "num_waiting_reqs": sig.get("num_waiting_reqs", 0),
-                    "num_running_reqs": sig.get("num_running_reqs", 0),
-                    "retractions_total": s["retractions_total"],
-                    "transitions_total": s["transitions_total"],
-                })
+                out.append({"t": time.time(), **sample(r.json())})
         except httpx.HTTPError:
             pass  # a busy scheduler answers late; a missed sample is only a gap in a plot
         try:
@@ -142,7 +148,8 @@ async def _poll_status(client: httpx.AsyncClient, url: str, out: list[dict[str, 
 
 
 async def _replay(url: str, requests: list[TraceRequest], prompts: list[list[int]],
-                  drain_timeout_s: float, label: str) -> ReplayResult:
+                  drain_timeout_s: float, label: str, status_path: str | None,
+                  sample: Sampler) -> ReplayResult:
     limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
     async with httpx.AsyncClient(limits=limits) as client:
         start = time.time() + 0.5  # time to schedule every task before the first arrival
@@ -151,7 +158,8 @@ async def _replay(url: str, requests: list[TraceRequest], prompts: list[list[int
                    for r, p in zip(requests, prompts)]
         samples: list[dict[str, Any]] = []
         stop = asyncio.Event()
-        poller = asyncio.create_task(_poll_status(client, url, samples, stop))
+        poller = (asyncio.create_task(_poll_status(client, url, samples, stop, status_path,
+                                                   sample)) if status_path else None)
         last_arrival = max(r.arrival_s for r in requests)
         # Every request gets until the end of the trace plus the drain time to finish.
         timeout_s = last_arrival + drain_timeout_s
@@ -162,13 +170,18 @@ async def _replay(url: str, requests: list[TraceRequest], prompts: list[list[int
         end = time.time()
         await asyncio.sleep(STATUS_POLL_INTERVAL_S)  # one sample of the drained state
         stop.set()
-        await poller
+        if poller is not None:
+            await poller
     return ReplayResult(url, start, end, records, samples)
 
 
 def replay(url: str, requests: list[TraceRequest], prompts: list[list[int]],
-           drain_timeout_s: float = 300.0, label: str = "") -> ReplayResult:
-    """Replay ``requests`` (with their ``prompts`` as token ids) open-loop against ``url``."""
+           drain_timeout_s: float = 300.0, label: str = "",
+           status_path: str | None = "/morph/status",
+           sample: Sampler = morph_sample) -> ReplayResult:
+    """Replay ``requests`` (with their ``prompts`` as token ids) open-loop against ``url``;
+    meanwhile sample ``status_path`` (None: no samples) through ``sample``."""
     if len(requests) != len(prompts) or not requests:
         raise ValueError("replay needs one prompt per request and at least one request")
-    return asyncio.run(_replay(url.rstrip("/"), requests, prompts, drain_timeout_s, label))
+    return asyncio.run(_replay(url.rstrip("/"), requests, prompts, drain_timeout_s, label,
+                               status_path, sample))

@@ -1,0 +1,323 @@
+"""The replay's two-replica arms (issue 13): KunServe against plain DP 2, morph default on each
+replica and static W4, under the same memory budget.
+
+    python -m benchmark.replay --dp2                     # the four arms (see benchmark/README.md)
+    python -m benchmark.replay --dp2 --configs dp2,kunserve
+
+Every arm is one fresh server with ``--dp-size 2`` and ``--dtype float32`` (greedy float32
+outputs do not depend on the batch they run in, so KunServe's can be compared with plain DP's
+token for token; in bf16 even two plain runs differ), the same trace and prompts, and the same
+budget per replica, weights + KV (``--replica-budget``, default 580 MB: float32 weights of the
+default model are 538 MB, which leaves KV for 910 tokens per replica, the bf16 profile's 910 at
+290 MB). The pair's total is twice that in every arm:
+
+| arm | flags beyond ``--dp-size 2 --dtype float32 --enable-metrics`` |
+|---|---|
+| ``dp2`` | plain SGLang: ``--max-total-tokens N`` (N = the budget's KV tokens) |
+| ``kunserve`` | ``--max-total-tokens N --enable-kunserve --kunserve-auto`` (the controller drops and restores) |
+| ``morph_dp2`` | ``--enable-morph --morph-memory-budget B`` + engines, swap order, mode default (each replica morphs on its own) |
+| ``w4_dp2`` | ``--enable-morph --morph-memory-budget B`` + engines, ``--morph-precision-map '*:4'``, controller off |
+
+Exact match is against ``dp2`` (full precision, the same dtype), request by request.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+from benchmark.harness import running_server
+from benchmark.replay import metrics as M
+from benchmark.replay import report as R
+from benchmark.replay.client import replay
+
+DP2_CONFIGS = ("dp2", "kunserve", "morph_dp2", "w4_dp2")
+REPLICA_BUDGET = "580MB"
+DTYPE = "float32"
+# The reference of exact match: plain DP 2 at full precision.
+REFERENCE = "dp2"
+STATUS = {"kunserve": "/kunserve/status", "morph_dp2": "/morph/status",
+          "w4_dp2": "/morph/status", "dp2": None}
+
+
+def kv_tokens_for(budget: str) -> int:
+    """KV tokens per replica that ``budget`` leaves beside the float32 weights, as
+    ``--morph-memory-budget`` sizes them (the plain and KunServe arms get the same pool)."""
+    from sglang_morph.config import parse_bytes
+    from sglang_morph.engines.startup import size_kv_for_budget
+    from sglang_morph.models import default_model_path
+
+    model = Path(default_model_path())
+    cfg = json.loads((model / "config.json").read_text())
+    return size_kv_for_budget(parse_bytes(budget, "--replica-budget"), model, cfg, DTYPE,
+                              "auto").kv_capacity_tokens
+
+
+def server_args(name: str, budget: str, kv_tokens: int, engines: Path | None, log: Path,
+                swap_order: Path, auto_config: str | None) -> tuple[str, ...]:
+    base = ("--dp-size", "2", "--dtype", DTYPE, "--enable-metrics")
+    if name == "dp2":
+        return base + ("--max-total-tokens", str(kv_tokens))
+    if name == "kunserve":
+        return base + ("--max-total-tokens", str(kv_tokens), "--enable-kunserve",
+                       "--kunserve-auto") + (("--kunserve-auto-config", auto_config)
+                                             if auto_config else ())
+    morph = base + ("--enable-morph", "--morph-memory-budget", budget, "--morph-log", str(log),
+                    "--morph-engines", str(engines))
+    if name == "morph_dp2":
+        return morph + ("--morph-swap-order", str(swap_order), "--morph-mode", "default")
+    if name == "w4_dp2":
+        return morph + ("--disable-morph-controller", "--morph-precision-map", "*:4")
+    raise ValueError(f"unknown DP-2 arm {name!r}")
+
+
+def kunserve_sample(s: dict[str, Any]) -> dict[str, Any]:
+    """A timeline sample of ``GET /kunserve/status``: the pair's KV (own pools: merged, each
+    holds half the group's tokens), each replica's pool and layers, the group."""
+    reps = s["replicas"]
+    return {
+        "kv_capacity_tokens": sum(r["kv_capacity_tokens"] for r in reps),
+        "kv_used_tokens": sum(r["kv_used_tokens"] for r in reps),
+        "kv_capacity_per_replica": [r["kv_capacity_tokens"] for r in reps],
+        "kv_used_per_replica": [r["kv_used_tokens"] for r in reps],
+        "layers_per_replica": [r["layers"][1] - r["layers"][0] for r in reps],
+        "group_size": max(len(r["group"]) for r in reps),
+        "num_waiting_reqs": sum(r["load"]["waiting_reqs"] for r in reps),
+        "num_running_reqs": sum(r["load"]["running_reqs"] for r in reps),
+        "retractions_total": 0,
+        "transitions_total": len(reps[0]["transitions"]),
+    }
+
+
+def morph_dp_sample(s: dict[str, Any]) -> dict[str, Any]:
+    """A timeline sample of ``GET /morph/status`` under ``--dp-size 2`` (one body per replica)."""
+    reps = s["replicas"]
+    return {
+        "kv_capacity_tokens": sum(r["kv_capacity_tokens"] for r in reps),
+        "kv_used_tokens": sum(r["kv_used_tokens"] for r in reps),
+        "kv_capacity_per_replica": [r["kv_capacity_tokens"] for r in reps],
+        "quantized_layers": max(r["quantized_layers"] for r in reps),
+        "num_waiting_reqs": sum((r.get("signals") or {}).get("num_waiting_reqs", 0)
+                                for r in reps),
+        "num_running_reqs": sum((r.get("signals") or {}).get("num_running_reqs", 0)
+                                for r in reps),
+        "retractions_total": sum(r["retractions_total"] for r in reps),
+        "transitions_total": sum(r["transitions_total"] for r in reps),
+    }
+
+
+def run_arm(url: str, name: str, requests, prompts, slo: M.Slo, drain_timeout_s: float,
+            num_layers: int) -> dict[str, Any]:
+    path = STATUS[name]
+    sample = kunserve_sample if name == "kunserve" else morph_dp_sample
+    result = replay(url, requests, prompts, drain_timeout_s, label=name, status_path=path,
+                    sample=sample)
+    # The quantized shares come from the servers' provenance (every replica reports it); no
+    # layer-by-layer log is merged across the replicas here.
+    steps = [(0.0, (16,) * num_layers)]
+    out = {"metrics": M.summarize(result, slo, steps),
+           "records": [r.to_json() for r in result.records],
+           "status_samples": result.status_samples, "start_unix_s": result.start_unix_s,
+           "end_unix_s": result.end_unix_s}
+    if name == "kunserve":
+        final = httpx.get(f"{url}/kunserve/status", timeout=60).json()
+        out["kunserve_transitions"] = [
+            {**t, "replica": rep["replica"]} for rep in final["replicas"]
+            for t in rep["transitions"]]
+        out["kunserve_auto"] = [rep["auto"] for rep in final["replicas"]]
+        out["metrics"]["transitions"] = len(final["replicas"][0]["transitions"])
+        out["metrics"]["max_group_size"] = max(
+            (s["group_size"] for s in result.status_samples), default=None)
+    elif path is not None:
+        final = httpx.get(f"{url}{path}", timeout=60).json()
+        out["metrics"]["transitions"] = sum(r["transitions_total"] for r in final["replicas"])
+    return out
+
+
+def run_dp2(configs, requests, prompts, *, budget: str, slo: M.Slo, drain_timeout_s: float,
+            engines: Path | None, swap_order: Path, out_dir: Path,
+            auto_config: str | None) -> dict[str, Any]:
+    kv_tokens = kv_tokens_for(budget)
+    raw = out_dir / "raw"
+    raw.mkdir(parents=True, exist_ok=True)
+    arms: dict[str, Any] = {}
+    for name in configs:
+        log = raw / f"{name}_transitions.jsonl"
+        log.unlink(missing_ok=True)
+        args = server_args(name, budget, kv_tokens, engines, log, swap_order, auto_config)
+        t0 = time.time()
+        with running_server(args, raw / f"{name}_server.log") as server:
+            startup_s = time.time() - t0
+            res = run_arm(server.url, name, requests, prompts, slo, drain_timeout_s, 30)
+        res.update(server_args=list(args), startup_s=startup_s,
+                   kv_capacity_tokens_per_replica_at_start=kv_tokens)
+        arms[name] = res
+        m = res["metrics"]
+        print(f"[replay dp2] {name}: TTFT p50 {m['ttft_s']['p50']:.2f} p99 "
+              f"{m['ttft_s']['p99']:.2f} s, TPOT p50 {m['tpot_s']['p50']:.3f} s", flush=True)
+    add_agreement(arms)
+    return {"kv_capacity_tokens_per_replica": kv_tokens, "replica_budget": budget,
+            "total_budget": f"2 x {budget}", "dtype": DTYPE, "reference": REFERENCE,
+            "configs": arms}
+
+
+def add_agreement(arms: dict[str, Any]) -> None:
+    if REFERENCE not in arms:
+        return
+
+    def outputs(c):
+        return {r["index"]: r["output_ids"] for r in c["records"]
+                if r["error"] is None and r["chunks"]}
+
+    ref = outputs(arms[REFERENCE])
+    for c in arms.values():
+        c.setdefault("quality", {}).update(M.agreement(outputs(c), ref))
+
+
+def targets(arms: dict[str, Any]) -> dict[str, Any]:
+    """The issue's targets for KunServe against plain DP 2, computed, never asserted."""
+    if not {"dp2", "kunserve"} <= set(arms):
+        return {}
+    dp, ks = arms["dp2"]["metrics"], arms["kunserve"]["metrics"]
+    return {
+        "p99_ttft_ratio_dp2_over_kunserve": (dp["ttft_s"]["p99"] / ks["ttft_s"]["p99"]
+                                             if ks["ttft_s"]["p99"] else None),
+        "p50_tpot_increase_kunserve_over_dp2": (ks["tpot_s"]["p50"] / dp["tpot_s"]["p50"] - 1
+                                                if dp["tpot_s"]["p50"] else None),
+        "exact_match_kunserve_vs_dp2": arms["kunserve"]["quality"].get("exact_match_rate"),
+        "goals": {"p99_ttft_ratio_dp2_over_kunserve": ">= 5",
+                  "p50_tpot_increase_kunserve_over_dp2": "<= 0.30",
+                  "exact_match_kunserve_vs_dp2": "1.0"},
+    }
+
+
+def markdown(report: dict[str, Any]) -> str:
+    st, dp = report["settings"], report["dp2"]
+    rows = [
+        f"# Bursty-load replay, two replicas ({st['trace']['path'].split('/')[-1]})", "",
+        f"commit {st['git']['commit']}{' (dirty)' if st['git']['dirty'] else ''}, "
+        f"{st['machine']['cpu_model']}, {st['machine']['cpu_cores']} cores; load average "
+        f"before {st['load_average']}, after {report.get('load_average_after')}; "
+        f"{st['requests']} requests over {st['replay_duration_s']:.0f} s; {dp['dtype']}, "
+        f"budget {dp['replica_budget']} per replica (weights + KV; KV for "
+        f"{dp['kv_capacity_tokens_per_replica']} tokens per replica at full precision), "
+        f"{dp['total_budget']} per arm; wall {report.get('wall_s', 0):.0f} s", "",
+        f"TTFT SLO {st['slo']['ttft_s']} s; exact match and ROUGE-L against `{dp['reference']}`",
+        "",
+        "| arm | TTFT p50 / p95 / p99 s | TPOT p50 / p95 s | E2E p50 / p95 s | queue p95 s "
+        "| SLO viol. | tok/s | failed | transitions | max KV tokens (pair) | quantized tokens "
+        "(W4) | exact match | ROUGE-L |",
+        "|---|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    fmt, pct = R._fmt, R._pct
+    for name, c in dp["configs"].items():
+        m, q = c["metrics"], c.get("quality", {})
+        rows.append(
+            f"| {name} | {fmt(m['ttft_s']['p50'])} / {fmt(m['ttft_s']['p95'])} / "
+            f"{fmt(m['ttft_s']['p99'])} | {fmt(m['tpot_s']['p50'], 3)} / "
+            f"{fmt(m['tpot_s']['p95'], 3)} | {fmt(m['e2e_s']['p50'])} / {fmt(m['e2e_s']['p95'])} "
+            f"| {fmt(m['queue_time_s']['p95'])} | {pct(m['slo_violation_rate'])} "
+            f"| {fmt(m['throughput_tokens_per_s'], 1)} | {m['failed']} "
+            f"| {m.get('transitions', '-')} | {m['max_kv_capacity_tokens'] or '-'} "
+            f"| {pct(m['quantized_token_share'])} ({pct(m['w4_token_share'])}) "
+            f"| {pct(q.get('exact_match_rate'))} | {fmt(q.get('rouge_l_f1'), 3)} |")
+    t = report.get("targets") or {}
+    if t:
+        rows += ["", "Targets (KunServe vs plain DP 2): " + json.dumps(
+            {k: (round(v, 3) if isinstance(v, float) else v) for k, v in t.items()
+             if k != "goals"}) + "; goals " + json.dumps(t["goals"])]
+    ks = dp["configs"].get("kunserve")
+    if ks:
+        rows += ["", "KunServe transitions (replica 0; seconds since the replay started):", ""]
+        for tr in ks["kunserve_transitions"]:
+            if tr["replica"] == 0:
+                rows.append(f"- {tr['at_unix_s'] - ks['start_unix_s']:.1f} s {tr['action']} "
+                            f"({tr['trigger']}, {tr['duration_s']:.2f} s, "
+                            f"{tr['requests_in_flight']} in flight, KV "
+                            f"{tr['kv_capacity_tokens'][0]} -> {tr['kv_capacity_tokens'][1]} "
+                            f"tokens per replica): {tr['reason']}")
+    return "\n".join(rows) + "\n"
+
+
+def plot_kunserve_timeline(config: dict[str, Any], reference: dict[str, Any] | None,
+                           path: Path, ttft_slo_s: float) -> None:
+    """Arrivals and queue, each replica's KV capacity and use, layers held per replica (the
+    group), TTFT by arrival (plain DP 2's beside it when it ran)."""
+    import numpy as np
+
+    plt = R._pyplot()
+    start = config["start_unix_s"]
+    recs, samples = config["records"], config["status_samples"]
+    ts = [s["t"] - start for s in samples]
+    fig, axes = plt.subplots(4, 1, figsize=(9, 10), sharex=True)
+    arrivals = np.array([r["scheduled_unix_s"] - start for r in recs])
+    ax = axes[0]
+    ax.hist(arrivals, bins=np.arange(0, max(arrivals.max(), max(ts, default=0)) + 1.0, 1.0),
+            color="tab:gray", alpha=0.6, label="arrivals / s")
+    ax.plot(ts, [s["num_waiting_reqs"] for s in samples], color="tab:red", label="waiting")
+    ax.plot(ts, [s["num_running_reqs"] for s in samples], color="tab:blue", label="running")
+    ax.set_ylabel("requests (pair)")
+    ax.legend(loc="upper right", fontsize=8)
+    ax = axes[1]
+    for i, color in enumerate(("tab:green", "tab:purple")):
+        ax.step(ts, [s["kv_capacity_per_replica"][i] for s in samples], where="post",
+                color=color, label=f"replica {i} KV capacity")
+        ax.plot(ts, [s["kv_used_per_replica"][i] for s in samples], color=color, ls=":",
+                label=f"replica {i} KV used")
+    ax.set_ylabel("KV tokens (own pool)")
+    ax.legend(loc="upper right", fontsize=8)
+    ax = axes[2]
+    for i, color in enumerate(("tab:green", "tab:purple")):
+        ax.step(ts, [s["layers_per_replica"][i] + 0.3 * i for s in samples], where="post",
+                color=color, label=f"replica {i} layers held")
+    ax.step(ts, [10 * s["group_size"] for s in samples], where="post", color="k", lw=0.8,
+            label="10 x group size")
+    ax.set_ylabel("layers / group")
+    ax.legend(loc="center right", fontsize=8)
+    ax = axes[3]
+    for name, c, color in (("kunserve", config, "tab:orange"),
+                           ("dp2", reference, "tab:gray")):
+        if c is None:
+            continue
+        ok = [r for r in c["records"] if r["ttft_s"] is not None]
+        ax.scatter([r["scheduled_unix_s"] - c["start_unix_s"] for r in ok],
+                   [r["ttft_s"] for r in ok], s=8, color=color, label=name)
+    ax.axhline(ttft_slo_s, color="k", ls="--", lw=0.8, label=f"SLO {ttft_slo_s} s")
+    ax.set_ylabel("TTFT s (by arrival)")
+    ax.set_xlabel("seconds since replay start")
+    ax.legend(loc="upper right", fontsize=8)
+    for tr in config.get("kunserve_transitions", []):
+        if tr["replica"] == 0:
+            for a in axes:
+                a.axvline(tr["at_unix_s"] - start, color="tab:red" if tr["action"] == "drop"
+                          else "tab:green", lw=0.8, alpha=0.6)
+    fig.suptitle("KunServe (auto) on two replicas: capacity and groups")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def write(report: dict[str, Any], out_dir: Path) -> None:
+    """``replay_dp2.json`` (every request's latencies, samples, transitions), ``replay_dp2.md``,
+    ``timeline_kunserve.png``, ``cdf_dp2.png``; output ids in ``raw/replay_dp2_full.json``."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    (out_dir / "raw").mkdir(exist_ok=True)
+    report["targets"] = targets(report["dp2"]["configs"])
+    (out_dir / "raw" / "replay_dp2_full.json").write_text(json.dumps(report))
+    slim = {**report, "dp2": {**report["dp2"], "configs": {
+        name: {**c, "records": [{k: v for k, v in r.items() if k not in ("chunks", "output_ids")}
+                                for r in c["records"]]}
+        for name, c in report["dp2"]["configs"].items()}}}
+    (out_dir / "replay_dp2.json").write_text(json.dumps(slim, indent=1))
+    md = markdown(report)
+    (out_dir / "replay_dp2.md").write_text(md)
+    print(md)
+    arms = report["dp2"]["configs"]
+    if "kunserve" in arms:
+        plot_kunserve_timeline(arms["kunserve"], arms.get("dp2"),
+                               out_dir / "timeline_kunserve.png", report["settings"]["slo"]["ttft_s"])
+    R.plot_cdfs({"configs": arms, "settings": report["settings"]}, out_dir / "cdf_dp2.png")

@@ -1,0 +1,43 @@
+"""The replay's two-replica arms (benchmark/replay/dp2.py): pure parts, no server."""
+
+from __future__ import annotations
+
+import pytest
+
+from benchmark.replay import dp2
+
+
+def test_every_arm_gets_the_same_budget_per_replica(tmp_path):
+    tokens = dp2.kv_tokens_for("580MB")
+    assert tokens == (580_000_000 - 538_060_032) // 46_080  # float32 weights, KV per token
+    args = {name: dp2.server_args(name, "580MB", tokens, tmp_path, tmp_path / "log",
+                                  tmp_path / "order.json", None) for name in dp2.DP2_CONFIGS}
+    for name, a in args.items():
+        assert a[:4] == ("--dp-size", "2", "--dtype", "float32")
+        budget = a[a.index("--max-total-tokens") + 1] if "--max-total-tokens" in a else (
+            a[a.index("--morph-memory-budget") + 1])
+        assert budget == (str(tokens) if name in ("dp2", "kunserve") else "580MB")
+    assert "--kunserve-auto" in args["kunserve"] and "--enable-kunserve" not in args["dp2"]
+    assert args["w4_dp2"][-2:] == ("--morph-precision-map", "*:4")
+    with pytest.raises(ValueError, match="unknown DP-2 arm"):
+        dp2.server_args("dp4", "580MB", tokens, None, tmp_path, tmp_path, None)
+
+
+def test_kunserve_sample_and_targets():
+    rep = {"kv_capacity_tokens": 5120, "kv_used_tokens": 300, "layers": [0, 15],
+           "group": [0, 1], "transitions": [{}], "load": {"waiting_reqs": 2, "running_reqs": 3}}
+    s = dp2.kunserve_sample({"replicas": [rep, {**rep, "layers": [15, 30]}]})
+    assert (s["kv_capacity_tokens"], s["layers_per_replica"], s["group_size"],
+            s["num_waiting_reqs"], s["transitions_total"]) == (10240, [15, 15], 2, 4, 1)
+
+    def arm(p99, tpot, outputs):
+        return {"metrics": {"ttft_s": {"p99": p99}, "tpot_s": {"p50": tpot}},
+                "records": [{"index": i, "error": None, "chunks": [[0, 1]], "output_ids": o}
+                            for i, o in enumerate(outputs)]}
+
+    arms = {"dp2": arm(10.0, 0.1, [[1, 2], [3]]), "kunserve": arm(2.0, 0.12, [[1, 2], [4]])}
+    dp2.add_agreement(arms)
+    t = dp2.targets(arms)
+    assert t["p99_ttft_ratio_dp2_over_kunserve"] == 5.0
+    assert t["p50_tpot_increase_kunserve_over_dp2"] == pytest.approx(0.2)
+    assert t["exact_match_kunserve_vs_dp2"] == 0.5
