@@ -22,7 +22,9 @@ p^2 + epsilon p`` for the padded prefix) and the same fit without those two term
 kernel that attends with the new rows only (what KunServe's model assumes, e.g. FlashAttention
 on a GPU): a COUNTERFACTUAL, not measured. The lookahead's micro-batch cap
 (``--caps``, seconds; ``inf`` = one round of work over the stages) trades bubbles for
-cut-prefill work; every cap is reported.
+cut-prefill work; ``:whole`` closes micro-batches at prompt boundaries instead (a prompt is
+never cut; a burst enters in more micro-batches, shortest prompts first, each paying the
+per-forward ``gamma`` but no padded prefix). Every variant is reported.
 
     .venv/bin/python -m benchmark.kunserve_lookahead [--out benchmark/results/kunserve]
 """
@@ -66,7 +68,14 @@ def without_padding(costs: PhaseCosts) -> PhaseCosts:
                       costs.decode, f"{costs.source}, without delta and epsilon")
 
 
-def measure(costs: PhaseCosts, link_s: float, runs_per: int, caps: list[float]) -> dict:
+def variant_name(variant: tuple[float, bool]) -> str:
+    cap, cut = variant
+    return (("no cap" if math.isinf(cap) else f"cap {cap:g} s")
+            + ("" if cut else ", whole prompts"))
+
+
+def measure(costs: PhaseCosts, link_s: float, runs_per: int,
+            caps: list[tuple[float, bool]]) -> dict:
     rows = {}
     for name, csv in TRACES.items():
         for scenario, (size, max_running, gap_steps) in SCENARIOS.items():
@@ -82,7 +91,7 @@ def measure(costs: PhaseCosts, link_s: float, runs_per: int, caps: list[float]) 
                     # The slot policy has no cap: one result serves every column.
                     for cap in caps if policy == "lookahead" else caps[:1]:
                         run, _ = serve_pipeline(costs, requests, LAYER_SHARES, policy, link_s,
-                                                max_running, cap)
+                                                max_running, *cap)
                         for c in (caps if policy == "slots" else [cap]):
                             share[policy][c].append(run.bubble_share)
                             makespan[policy][c].append(run.makespan_s)
@@ -95,7 +104,7 @@ def measure(costs: PhaseCosts, link_s: float, runs_per: int, caps: list[float]) 
                 la_share = float(np.mean(share["lookahead"][cap]))
                 ratio_makespan = float(np.mean(np.array(makespan["lookahead"][cap])
                                                / np.array(makespan["slots"][cap])))
-                row["lookahead"][str(cap)] = {
+                row["lookahead"][variant_name(cap)] = {
                     "bubble_share": la_share,
                     "bubble_ratio": la_share / row["slots"]["bubble_share"],
                     "makespan_s": float(np.mean(makespan["lookahead"][cap])),
@@ -110,12 +119,18 @@ def main() -> None:
     ap.add_argument("--out", type=Path, default=Path("benchmark/results/kunserve"))
     ap.add_argument("--runs", type=int, default=40,
                     help="runs of 8 requests per trace and scenario (queued: a quarter)")
-    ap.add_argument("--caps", default="inf,2,1,0.5",
-                    help="lookahead micro-batch caps in seconds, comma-separated")
+    ap.add_argument("--caps", default="inf,2,1,0.5,0.5:whole",
+                    help="lookahead variants, comma-separated: a micro-batch cap in seconds "
+                         "(inf: none), ':whole' to close micro-batches at prompt boundaries "
+                         "instead of cutting a prompt")
     args = ap.parse_args()
-    caps = [float(c) for c in args.caps.split(",")]
-    if not caps or any(not (c > 0) for c in caps):
-        ap.error("--caps: positive seconds (or inf), comma-separated")
+    try:
+        caps = [(float(c.split(":")[0]), not c.endswith(":whole")) for c in args.caps.split(",")]
+    except ValueError:
+        ap.error(f"--caps: not seconds: {args.caps!r}")
+    if any(not (cap > 0) for cap, _ in caps) or any(
+            ":" in c and not c.endswith(":whole") for c in args.caps.split(",")):
+        ap.error("--caps: positive seconds (or inf), each optionally ':whole', comma-separated")
     started = time.time()
     costs = PhaseCosts.load(args.out / "costs.json")
     link_s = json.loads((args.out / "transfer.json").read_text())["gloo_latency_s"]
@@ -140,7 +155,7 @@ def main() -> None:
              "work over the stages, at most the cap), prefills cut by the cost model. Bubble "
              "share: idle stage-time / (stages x makespan), same requests and horizon; "
              "makespan ratio: lookahead / slots, mean over runs.", ""]
-    cap_names = ["no cap" if math.isinf(c) else f"cap {c:g} s" for c in caps]
+    cap_names = [variant_name(c) for c in caps]
     for model, rows in results.items():
         lines += [f"## Cost model: {model}", "",
                   "| trace / scenario | runs | slots bubble | "
@@ -152,8 +167,8 @@ def main() -> None:
                      f"{v['makespan_ratio']:.2f})" for v in r["lookahead"].values()]
             lines.append(f"| {name} | {r['runs']} | {r['slots']['bubble_share']:.1%} | "
                          + " | ".join(cells) + " |")
-        for cap, cap_name in zip(caps, cap_names):
-            entries = [r["lookahead"][str(cap)] for r in rows.values()]
+        for cap_name in cap_names:
+            entries = [r["lookahead"][cap_name] for r in rows.values()]
             halved = sum(e["bubble_ratio"] <= 0.5 for e in entries)
             free = sum(e["bubble_ratio"] <= 0.5 and e["makespan_ratio"] <= 1.0 for e in entries)
             lines.append(f"\nlookahead {cap_name}: bubble share halved in {halved} of "

@@ -449,8 +449,10 @@ def test_serve_pipeline_runs_every_step_once_in_order_after_the_previous_came_ba
     max_running = rng.choice([None, 3])
     costs = rng.choice([COSTS, PADDED])
     cap = rng.choice([math.inf, 0.05])
+    cut = rng.choice([True, False])
     transfer = 0.002
-    run, order = serve_pipeline(costs, requests, [0.4, 0.6], policy, transfer, max_running, cap)
+    run, order = serve_pipeline(costs, requests, [0.4, 0.6], policy, transfer, max_running, cap,
+                                cut)
     by_rid = {r.rid: r for r in requests}
     steps: dict[str, list] = {r.rid: [] for r in requests}
     for mb in order:
@@ -468,6 +470,8 @@ def test_serve_pipeline_runs_every_step_once_in_order_after_the_previous_came_ba
             assert it.cached_tokens == position
             position += it.new_tokens
         assert position == r.prompt_tokens
+        if policy == "slots" or not cut:
+            assert len(prefill) == 1  # a prompt is never cut
         assert [(it.cached_tokens, it.new_tokens) for it, _, _ in decode] == [
             (r.prompt_tokens + k - 1, 1) for k in range(1, r.output_tokens)]
         # Every decode step enters stage 0 after the previous step's token came back.

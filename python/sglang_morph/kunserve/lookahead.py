@@ -230,12 +230,14 @@ def stage_micro_batches(costs: PhaseCosts, iteration: int, micro_batches: Sequen
 # - ``lookahead`` (KunServe's, with the cost model): whenever stage 0 is free, the next
 #   micro-batch is formed from the requests that are back (a prefill's next chunk is ready as
 #   soon as its previous chunk has gone in: the stages keep the chunks in order), earliest
-#   first, up to a target cost: one round of work of every live request (a decode step each,
+#   first (among those back at once, the shortest rest first, so that a burst's first
+#   micro-batch, which the next stage waits for, is small), up to a target cost: one round of work of every live request (a decode step each,
 #   each prefill whole) over the number of stages, so that a round fills the stages, and
 #   at most ``max_micro_batch_s``, so that a burst of prefills enters in pieces instead of
 #   leaving the next stage idle for a whole batch of prompts. A prefill that overshoots is cut
 #   where the micro-batch reaches the target (solved from the cost model; the rest is ready
-#   for the next micro-batch). Looking ahead at what comes back: when requests that would
+#   for the next micro-batch); with ``cut_prefills=False`` the micro-batch closes before it
+#   instead (a prompt is never cut: no padded prefix to re-read, one more ``gamma``). Looking ahead at what comes back: when requests that would
 #   still fit the target come back sooner than a micro-batch's fixed cost (``gamma``), stage 0
 #   waits for them instead of splitting the round into more, smaller micro-batches (each pays
 #   ``gamma`` again on every stage).
@@ -288,7 +290,7 @@ class ScheduledMicroBatch:
 def serve_pipeline(costs: PhaseCosts, requests: Sequence[PipelineRequest],
                    layer_shares: Sequence[float], policy: str, transfer_s: float = 0.0,
                    max_running: int | None = None,
-                   max_micro_batch_s: float = math.inf,
+                   max_micro_batch_s: float = math.inf, cut_prefills: bool = True,
                    ) -> tuple[PipelineRun, list[ScheduledMicroBatch]]:
     """Serve ``requests`` to completion through ``len(layer_shares)`` stages under ``policy``.
 
@@ -332,7 +334,7 @@ def serve_pipeline(costs: PhaseCosts, requests: Sequence[PipelineRequest],
         if policy == "slots":
             mb, next_slot = _form_slot(live, now, stages, next_slot)
         else:
-            mb = _form_lookahead(costs, live, now, stages, max_micro_batch_s)
+            mb = _form_lookahead(costs, live, now, stages, max_micro_batch_s, cut_prefills)
         if not mb:
             # Nothing ready: stage 0 waits for the earliest return, arrival or freed room.
             events = [x.ready_at for x in live] + [t for t in leaving if waiting]
@@ -383,8 +385,11 @@ def _form_slot(live: list[_Live], now: float, stages: int,
 
 
 def _form_lookahead(costs: PhaseCosts, live: list[_Live], now: float, stages: int,
-                    max_micro_batch_s: float) -> MicroBatch:
-    ready = sorted((x for x in live if x.ready_at <= now), key=lambda x: x.ready_at)
+                    max_micro_batch_s: float, cut_prefills: bool = True) -> MicroBatch:
+    # Earliest back first; among requests back at once the shortest rest first, so a burst's
+    # first micro-batch (which the next stage waits for) is small.
+    ready = sorted((x for x in live if x.ready_at <= now),
+                   key=lambda x: (x.ready_at, x.next_item().new_tokens))
     if not ready:
         return ()
     # A round: every live request's step, a prefill counted whole (not only its rest, or the
@@ -411,7 +416,10 @@ def _form_lookahead(costs: PhaseCosts, live: list[_Live], now: float, stages: in
             out.append(item)
             filled += cost
             continue
-        if item.new_tokens > 1:
+        if item.new_tokens > 1 and not cut_prefills:
+            if not out:
+                out.append(item)  # whole, even over the target
+        elif item.new_tokens > 1:
             # A prefill that overshoots is cut where the micro-batch reaches the target (an
             # empty micro-batch takes at least one token, so the loop always advances).
             c = min(_tokens_for_cost(model, item.cached_tokens, target - filled),
