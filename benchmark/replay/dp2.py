@@ -38,8 +38,13 @@ from benchmark.replay.client import replay
 DP2_CONFIGS = ("dp2", "kunserve", "morph_dp2", "w4_dp2")
 REPLICA_BUDGET = "580MB"
 DTYPE = "float32"
+# One core per replica: SGLang binds a rank's OpenMP threads to its core list only on CPUs with
+# AMX (not this one); otherwise each replica would run as many threads as the machine has cores,
+# two replicas oversubscribe the two cores, and KunServe's service thread adds a third team.
+SERVER_ENV = {"OMP_NUM_THREADS": "1"}
 # The reference of exact match: plain DP 2 at full precision.
 REFERENCE = "dp2"
+RESTORE_WAIT_S = 30.0
 STATUS = {"kunserve": "/kunserve/status", "morph_dp2": "/morph/status",
           "w4_dp2": "/morph/status", "dp2": None}
 
@@ -124,7 +129,15 @@ def run_arm(url: str, name: str, requests, prompts, slo: M.Slo, drain_timeout_s:
            "status_samples": result.status_samples, "start_unix_s": result.start_unix_s,
            "end_unix_s": result.end_unix_s}
     if name == "kunserve":
-        final = httpx.get(f"{url}/kunserve/status", timeout=60).json()
+        # The restore comes after the load ends (usage under 50% for a few views, the dwell):
+        # keep sampling until the group has split or RESTORE_WAIT_S passed, for the timeline.
+        deadline = time.time() + RESTORE_WAIT_S
+        while True:
+            final = httpx.get(f"{url}/kunserve/status", timeout=60).json()
+            out["status_samples"].append({"t": time.time(), **kunserve_sample(final)})
+            if final["groups"] == [[0], [1]] or time.time() > deadline:
+                break
+            time.sleep(0.25)
         out["kunserve_transitions"] = [
             {**t, "replica": rep["replica"]} for rep in final["replicas"]
             for t in rep["transitions"]]
@@ -150,7 +163,7 @@ def run_dp2(configs, requests, prompts, *, budget: str, slo: M.Slo, drain_timeou
         log.unlink(missing_ok=True)
         args = server_args(name, budget, kv_tokens, engines, log, swap_order, auto_config)
         t0 = time.time()
-        with running_server(args, raw / f"{name}_server.log") as server:
+        with running_server(args, raw / f"{name}_server.log", env=SERVER_ENV) as server:
             startup_s = time.time() - t0
             res = run_arm(server.url, name, requests, prompts, slo, drain_timeout_s, 30)
         res.update(server_args=list(args), startup_s=startup_s,
@@ -162,6 +175,7 @@ def run_dp2(configs, requests, prompts, *, budget: str, slo: M.Slo, drain_timeou
     add_agreement(arms)
     return {"kv_capacity_tokens_per_replica": kv_tokens, "replica_budget": budget,
             "total_budget": f"2 x {budget}", "dtype": DTYPE, "reference": REFERENCE,
+            "server_env": SERVER_ENV,
             "configs": arms}
 
 
