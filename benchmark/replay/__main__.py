@@ -327,13 +327,16 @@ def run_dp2_arms(profile: Profile, replica_budget: str | None,
         "command": " ".join(sys.argv),
     } | git_and_machine()}
     started = time.time()
-    report["dp2"] = dp2.run_dp2(profile.configs, requests, prompts, budget=budget,
-                                slo=profile.slo, drain_timeout_s=profile.drain_timeout_s,
-                                engines=engines, swap_order=SWAP_ORDER, out_dir=profile.out_dir,
-                                auto_config=auto_config)
-    report["wall_s"] = time.time() - started
-    report["load_average_after"] = load_average()
-    dp2.write(report, profile.out_dir)
+
+    def checkpoint(arms: dict[str, Any]) -> None:
+        report.update(dp2=arms, wall_s=time.time() - started, load_average_after=load_average(),
+                      arms_done=len(arms["configs"]), arms_planned=len(profile.configs))
+        dp2.write(report, profile.out_dir)
+
+    dp2.run_dp2(profile.configs, requests, prompts, budget=budget, slo=profile.slo,
+                drain_timeout_s=profile.drain_timeout_s, engines=engines,
+                swap_order=SWAP_ORDER, out_dir=profile.out_dir, auto_config=auto_config,
+                checkpoint=checkpoint)
     return report
 
 

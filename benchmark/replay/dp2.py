@@ -26,7 +26,7 @@ from __future__ import annotations
 import json
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import httpx
 
@@ -152,35 +152,48 @@ def run_arm(url: str, name: str, requests, prompts, slo: M.Slo, drain_timeout_s:
 
 
 def run_dp2(configs, requests, prompts, *, budget: str, slo: M.Slo, drain_timeout_s: float,
-            engines: Path | None, swap_order: Path, out_dir: Path,
-            auto_config: str | None) -> dict[str, Any]:
+            engines: Path | None, swap_order: Path, out_dir: Path, auto_config: str | None,
+            checkpoint: Callable[[dict[str, Any]], None] | None = None) -> dict[str, Any]:
+    """Each arm in turn; an arm whose server fails records the error and the next one runs.
+    ``checkpoint`` gets the results so far after each arm (a long run keeps what it measured)."""
     kv_tokens = kv_tokens_for(budget)
     raw = out_dir / "raw"
     raw.mkdir(parents=True, exist_ok=True)
-    arms: dict[str, Any] = {}
+    out: dict[str, Any] = {
+        "kv_capacity_tokens_per_replica": kv_tokens, "replica_budget": budget,
+        "total_budget": f"2 x {budget}", "dtype": DTYPE, "reference": REFERENCE,
+        "server_env": SERVER_ENV, "configs": {}}
+    arms = out["configs"]
     for name in configs:
         log = raw / f"{name}_transitions.jsonl"
         log.unlink(missing_ok=True)
         args = server_args(name, budget, kv_tokens, engines, log, swap_order, auto_config)
         t0 = time.time()
-        with running_server(args, raw / f"{name}_server.log", env=SERVER_ENV) as server:
-            startup_s = time.time() - t0
-            res = run_arm(server.url, name, requests, prompts, slo, drain_timeout_s, 30)
-        res.update(server_args=list(args), startup_s=startup_s,
-                   kv_capacity_tokens_per_replica_at_start=kv_tokens)
-        arms[name] = res
-        m = res["metrics"]
-        print(f"[replay dp2] {name}: TTFT p50 {m['ttft_s']['p50']:.2f} p99 "
-              f"{m['ttft_s']['p99']:.2f} s, TPOT p50 {m['tpot_s']['p50']:.3f} s", flush=True)
-    add_agreement(arms)
-    return {"kv_capacity_tokens_per_replica": kv_tokens, "replica_budget": budget,
-            "total_budget": f"2 x {budget}", "dtype": DTYPE, "reference": REFERENCE,
-            "server_env": SERVER_ENV,
-            "configs": arms}
+        try:
+            with running_server(args, raw / f"{name}_server.log", env=SERVER_ENV) as server:
+                startup_s = time.time() - t0
+                res = run_arm(server.url, name, requests, prompts, slo, drain_timeout_s, 30)
+        except Exception as e:  # e.g. SGLang's watchdog killed a scheduler mid-forward
+            arms[name] = {"error": f"{type(e).__name__}: {e}", "server_args": list(args),
+                          "failed_after_s": time.time() - t0,
+                          "server_log": f"raw/{name}_server.log"}
+            print(f"[replay dp2] {name}: FAILED {arms[name]['error']}", flush=True)
+        else:
+            res.update(server_args=list(args), startup_s=startup_s,
+                       kv_capacity_tokens_per_replica_at_start=kv_tokens)
+            arms[name] = res
+            m = res["metrics"]
+            print(f"[replay dp2] {name}: TTFT p50 {m['ttft_s']['p50']:.2f} p99 "
+                  f"{m['ttft_s']['p99']:.2f} s, TPOT p50 {m['tpot_s']['p50']:.3f} s",
+                  flush=True)
+        add_agreement(arms)
+        if checkpoint is not None:
+            checkpoint(out)
+    return out
 
 
 def add_agreement(arms: dict[str, Any]) -> None:
-    if REFERENCE not in arms:
+    if "records" not in arms.get(REFERENCE, {}):
         return
 
     def outputs(c):
@@ -189,12 +202,13 @@ def add_agreement(arms: dict[str, Any]) -> None:
 
     ref = outputs(arms[REFERENCE])
     for c in arms.values():
-        c.setdefault("quality", {}).update(M.agreement(outputs(c), ref))
+        if "records" in c:
+            c.setdefault("quality", {}).update(M.agreement(outputs(c), ref))
 
 
 def targets(arms: dict[str, Any]) -> dict[str, Any]:
     """The issue's targets for KunServe against plain DP 2, computed, never asserted."""
-    if not {"dp2", "kunserve"} <= set(arms):
+    if not all("metrics" in arms.get(name, {}) for name in ("dp2", "kunserve")):
         return {}
     dp, ks = arms["dp2"]["metrics"], arms["kunserve"]["metrics"]
     return {
@@ -219,7 +233,9 @@ def markdown(report: dict[str, Any]) -> str:
         f"{st['requests']} requests over {st['replay_duration_s']:.0f} s; {dp['dtype']}, "
         f"budget {dp['replica_budget']} per replica (weights + KV; KV for "
         f"{dp['kv_capacity_tokens_per_replica']} tokens per replica at full precision), "
-        f"{dp['total_budget']} per arm; wall {report.get('wall_s', 0):.0f} s", "",
+        f"{dp['total_budget']} per arm; server env {dp.get('server_env')}; wall "
+        f"{report.get('wall_s', 0):.0f} s; arms done {report.get('arms_done')} of "
+        f"{report.get('arms_planned')}", "", f"Command: `{st.get('command')}`", "",
         f"TTFT SLO {st['slo']['ttft_s']} s; exact match and ROUGE-L against `{dp['reference']}`",
         "",
         "| arm | TTFT p50 / p95 / p99 s | TPOT p50 / p95 s | E2E p50 / p95 s | queue p95 s "
@@ -229,6 +245,10 @@ def markdown(report: dict[str, Any]) -> str:
     ]
     fmt, pct = R._fmt, R._pct
     for name, c in dp["configs"].items():
+        if "error" in c:
+            rows.append(f"| {name} | failed after {c['failed_after_s']:.0f} s: {c['error'][:160]} "
+                        f"(see {c['server_log']}) |" + " |" * 12)
+            continue
         m, q = c["metrics"], c.get("quality", {})
         rows.append(
             f"| {name} | {fmt(m['ttft_s']['p50'])} / {fmt(m['ttft_s']['p95'])} / "
@@ -324,13 +344,13 @@ def write(report: dict[str, Any], out_dir: Path) -> None:
     (out_dir / "raw" / "replay_dp2_full.json").write_text(json.dumps(report))
     slim = {**report, "dp2": {**report["dp2"], "configs": {
         name: {**c, "records": [{k: v for k, v in r.items() if k not in ("chunks", "output_ids")}
-                                for r in c["records"]]}
+                                for r in c["records"]]} if "records" in c else c
         for name, c in report["dp2"]["configs"].items()}}}
     (out_dir / "replay_dp2.json").write_text(json.dumps(slim, indent=1))
     md = markdown(report)
     (out_dir / "replay_dp2.md").write_text(md)
     print(md)
-    arms = report["dp2"]["configs"]
+    arms = {k: c for k, c in report["dp2"]["configs"].items() if "records" in c}
     if "kunserve" in arms:
         plot_kunserve_timeline(arms["kunserve"], arms.get("dp2"),
                                out_dir / "timeline_kunserve.png", report["settings"]["slo"]["ttft_s"])
