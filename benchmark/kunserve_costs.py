@@ -21,7 +21,8 @@ each phase's grid points is held out; the fit uses the rest. Two models per phas
 as the paper writes it (alpha, beta, gamma) and with torch_native's padded prefix (``+ delta
 p^2 + epsilon p``, ``cost.TORCH_NATIVE_TERMS``; prefill only: a decode step attends with its
 one row, no padding). The results (JSON with every run, and a table) are written by this
-script; ``--refit`` fits them again without a server.
+script; ``--refit`` fits them again without a server; ``--resume`` measures only the grid
+points the results lack (a full grid takes longer than one quiet-lock slot on a slow machine).
 
     .venv/bin/python -m benchmark.kunserve_costs [--out benchmark/results/kunserve]
 """
@@ -147,16 +148,21 @@ def grid() -> list[tuple[str, int, int, int]]:
     return points
 
 
-def measure(client: Client, repeats: int, deadline: float, progress: Path) -> list[dict]:
+def measure(client: Client, repeats: int, deadline: float, progress: Path,
+            done: list[dict]) -> list[dict]:
     """Every grid point in a seeded order (a stretch of load on the machine does not fall on
-    one kind of point; a run stopped by its time limit still holds both phases)."""
+    one kind of point; a run stopped by its time limit still holds both phases), except the
+    points already in ``done`` (a resumed run), which are kept."""
     prefill_runs(client, 64, 64, 1, 2)  # first forwards of a shape pay one-time costs
     decode_runs(client, 64, 2, 1)
     points = grid()
     order = np.random.default_rng(len(points)).permutation(len(points))
-    records = []
+    measured = {(r["phase"], *r["grid"]) for r in done}
+    records = list(done)
     for k, i in enumerate(order):
         phase, p, c, b = points[i]
+        if (phase, p, c, b) in measured:
+            continue
         if time.monotonic() > deadline:
             print(f"time limit: stopped after {k} of {len(points)} points", flush=True)
             break
@@ -253,6 +259,9 @@ def write_markdown(path: Path, result: dict) -> None:
              f"{meta['machine']['versions']['sglang']}, default dtype, torch_native attention; "
              f"load average before {meta['load_before']}, after {meta['load_after']}; "
              f"{meta['seconds']:.0f} s. Fitted at commit {result['fitted_at']}.", "",
+             *[f"- run {i + 1}: `{r['command']}` at {r['git']['commit']}, {r['started_utc']} "
+               f"UTC, load {r['load_before']} -> {r['load_after']}, {r['seconds']:.0f} s"
+               for i, r in enumerate(meta.get("runs", []))], "",
              "cost(batch) = gamma + sum_i [alpha (p_i c_i + c_i^2 + c_i) + beta c_i] "
              "(KunServe) + delta sum_i p_i^2 + epsilon sum_i p_i (torch_native's extend pads "
              "each request's query over its cached prefix: attention in p^2, gathered and "
@@ -302,14 +311,19 @@ def main() -> None:
                     help="stop measuring past this many seconds and fit the points measured")
     ap.add_argument("--refit", action="store_true",
                     help="fit OUT/costs.json's points again (no server)")
+    ap.add_argument("--resume", action="store_true",
+                    help="measure only the grid points OUT/costs.json lacks and fit them all "
+                         "(each run's command, commit and load are kept in meta.runs)")
     args = ap.parse_args()
     if args.repeats < 1:
         ap.error("--repeats must be >= 1")
+    previous = {"points": [], "meta": {}}
+    if args.refit or args.resume:
+        previous = json.loads((args.out / "costs.json").read_text())
+    done = [{k: v for k, v in r.items() if k not in ("held_out", "predicted_s")}
+            for r in previous["points"]]
     if args.refit:
-        raw = json.loads((args.out / "costs.json").read_text())
-        records = [{k: v for k, v in r.items() if k not in ("held_out", "predicted_s")}
-                   for r in raw["points"]]
-        write_results(args.out, records, raw["meta"])
+        write_results(args.out, done, previous["meta"])
         return
     args.out.mkdir(parents=True, exist_ok=True)
     # A background run ignores SIGINT; SIGTERM must still stop the server (the with block).
@@ -325,7 +339,8 @@ def main() -> None:
     with running_server(SERVER_ARGS, RAW / "kunserve_costs_server.log",
                         env={TIMINGS_ENV: str(timings_path)}) as server:
         records = measure(Client(server.url, args.seed, timings_path), args.repeats,
-                          started + args.time_limit_s, RAW / "kunserve_costs_progress.json")
+                          started + args.time_limit_s, RAW / "kunserve_costs_progress.json",
+                          done)
     meta = {"command": f"python -m benchmark.kunserve_costs --repeats {args.repeats} "
                        f"--seed {args.seed}",
             "git": git_state(), "machine": machine_info(), "repeats": args.repeats,
@@ -333,6 +348,10 @@ def main() -> None:
             "load_before": load_before, "load_after": load_average(),
             "seconds": time.monotonic() - started,
             "uptime": subprocess.run(["uptime"], capture_output=True, text=True).stdout.strip()}
+    if args.resume:
+        earlier = previous["meta"].get("runs") or [
+            {k: v for k, v in previous["meta"].items() if k != "runs"}]
+        meta["runs"] = earlier + [{k: v for k, v in meta.items() if k != "machine"}]
     write_results(args.out, records, meta)
 
 
