@@ -2,8 +2,10 @@
 
 Token-for-token equality needs the same numerics on both sides, so the exact comparison runs
 in float32 (server ``--dtype float32``, transformers ``dtype=float32``). In bfloat16 the two
-stacks round differently (fused vs unfused ops) and a near-tie can flip a token late in a
-sequence, so there only the opening tokens are required to agree.
+stacks round differently (fused vs unfused ops) and bf16 logits tie often (on this AVX2-only
+CPU "The three primary colors are" gives three tokens the same logit 21.0 at the fourth step),
+so there a token may differ only at a tie: transformers, fed the server's own output, must rank
+each token the server chose within a bf16 rounding step of its best.
 That server also runs with ``--enable-morph``: enabling the plugin must not change outputs.
 """
 
@@ -21,7 +23,9 @@ PROMPTS_AND_NEW_TOKENS = [
     ("Water boils at a temperature of", 28),
     ("<|im_start|>user\nName a planet.<|im_end|>\n<|im_start|>assistant\n", 36),
 ]
-BF16_AGREEING_PREFIX_TOKENS = 8
+# How far below transformers' best logit the server's choice may be: two bf16 steps at the
+# best logit's magnitude (bf16 keeps 8 significant bits).
+BF16_TIE_STEPS = 2
 
 
 def _hf_greedy(model_path, dtype):
@@ -71,8 +75,27 @@ def test_morph_flag_reaches_the_scheduler(fp32_morph_server):
 
 
 def test_bf16_default_server_agrees_with_transformers_bf16(default_server, default_model_path):
-    for (ids, expected), (prompt, n_new) in zip(
-        _hf_greedy(default_model_path, torch.bfloat16), PROMPTS_AND_NEW_TOKENS
-    ):
+    """Teacher-forced: transformers bf16 scores the server's greedy sequence in one forward;
+    every token the server picked is transformers' argmax or tied with it within
+    ``BF16_TIE_STEPS`` bf16 steps. A wrong kernel or a wrong layer picks tokens far below."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(default_model_path)
+    model = AutoModelForCausalLM.from_pretrained(default_model_path,
+                                                 dtype=torch.bfloat16).eval()
+    exact = 0
+    for prompt, n_new in PROMPTS_AND_NEW_TOKENS:
+        ids = tok(prompt)["input_ids"]
         got = _server_greedy(default_server, ids, n_new)
-        assert got[:BF16_AGREEING_PREFIX_TOKENS] == expected[:BF16_AGREEING_PREFIX_TOKENS], prompt
+        assert len(got) >= 20 or got[-1] == 2, (prompt, got)
+        with torch.inference_mode():
+            logits = model(torch.tensor([ids + got[:-1]])).logits[0, len(ids) - 1:].float()
+        best = logits.max(dim=-1).values
+        chosen = logits[torch.arange(len(got)), torch.tensor(got)]
+        step = 2.0 ** (torch.floor(torch.log2(best.abs())) - 7)
+        gap = best - chosen
+        assert bool((gap <= BF16_TIE_STEPS * step).all()), (
+            prompt, [(i, t, round(float(g), 3)) for i, (t, g) in enumerate(zip(got, gap)) if g > 0])
+        exact += int(bool((gap == 0).all()))
+    # Ties are the exception: most sequences are transformers' argmax at every step.
+    assert exact >= len(PROMPTS_AND_NEW_TOKENS) // 2, exact
