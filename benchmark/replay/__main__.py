@@ -152,6 +152,18 @@ def engines_dir() -> Path:
     return build_engines("--bits", "8,4")  # cached after the first build
 
 
+def trace_settings(window: TraceWindow, requests: Sequence[Any]) -> dict[str, Any]:
+    """What every report says of the replayed trace (single-server and two-replica drivers)."""
+    return {
+        "trace": dataclasses.asdict(window) | {"path": repo_path(window.path)},
+        "requests": len(requests),
+        "replay_duration_s": window.replay_duration_s,
+        "offered_requests_per_s": len(requests) / window.replay_duration_s,
+        "prompt_tokens_total": sum(r.prompt_tokens for r in requests),
+        "output_tokens_total": sum(r.output_tokens for r in requests),
+    }
+
+
 def run_driver(profile: Profile) -> dict[str, Any]:
     requests, prompts = load_inputs(profile.window)
     engines = engines_dir() if set(profile.configs) - {"fp"} else None
@@ -159,12 +171,7 @@ def run_driver(profile: Profile) -> dict[str, Any]:
     raw.mkdir(parents=True, exist_ok=True)
     report: dict[str, Any] = {
         "settings": {
-            "trace": dataclasses.asdict(profile.window) | {"path": repo_path(profile.window.path)},
-            "requests": len(requests),
-            "replay_duration_s": profile.window.replay_duration_s,
-            "offered_requests_per_s": len(requests) / profile.window.replay_duration_s,
-            "prompt_tokens_total": sum(r.prompt_tokens for r in requests),
-            "output_tokens_total": sum(r.output_tokens for r in requests),
+            **trace_settings(profile.window, requests),
             "memory_budget": profile.budget,
             "slo": dataclasses.asdict(profile.slo),
             "mixed_layers": profile.mixed_layers,
@@ -312,12 +319,7 @@ def run_dp2_arms(profile: Profile, replica_budget: str | None,
     engines = engines_dir() if {"morph_dp2", "w4_dp2"} & set(profile.configs) else None
     budget = replica_budget or dp2.REPLICA_BUDGET
     report: dict[str, Any] = {"settings": {
-        "trace": dataclasses.asdict(profile.window) | {"path": repo_path(profile.window.path)},
-        "requests": len(requests),
-        "replay_duration_s": profile.window.replay_duration_s,
-        "offered_requests_per_s": len(requests) / profile.window.replay_duration_s,
-        "prompt_tokens_total": sum(r.prompt_tokens for r in requests),
-        "output_tokens_total": sum(r.output_tokens for r in requests),
+        **trace_settings(profile.window, requests),
         "slo": dataclasses.asdict(profile.slo),
         "engines": str(engines) if engines else None,
         "swap_order": repo_path(SWAP_ORDER),
