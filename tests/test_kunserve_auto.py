@@ -15,29 +15,24 @@ from __future__ import annotations
 
 import argparse
 import concurrent.futures
+import dataclasses
 import json
 import time
-import types
 
 import pytest
-import requests
 
 from sglang_morph.kunserve.live import config as kunserve_config
 from sglang_morph.plugin import MorphPluginError, _kunserve_from_cli_args
 # (corpus_ids and tokenizer are that module's fixtures)
-from test_morph_runtime_server import USER, corpus_ids, prompt_ids, tokenizer  # noqa: F401
+from test_morph_runtime_server import corpus_ids, prompt_ids, tokenizer  # noqa: F401
+import test_kunserve_live as kunserve_live
+from test_kunserve_live import launch_args, status
 
 N_NEW = 16
 WHOLE_TOKENS = 256
 PROMPT_TOKENS = 104  # + N_NEW: two fit a whole replica's pool, three do not
 PER_REPLICA = 3
 AUTO = {"interval_ms": 100, "drop_persist": 2, "restore_persist": 3, "min_dwell_s": 1.0}
-
-
-def launch_args():
-    return types.SimpleNamespace(dp_size=2, tp_size=1, pp_size=1, device="cpu",
-                                 attention_backend="torch_native", disable_radix_cache=False,
-                                 speculative_algorithm=None)
 
 
 @pytest.mark.parametrize("flags, message", [
@@ -79,8 +74,11 @@ def test_auto_config_defaults_and_overrides():
     from_cli = kunserve_config.KunServeLiveConfig.from_cli_namespace
     cfg = from_cli(argparse.Namespace(enable_kunserve=True, kunserve_auto=True,
                                       kunserve_auto_config=json.dumps(AUTO))).auto
-    assert (cfg.interval_ms, cfg.min_dwell_s, cfg.restore_usage) == (100, 1.0, 0.5)
-    assert cfg.controller().restore_persist == 3
+    assert (cfg.interval_ms, cfg.controller.min_dwell_s, cfg.controller.restore_usage) == (
+        100, 1.0, 0.5)
+    assert cfg.controller.restore_persist == 3
+    assert cfg.as_dict() == {**dataclasses.asdict(kunserve_config.AutoControlConfig().controller),
+                             **AUTO}
     assert from_cli(argparse.Namespace(enable_kunserve=True, kunserve_auto=True)).auto == (
         kunserve_config.AutoControlConfig())
     assert from_cli(argparse.Namespace(enable_kunserve=True)).auto is None  # operator only
@@ -96,19 +94,8 @@ def auto_dp2(server_factory):
         "--api-key", "test-api-key")
 
 
-def status(server) -> dict:
-    r = requests.get(f"{server.url}/kunserve/status", headers=USER, timeout=60)
-    assert r.status_code == 200, r.text
-    return r.json()
-
-
 def generate_on(server, ids, replica: int) -> list[int]:
-    r = requests.post(f"{server.url}/generate", headers=USER, timeout=600, json={
-        "input_ids": ids, "routed_dp_rank": replica, "sampling_params": {
-            "temperature": 0, "max_new_tokens": N_NEW, "ignore_eos": True}})
-    assert r.status_code == 200, r.text
-    assert r.json()["meta_info"]["dp_rank"] == replica
-    return r.json()["output_ids"]
+    return kunserve_live.generate_on(server, ids, replica, n_new=N_NEW)
 
 
 def wait_for(server, predicate, timeout_s: float) -> dict:

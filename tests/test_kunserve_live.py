@@ -46,7 +46,7 @@ from test_morph_runtime_server import (  # noqa: F401
     tokenizer,
 )
 
-N_NEW = 24
+N_NEW = 40  # long enough that the streams are still running when a transition lands under load
 WHOLE_TOKENS = 1024
 PROMPT_LENGTHS = (16, 48, 120)
 
@@ -104,10 +104,11 @@ def post(server, route: str, headers=ADMIN, **kwargs) -> requests.Response:
                          **kwargs)
 
 
-def generate_on(server, ids, replica: int) -> list[int]:
+def generate_on(server, ids, replica: int, n_new: int = N_NEW) -> list[int]:
+    """Greedy ``n_new`` tokens of ``ids`` on one replica (SGLang's routed_dp_rank)."""
     r = requests.post(f"{server.url}/generate", headers=USER, timeout=600, json={
         "input_ids": ids, "routed_dp_rank": replica, "sampling_params": {
-            "temperature": 0, "max_new_tokens": N_NEW, "ignore_eos": True}})
+            "temperature": 0, "max_new_tokens": n_new, "ignore_eos": True}})
     assert r.status_code == 200, r.text
     assert r.json()["meta_info"]["dp_rank"] == replica
     return r.json()["output_ids"]

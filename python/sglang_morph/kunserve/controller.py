@@ -102,7 +102,18 @@ class ControllerConfig:
     partial_drop: bool = True
 
     def __post_init__(self) -> None:
-        if self.drop_persist < 1 or self.restore_persist < 1 or self.min_dwell_s < 0:
+        # Types first: the values also come from operators' JSON (--kunserve-auto-config).
+        for name in ("drop_persist", "restore_persist"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
+        for name in ("restore_usage", "restore_headroom", "min_dwell_s"):
+            value = getattr(self, name)
+            if not isinstance(value, (int, float)) or isinstance(value, bool):
+                raise ValueError(f"{name} must be a number, got {value!r}")
+        if not isinstance(self.partial_drop, bool):
+            raise ValueError(f"partial_drop must be true or false, got {self.partial_drop!r}")
+        if self.min_dwell_s < 0:
             raise ValueError(f"bad controller config {self}")
         if not 0 < self.restore_usage <= 1 or not 0 < self.restore_headroom <= 1:
             raise ValueError("restore_usage and restore_headroom must be in (0, 1]")

@@ -97,7 +97,7 @@ class AutoControl:
         self.replica, self.cfg = replica, cfg
         self.leader = replica.rank == 0
         self.mailbox = replica.link.mailbox
-        self.controller = (KunServeController(replica.planner, cfg.controller())
+        self.controller = (KunServeController(replica.planner, cfg.controller)
                            if self.leader else None)
         self._next_s = 0.0
         self._next_poll_s = 0.0
@@ -111,7 +111,7 @@ class AutoControl:
 
     def status(self) -> dict[str, Any]:
         return {"enabled": True, "role": "leader" if self.leader else "follower",
-                "config": {k: getattr(self.cfg, k) for k in self.cfg.__dataclass_fields__},
+                "config": self.cfg.as_dict(),
                 "views": self.views, "stale_views": self.stale_views,
                 "proposals": self.proposals, "kv_centric": self.kv_centric,
                 "last_decision": self.last_decision, "errors": self.errors}
@@ -184,4 +184,4 @@ class AutoControl:
         if code == 200:
             self.controller.applied(action, time.monotonic())
         else:  # refused (e.g. a restore while too much KV is held) or failed and undone
-            self._retry_at_s = time.monotonic() + max(1.0, self.cfg.min_dwell_s)
+            self._retry_at_s = time.monotonic() + max(1.0, self.cfg.controller.min_dwell_s)

@@ -14,6 +14,8 @@ import json
 import socket
 from typing import Any
 
+from sglang_morph.kunserve.controller import ControllerConfig
+
 SERVER_ARGS_ATTR = "_kunserve_live_config"
 
 
@@ -27,38 +29,21 @@ class AutoControlConfig:
 
     ``interval_ms``: how often replica 1 publishes its view to replica 0 and replica 0 decides
     (a decision needs both replicas' queues, so it is no fresher than the last publication);
-    the other fields are ``ControllerConfig``'s, with its defaults."""
+    ``controller``: the thresholds (``ControllerConfig``, which checks them). The JSON form is
+    flat: ``interval_ms`` beside the controller's fields."""
 
     interval_ms: float = 250.0
-    drop_persist: int = 2
-    restore_usage: float = 0.5
-    restore_headroom: float = 0.8
-    restore_persist: int = 3
-    min_dwell_s: float = 5.0
-    partial_drop: bool = True
+    controller: ControllerConfig = dataclasses.field(default_factory=ControllerConfig)
 
     def __post_init__(self) -> None:
-        if not (isinstance(self.interval_ms, (int, float)) and 1 <= self.interval_ms <= 60_000):
+        if not (isinstance(self.interval_ms, (int, float)) and not isinstance(self.interval_ms, bool)
+                and 1 <= self.interval_ms <= 60_000):
             raise ValueError(f"interval_ms must be a number in [1, 60000], got "
                              f"{self.interval_ms!r}")
-        if not isinstance(self.partial_drop, bool):
-            raise ValueError(f"partial_drop must be true or false, got {self.partial_drop!r}")
-        for name in ("drop_persist", "restore_persist"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
-        for name in ("restore_usage", "restore_headroom", "min_dwell_s"):
-            value = getattr(self, name)
-            if not isinstance(value, (int, float)) or isinstance(value, bool):
-                raise ValueError(f"{name} must be a number, got {value!r}")
-        self.controller()  # ControllerConfig's own range checks
 
-    def controller(self):
-        from sglang_morph.kunserve.controller import ControllerConfig
-
-        fields = {f.name for f in dataclasses.fields(ControllerConfig)}
-        return ControllerConfig(**{k: v for k, v in dataclasses.asdict(self).items()
-                                   if k in fields})
+    def as_dict(self) -> dict[str, Any]:
+        """The flat JSON form (what ``--kunserve-auto-config`` takes and /kunserve/status shows)."""
+        return {"interval_ms": self.interval_ms, **dataclasses.asdict(self.controller)}
 
     @classmethod
     def from_json(cls, text: str | None) -> "AutoControlConfig":
@@ -73,13 +58,15 @@ class AutoControlConfig:
             raise KunServeConfigError(f"{flag} is not JSON: {e}") from e
         if not isinstance(body, dict):
             raise KunServeConfigError(f"{flag} must be a JSON object, got {text!r}")
-        known = [f.name for f in dataclasses.fields(cls)]
+        known = list(cls().as_dict())
         unknown = sorted(set(body) - set(known))
         if unknown:
             raise KunServeConfigError(f"{flag}: unknown fields {unknown}; known: "
                                       f"{', '.join(known)}")
         try:
-            return cls(**body)
+            thresholds = {k: v for k, v in body.items() if k != "interval_ms"}
+            return cls(**({"interval_ms": body["interval_ms"]} if "interval_ms" in body else {}),
+                       controller=ControllerConfig(**thresholds))
         except ValueError as e:
             raise KunServeConfigError(f"{flag}: {e}") from e
 
