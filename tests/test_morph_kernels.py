@@ -185,6 +185,24 @@ def test_cpu_kernels_at_default_thread_count(bits, group_size, out_features, in_
     assert_within_bound(morph_kernels.linear(x, w), x, stored, bits, None)
 
 
+@pytest.mark.parametrize("bits", [8, 4])
+def test_cpu_float32_keeps_the_weight_quantized(bits):
+    # fp32 activations dequantize per call (morph_kernels.cpu): what stays resident must be
+    # the quantized weight, or a swap to W8/W4 would free no memory.
+    stored = make_stored(bits, OUT_FEATURES, W4_IN_FEATURES, group_size=128,
+                         input_scale=bits == 4)
+    w = morph_kernels.prepare(bits, stored, device="cpu", act_dtype=torch.float32)
+    name = "qweight" if bits == 8 else "qweight_planar"
+    assert w.tensors[name].dtype == stored["qweight"].dtype
+    assert w.tensors[name].shape == stored["qweight"].shape
+    assert all(t.numel() < OUT_FEATURES * W4_IN_FEATURES // 2 or n == name
+               for n, t in w.tensors.items())
+    packed = morph_kernels.prepare(bits, stored, device="cpu", act_dtype=torch.bfloat16)
+    assert w.device_bytes <= 1.1 * packed.device_bytes  # scales in fp32 instead of bf16
+    x = torch.randn(33, W4_IN_FEATURES)
+    assert_within_bound(morph_kernels.linear(x, w), x, stored, bits, None)
+
+
 def test_bound_is_tight_enough_to_catch_an_off_by_one_zero_point():
     # The kernel run on zeros - 1 (every weight shifted by one scale step) must fail the bound
     # of the true weight, or the bound would be too loose to mean anything.
@@ -232,7 +250,8 @@ def test_device_bytes_is_the_sum_of_the_prepared_tensors(bits, group_size, input
     if bits == 8:  # int8 weight + one scale per output channel
         assert w.device_bytes == OUT_FEATURES * W4_IN_FEATURES + OUT_FEATURES * act_bytes
     else:  # half-byte weights and a (scale, zero) pair per group, over 16-padded outputs
-        padded = -(-OUT_FEATURES // 16) * 16
+        # (torch's packed op; fp32's dequantize path keeps the stored, unpadded rows)
+        padded = OUT_FEATURES if act_dtype == torch.float32 else -(-OUT_FEATURES // 16) * 16
         groups = W4_IN_FEATURES // group_size
         expected = padded * W4_IN_FEATURES // 2 + groups * padded * 2 * act_bytes
         expected += W4_IN_FEATURES * act_bytes if input_scale else 0

@@ -18,8 +18,8 @@ from sglang_morph.config import FULL_PRECISION_BITS
 from sglang_morph.engines import formats
 
 # Weight layouts: "stored" = the engines' tensors as stored (what the GPU kernels hold);
-# "cpu" = morph_kernels.cpu's layout (int4 packs padded to 16 output rows, scales in the
-# activation dtype, one input scale per fused linear).
+# "cpu" = morph_kernels.cpu's layout (bf16/fp16: int4 packs padded to 16 output rows; fp32:
+# unpadded; scales in the activation dtype, one input scale per fused linear).
 LAYOUTS = ("stored", "cpu")
 # SGLang's fused linears of a Llama layer and the HF linears each concatenates.
 LLAMA_FUSED = {
@@ -30,6 +30,7 @@ LLAMA_FUSED = {
 }
 _CPU_INT4_OUT_MULTIPLE = 16  # morph_kernels.cpu.INT4PACK_OUT_MULTIPLE
 _CPU_INT8_IN_MULTIPLE = 16  # morph_kernels.cpu.INT8PACK_IN_MULTIPLE
+_FP32_BYTES = 4
 _BF16_BYTES = 2  # formats.SCALE_DTYPE
 _UINT8_BYTES = 1
 # SGLang's SGLANG_ROPE_CACHE_SAFETY_MARGIN and SGLANG_ROPE_CACHE_ALIGN defaults (environ.py)
@@ -154,9 +155,12 @@ class ModelSpec:
         out = sum(linear.out_features for linear in fused)
         inp = fused[0].in_features
         act = self.dtype_bytes
+        # fp32 activations use the dequantize layout, which pads nothing
+        # (morph_kernels.cpu.DEQUANTIZE_ACT_DTYPES); the packed ops' layout pads.
+        packed = act != _FP32_BYTES
         if bits == 8:  # int8 [out, in16] + scales [out] in the activation dtype
-            return out * _round_up(inp, _CPU_INT8_IN_MULTIPLE) + out * act
-        out16 = _round_up(out, _CPU_INT4_OUT_MULTIPLE)
+            return out * (_round_up(inp, _CPU_INT8_IN_MULTIPLE) if packed else inp) + out * act
+        out16 = _round_up(out, _CPU_INT4_OUT_MULTIPLE) if packed else out
         groups = inp // self.group_size(fused[0])
         # int4 pack [out16, in/2]; scales and zeros [in/g, out16, 2]; 1/input_scale [in]
         return (out16 * inp // 2 + groups * out16 * 2 * act

@@ -1,16 +1,19 @@
-"""Time the CPU kernels against a bf16 ``F.linear`` at the default model's decode shapes.
+"""Time the CPU kernels against a dense ``F.linear`` at the default model's decode shapes.
 
     .venv/bin/python sgl-kernel/morph-kernels/benchmarks/bench_cpu.py [--repeats 5]
+        [--act bfloat16|float16|float32] [--tokens 1,8,32] [--threads N]
 
 Prints one row per (shape, tokens): the median over ``--repeats`` rounds of
 ``torch.utils.benchmark``'s per-call median, in microseconds. Weights are random; only their
 shapes matter for time. The weights sit in cache at these sizes (<= 1.8 MB), so the numbers
-are compute, not memory, costs.
+are compute, not memory, costs. For an act dtype that ``morph_kernels`` serves by dequantizing
+(fp32), two more columns time torch's packed ops at that dtype, the path it replaced.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import statistics
 
 import torch
@@ -19,10 +22,10 @@ import torch.utils.benchmark as tb
 from sglang_morph.engines import formats
 
 import morph_kernels
+from morph_kernels import cpu
 
 # SmolLM2-135M (the default model): hidden 576, intermediate 1536.
 SHAPES_IN_OUT = ((576, 1536), (1536, 576))
-TOKENS = (1, 8, 32)
 MIN_RUN_TIME_S = 0.2
 
 
@@ -33,38 +36,58 @@ def median_us(fn, repeats: int) -> float:
     )
 
 
+@contextlib.contextmanager
+def packed_ops_for_every_dtype():
+    """Prepare with torch's packed ops even for a dequantized act dtype (the old fp32 path)."""
+    saved = cpu.DEQUANTIZE_ACT_DTYPES
+    cpu.DEQUANTIZE_ACT_DTYPES = ()
+    try:
+        yield
+    finally:
+        cpu.DEQUANTIZE_ACT_DTYPES = saved
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--act", choices=("bfloat16", "float16", "float32"), default="bfloat16")
+    parser.add_argument("--tokens", default="1,8,32", help="comma-separated token counts")
+    parser.add_argument("--threads", type=int, default=None, help="torch threads (default: "
+                        "torch's)")
     args = parser.parse_args()
+    if args.threads is not None:
+        torch.set_num_threads(args.threads)
+    tokens_list = [int(t) for t in args.tokens.split(",")]
     torch.manual_seed(0)
-    act = torch.bfloat16
+    act = getattr(torch, args.act)
+    compare_packed = act in cpu.DEQUANTIZE_ACT_DTYPES
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, activations {act}")
-    print(f"{'in->out':>10} {'tokens':>6} {'bf16 us':>9} {'W8 us':>9} {'W4 us':>9} {'W4+is us':>9}")
+    header = f"{'in->out':>10} {'tokens':>6} {'dense us':>9} {'W8 us':>9} {'W4 us':>9} {'W4+is us':>9}"
+    print(header + (f" {'W8 pk us':>9} {'W4 pk us':>9}" if compare_packed else ""))
     for in_features, out_features in SHAPES_IN_OUT:
         weight = torch.randn(out_features, in_features)
         dense = weight.to(act)
-        w8 = morph_kernels.prepare(
-            8, formats.get_format(8).quantize(weight), device="cpu", act_dtype=act
-        )
-        w4 = morph_kernels.prepare(
-            4, formats.get_format(4).quantize(weight), device="cpu", act_dtype=act
-        )
+        stored8 = formats.get_format(8).quantize(weight)
+        stored4 = formats.get_format(4).quantize(weight)
+        w8 = morph_kernels.prepare(8, stored8, device="cpu", act_dtype=act)
+        w4 = morph_kernels.prepare(4, stored4, device="cpu", act_dtype=act)
         w4_is = morph_kernels.prepare(
             4,
             formats.get_format(4).quantize(weight, input_scale=torch.rand(in_features) + 0.5),
             device="cpu",
             act_dtype=act,
         )
-        for tokens in TOKENS:
+        packed = []
+        if compare_packed:
+            with packed_ops_for_every_dtype():
+                packed = [morph_kernels.prepare(b, s, device="cpu", act_dtype=act)
+                          for b, s in ((8, stored8), (4, stored4))]
+        for tokens in tokens_list:
             x = torch.randn(tokens, in_features, dtype=act)
-            times = [
-                median_us(lambda: F.linear(x, dense), args.repeats),
-                median_us(lambda: morph_kernels.linear(x, w8), args.repeats),
-                median_us(lambda: morph_kernels.linear(x, w4), args.repeats),
-                median_us(lambda: morph_kernels.linear(x, w4_is), args.repeats),
-            ]
-            cells = " ".join(f"{t:9.1f}" for t in times)
+            fns = [lambda: F.linear(x, dense)]
+            fns += [(lambda w=w: morph_kernels.linear(x, w)) for w in (w8, w4, w4_is)]
+            fns += [(lambda w=w: cpu.packed_linear(x, w, None)) for w in packed]
+            cells = " ".join(f"{median_us(fn, args.repeats):9.1f}" for fn in fns)
             print(f"{f'{in_features}->{out_features}':>10} {tokens:>6} {cells}")
 
 
