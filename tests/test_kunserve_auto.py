@@ -25,8 +25,7 @@ from sglang_morph.kunserve.live import config as kunserve_config
 from sglang_morph.plugin import MorphPluginError, _kunserve_from_cli_args
 # (corpus_ids and tokenizer are that module's fixtures)
 from test_morph_runtime_server import corpus_ids, prompt_ids, tokenizer  # noqa: F401
-import test_kunserve_live as kunserve_live
-from test_kunserve_live import launch_args, status
+from test_kunserve_live import generate_on as generate_on_live, launch_args, status
 
 N_NEW = 16
 WHOLE_TOKENS = 256
@@ -95,7 +94,7 @@ def auto_dp2(server_factory):
 
 
 def generate_on(server, ids, replica: int) -> list[int]:
-    return kunserve_live.generate_on(server, ids, replica, n_new=N_NEW)
+    return generate_on_live(server, ids, replica, n_new=N_NEW)
 
 
 def wait_for(server, predicate, timeout_s: float) -> dict:

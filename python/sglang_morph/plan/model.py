@@ -158,11 +158,12 @@ class ModelSpec:
         # fp32 activations use the dequantize layout, which pads nothing
         # (morph_kernels.cpu.DEQUANTIZE_ACT_DTYPES); the packed ops' layout pads.
         packed = act != _FP32_BYTES
-        if bits == 8:  # int8 [out, in16] + scales [out] in the activation dtype
+        if bits == 8:  # int8 [out, in16 (packed) or in] + scales [out] in the activation dtype
             return out * (_round_up(inp, _CPU_INT8_IN_MULTIPLE) if packed else inp) + out * act
         out16 = _round_up(out, _CPU_INT4_OUT_MULTIPLE) if packed else out
         groups = inp // self.group_size(fused[0])
-        # int4 pack [out16, in/2]; scales and zeros [in/g, out16, 2]; 1/input_scale [in]
+        # int4 [out16 (packed) or out, in/2]; scales and zeros [in/g, out16 or out, 2];
+        # 1/input_scale [in]
         return (out16 * inp // 2 + groups * out16 * 2 * act
                 + (inp * act if self.awq_input_scale else 0))
 

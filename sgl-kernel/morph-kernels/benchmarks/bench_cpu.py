@@ -13,7 +13,7 @@ are compute, not memory, costs. For an act dtype that ``morph_kernels`` serves b
 from __future__ import annotations
 
 import argparse
-import contextlib
+import dataclasses
 import statistics
 
 import torch
@@ -36,17 +36,6 @@ def median_us(fn, repeats: int) -> float:
     )
 
 
-@contextlib.contextmanager
-def packed_ops_for_every_dtype():
-    """Prepare with torch's packed ops even for a dequantized act dtype (the old fp32 path)."""
-    saved = cpu.DEQUANTIZE_ACT_DTYPES
-    cpu.DEQUANTIZE_ACT_DTYPES = ()
-    try:
-        yield
-    finally:
-        cpu.DEQUANTIZE_ACT_DTYPES = saved
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeats", type=int, default=5)
@@ -62,8 +51,9 @@ def main() -> None:
     act = getattr(torch, args.act)
     compare_packed = act in cpu.DEQUANTIZE_ACT_DTYPES
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, activations {act}")
-    header = f"{'in->out':>10} {'tokens':>6} {'dense us':>9} {'W8 us':>9} {'W4 us':>9} {'W4+is us':>9}"
-    print(header + (f" {'W8 pk us':>9} {'W4 pk us':>9}" if compare_packed else ""))
+    columns = ["dense us", "W8 us", "W4 us", "W4+is us"]
+    columns += ["W8 pk us", "W4 pk us"] if compare_packed else []
+    print(f"{'in->out':>10} {'tokens':>6} " + " ".join(f"{c:>9}" for c in columns))
     for in_features, out_features in SHAPES_IN_OUT:
         weight = torch.randn(out_features, in_features)
         dense = weight.to(act)
@@ -77,11 +67,9 @@ def main() -> None:
             device="cpu",
             act_dtype=act,
         )
-        packed = []
-        if compare_packed:
-            with packed_ops_for_every_dtype():
-                packed = [morph_kernels.prepare(b, s, device="cpu", act_dtype=act)
-                          for b, s in ((8, stored8), (4, stored4))]
+        # The same weights in the packed ops' layout, at this act dtype (the path replaced).
+        packed = [dataclasses.replace(w, tensors=cpu.packed_tensors(w.bits, s, act))
+                  for w, s in ((w8, stored8), (w4, stored4))] if compare_packed else []
         for tokens in tokens_list:
             x = torch.randn(tokens, in_features, dtype=act)
             fns = [lambda: F.linear(x, dense)]

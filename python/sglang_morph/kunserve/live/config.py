@@ -36,10 +36,10 @@ class AutoControlConfig:
     controller: ControllerConfig = dataclasses.field(default_factory=ControllerConfig)
 
     def __post_init__(self) -> None:
-        if not (isinstance(self.interval_ms, (int, float)) and not isinstance(self.interval_ms, bool)
-                and 1 <= self.interval_ms <= 60_000):
-            raise ValueError(f"interval_ms must be a number in [1, 60000], got "
-                             f"{self.interval_ms!r}")
+        value = self.interval_ms
+        if not (isinstance(value, (int, float)) and not isinstance(value, bool)
+                and 1 <= value <= 60_000):
+            raise ValueError(f"interval_ms must be a number in [1, 60000], got {value!r}")
 
     def as_dict(self) -> dict[str, Any]:
         """The flat JSON form (what ``--kunserve-auto-config`` takes and /kunserve/status shows)."""
@@ -63,10 +63,10 @@ class AutoControlConfig:
         if unknown:
             raise KunServeConfigError(f"{flag}: unknown fields {unknown}; known: "
                                       f"{', '.join(known)}")
+        thresholds = dict(body)
+        interval_ms = thresholds.pop("interval_ms", cls.interval_ms)
         try:
-            thresholds = {k: v for k, v in body.items() if k != "interval_ms"}
-            return cls(**({"interval_ms": body["interval_ms"]} if "interval_ms" in body else {}),
-                       controller=ControllerConfig(**thresholds))
+            return cls(interval_ms=interval_ms, controller=ControllerConfig(**thresholds))
         except ValueError as e:
             raise KunServeConfigError(f"{flag}: {e}") from e
 

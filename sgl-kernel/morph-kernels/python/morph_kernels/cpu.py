@@ -58,6 +58,13 @@ def prepare_tensors(
 ) -> dict[str, torch.Tensor]:
     if act_dtype in DEQUANTIZE_ACT_DTYPES:
         return _prepare_dequantize(bits, stored)
+    return packed_tensors(bits, stored, act_dtype)
+
+
+def packed_tensors(
+    bits: int, stored: dict[str, torch.Tensor], act_dtype: torch.dtype
+) -> dict[str, torch.Tensor]:
+    """The packed ops' layout (what bf16/fp16 use; ``packed_linear`` runs it)."""
     if bits == 8:
         pad_columns = -stored["qweight"].shape[1] % INT8PACK_IN_MULTIPLE
         return {
@@ -134,7 +141,7 @@ def linear(x2d: torch.Tensor, w: PreparedWeight, bias: torch.Tensor | None) -> t
 def packed_linear(
     x2d: torch.Tensor, w: PreparedWeight, bias: torch.Tensor | None
 ) -> torch.Tensor:
-    """torch's packed ops on ``prepare_tensors``' packed layout (what bf16/fp16 use)."""
+    """torch's packed ops on ``packed_tensors``' layout (what bf16/fp16 use)."""
     t = w.tensors
     x2d = x2d.contiguous()  # both ops require a contiguous last dim
     if w.bits == 8:
