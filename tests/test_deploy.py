@@ -476,8 +476,20 @@ def test_a_bit_width_keeps_the_pipeline_line_it_measured_itself():
 
 
 def test_streamed_timing_gaps_and_workload():
-    gaps = measure.token_gaps([(0.0, 1), (0.1, 2), (0.4, 5), (0.4, 5)])
-    assert gaps == pytest.approx([0.1, 0.1, 0.1, 0.1])
+    # Steady 10 ms a token, but the client read in clumps: events at the same instant (gaps of
+    # 0 s) and one chunk of 3 tokens. Per-gap, the median would be 0; windows of 8 see 10 ms.
+    arrivals = [(0.0, 1)]
+    for k in range(2, 41):
+        arrivals.append((0.01 * (k - 1) if k % 4 == 1 else arrivals[-1][0], k))
+    arrivals.append((0.42, 44))  # one chunk of 3 tokens
+    assert measure.windowed_tpot(arrivals, 8) == pytest.approx(0.01, rel=0.15)
+    assert measure.windowed_tpot([(0.0, 1), (0.1, 2), (0.4, 5)], 8) == pytest.approx(0.1)
+    # One slowed step does not move the median of a long request.
+    steady = [(0.01 * k, k + 1) for k in range(64)]
+    slowed = steady[:30] + [(t + 0.5, c) for t, c in steady[30:]]
+    assert measure.windowed_tpot(slowed) == pytest.approx(0.01, rel=1e-6)
+    with pytest.raises(ValueError, match="two tokens"):
+        measure.windowed_tpot([(0.0, 1)])
     measure.Workload(128, (64,), (1, 4), 3, 4096, "stream").check_integrity()
     with pytest.raises(ValueError, match="two distinct"):
         measure.Workload(128, (64,), (1, 4), 3, 4096, "e2e").check_integrity()
