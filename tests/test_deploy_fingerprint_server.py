@@ -3,12 +3,14 @@ with the same greedy tokens as transformers on the same truncated checkpoint (fl
 restricted engines directory serves the full build's W8/W4 variants of those layers (same
 files, same sha256) through ``--morph-engines`` without any rebuild.
 
-One server (float32, ``--enable-morph`` with the fingerprint's engines, controller off).
+One server (float32, ``--enable-morph`` with the fingerprint's engines, controller off); on it
+also L2's batch timing (``measure.stream_seconds`` / ``e2e_seconds``: one prefill per batch).
 """
 
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 import requests
@@ -16,6 +18,7 @@ import torch
 from safetensors import safe_open
 
 from conftest import running_server
+from sglang_morph.deploy import measure
 from sglang_morph.deploy.fingerprint import make_fingerprint
 from sglang_morph.engines import hf_variants
 from sglang_morph.engines.manifest import EngineManifest, sha256_of_file
@@ -97,3 +100,15 @@ def test_served_fingerprint_equals_transformers_full_and_w8_w4(fingerprint, tmp_
         assert [layer["bits"] for layer in status["layers"]] == [8, 4]
         for (ids, want), (prompt, n_new) in zip(expected["mixed"], PROMPTS):
             assert _greedy(server.url, ids, n_new) == want, prompt
+
+        # L2's timing sends a batch as one request so that it is prefilled together (the
+        # scheduler logs one prefill of all of them), and reads every request's stream.
+        log = tmp_path / "server.log"
+        seen = len(log.read_text().splitlines())
+        ttft, tpot, e2e = measure.stream_seconds(server.url, 4, 32, 12, salt=5)
+        assert 0 < ttft < e2e and 0 < tpot < e2e
+        assert measure.e2e_seconds(server.url, 3, 32, 4, salt=6) > 0
+        prefills = [line for line in log.read_text().splitlines()[seen:]
+                    if "Prefill batch" in line]
+        assert [re.search(r"#new-seq: (\d+)", line).group(1) for line in prefills] == \
+            ["4", "3"], prefills

@@ -17,11 +17,12 @@ installed; ``/morph/status`` reports the served tensors), under TP alone or PP a
 refused by ``--enable-morph``, so 16-bit TP x PP runs as plain SGLang, as it is launched, with no
 status: only its RSS and activation peak are measured.
 
-Latency (L2's inputs): ``batch`` concurrent greedy requests of ``prompt_tokens`` fixed token ids
-and ``n`` new tokens (``ignore_eos``: a 1-layer model's text is noise and must not stop early).
+Latency (L2's inputs): ``batch`` greedy requests of ``prompt_tokens`` fixed token ids and ``n``
+new tokens (``ignore_eos``: a 1-layer model's text is noise and must not stop early), sent as
+one batch request so that they are prefilled together.
 Two timings (``Workload.timing``):
 
-- ``e2e``: each request's end-to-end seconds at two output lengths; ``estimate`` solves
+- ``e2e``: the batch's end-to-end seconds at two output lengths; ``estimate`` solves
   ``E2E(n) = TTFT + (n - 1) * TPOT`` from the two. A slow stretch anywhere in the 128-token
   request moves both (identical requests here varied by up to 27%), and the subtraction of two
   such numbers adds their noise.
@@ -44,7 +45,6 @@ before it stops (``cpu_s``).
 
 from __future__ import annotations
 
-import concurrent.futures
 import dataclasses
 import json
 import os
@@ -170,18 +170,14 @@ def accounted_per_process(status: dict[str, Any], tp: int) -> dict[tuple[int, in
 # ---- latency ------------------------------------------------------------------------------
 
 
-def _request(url: str, ids: list[int], new_tokens: int) -> float:
-    started = time.perf_counter()
-    r = httpx.post(f"{url}/generate", timeout=600, json={
-        "input_ids": ids,
-        "sampling_params": {"temperature": 0, "max_new_tokens": new_tokens, "ignore_eos": True}})
-    elapsed = time.perf_counter() - started
-    if r.status_code != 200:
-        raise RuntimeError(f"/generate answered {r.status_code}: {r.text[:300]}")
-    got = len(r.json()["output_ids"])
-    if got != new_tokens:
-        raise RuntimeError(f"asked {new_tokens} new tokens, got {got}")
-    return elapsed
+def _generate_body(prompts: list[list[int]], new_tokens: int, stream: bool) -> dict:
+    # All prompts in one request: SGLang's tokenizer manager hands pre-tokenized batches to the
+    # scheduler as one message, so they are prefilled together. Concurrent single requests (as
+    # before 2026-11-25) raced: the scheduler's logs showed "batch 4" prefilled as 1 + 3, 1 + 3,
+    # 1 + 2 + 1, a different split each repetition (batch-4 TTFT spread up to 3.6x).
+    return {"input_ids": prompts[0] if len(prompts) == 1 else prompts, "stream": stream,
+            "sampling_params": {"temperature": 0, "max_new_tokens": new_tokens,
+                                "ignore_eos": True}}
 
 
 def _prompts(batch: int, prompt_tokens: int, salt: int) -> list[list[int]]:
@@ -194,11 +190,20 @@ def _prompts(batch: int, prompt_tokens: int, salt: int) -> list[list[int]]:
 
 def e2e_seconds(url: str, batch: int, prompt_tokens: int, new_tokens: int,
                 salt: int = 0) -> float:
-    """Mean end-to-end seconds of ``batch`` requests sent together."""
-    prompts = _prompts(batch, prompt_tokens, salt)
-    with concurrent.futures.ThreadPoolExecutor(batch) as pool:
-        times = list(pool.map(lambda ids: _request(url, ids, new_tokens), prompts))
-    return sum(times) / len(times)
+    """End-to-end seconds of ``batch`` requests sent as one batch (they run the same number of
+    steps, so they end together)."""
+    started = time.perf_counter()
+    r = httpx.post(f"{url}/generate", timeout=600,
+                   json=_generate_body(_prompts(batch, prompt_tokens, salt), new_tokens, False))
+    elapsed = time.perf_counter() - started
+    if r.status_code != 200:
+        raise RuntimeError(f"/generate answered {r.status_code}: {r.text[:300]}")
+    outs = r.json() if isinstance(r.json(), list) else [r.json()]
+    got = sorted({len(o["output_ids"]) for o in outs})
+    if len(outs) != batch or got != [new_tokens]:
+        raise RuntimeError(f"asked {batch} x {new_tokens} new tokens, got {len(outs)} "
+                           f"outputs of {got}")
+    return elapsed
 
 
 TPOT_WINDOW_TOKENS = 8
@@ -223,14 +228,14 @@ def windowed_tpot(arrivals: list[tuple[float, int]],
     return (t1 - t0) / (c1 - c0)
 
 
-def _stream_request(url: str, ids: list[int], new_tokens: int) -> tuple[float, float, float]:
-    """(TTFT, median TPOT, end-to-end) seconds of one streamed request."""
-    arrivals: list[tuple[float, int]] = []
+def stream_seconds(url: str, batch: int, prompt_tokens: int, new_tokens: int,
+                   salt: int = 0) -> tuple[float, float, float]:
+    """(TTFT, TPOT, end-to-end) seconds of ``batch`` requests streamed as one batch, each the
+    mean over the requests (a batch's events carry their request's ``index``)."""
+    arrivals: dict[int, list[tuple[float, int]]] = {i: [] for i in range(batch)}
     started = time.perf_counter()
-    with httpx.stream("POST", f"{url}/generate", timeout=600, json={
-            "input_ids": ids, "stream": True,
-            "sampling_params": {"temperature": 0, "max_new_tokens": new_tokens,
-                                "ignore_eos": True}}) as r:
+    body = _generate_body(_prompts(batch, prompt_tokens, salt), new_tokens, True)
+    with httpx.stream("POST", f"{url}/generate", timeout=600, json=body) as r:
         if r.status_code != 200:
             raise RuntimeError(f"/generate answered {r.status_code}: {r.read()[:300]!r}")
         for line in r.iter_lines():
@@ -239,20 +244,14 @@ def _stream_request(url: str, ids: list[int], new_tokens: int) -> tuple[float, f
             out = json.loads(line[len("data: "):])
             if "error" in out:
                 raise RuntimeError(f"/generate streamed an error: {out['error']}")
-            arrivals.append((time.perf_counter(), out["meta_info"]["completion_tokens"]))
-    if not arrivals or arrivals[-1][1] != new_tokens:
-        raise RuntimeError(f"asked {new_tokens} new tokens, got "
-                           f"{arrivals[-1][1] if arrivals else 0}")
-    return arrivals[0][0] - started, windowed_tpot(arrivals), arrivals[-1][0] - started
-
-
-def stream_seconds(url: str, batch: int, prompt_tokens: int, new_tokens: int,
-                   salt: int = 0) -> tuple[float, float, float]:
-    """(TTFT, TPOT, end-to-end) seconds of ``batch`` streamed requests sent together, each the
-    mean over the requests."""
-    prompts = _prompts(batch, prompt_tokens, salt)
-    with concurrent.futures.ThreadPoolExecutor(batch) as pool:
-        times = list(pool.map(lambda ids: _stream_request(url, ids, new_tokens), prompts))
+            arrivals[out.get("index", 0)].append(
+                (time.perf_counter(), out["meta_info"]["completion_tokens"]))
+    times = []
+    for i, seen in arrivals.items():
+        if not seen or seen[-1][1] != new_tokens:
+            raise RuntimeError(f"request {i}: asked {new_tokens} new tokens, got "
+                               f"{seen[-1][1] if seen else 0}")
+        times.append((seen[0][0] - started, windowed_tpot(seen), seen[-1][0] - started))
     ttft, tpot, e2e = (statistics.mean(x) for x in zip(*times))
     return ttft, tpot, e2e
 
