@@ -66,7 +66,7 @@ mean TPOT <= S x the fastest unloaded TPOT, for each SLO scale S of ``--slo-scal
 AlpaServe's evaluation varies it; iServe's latency target is the same SLO), unless given in
 seconds.
 
-    .venv/bin/python -m benchmark.iserve_sim --profile benchmark/results/iserve/e2e_275a433/profile.json
+    .venv/bin/python -m benchmark.iserve_sim --profile benchmark/results/iserve/grid_19605d6/profile.json
 """
 
 from __future__ import annotations
