@@ -198,7 +198,8 @@ def e2e_seconds(url: str, batch: int, prompt_tokens: int, new_tokens: int,
     elapsed = time.perf_counter() - started
     if r.status_code != 200:
         raise RuntimeError(f"/generate answered {r.status_code}: {r.text[:300]}")
-    outs = r.json() if isinstance(r.json(), list) else [r.json()]
+    outs = r.json()
+    outs = outs if isinstance(outs, list) else [outs]
     got = sorted({len(o["output_ids"]) for o in outs})
     if len(outs) != batch or got != [new_tokens]:
         raise RuntimeError(f"asked {batch} x {new_tokens} new tokens, got {len(outs)} "
