@@ -5,31 +5,39 @@
 # not the file. Usage: benchmark/iserve_grid.sh OUT_DIR [DEADLINE_UNIX_S]
 # Runs the code of $MORPH_SRC (default: this checkout), e.g. a clean worktree of a commit.
 # LAYERS=A,B: the two fingerprint depths (default 4,8; PP 2 runs A+1 and B+1);
-# REPS: repetitions per point (default 3, the fastest taken); FULL=0: fingerprints only (e.g. other depths against full configurations measured before).
+# REPS: repetitions per point (default 3, the fastest taken); FULL=0: fingerprints only (e.g.
+# other depths against full configurations measured before).
 set -u
 OUT=${1:?usage: iserve_grid.sh OUT_DIR [DEADLINE_UNIX_S]}
 DEADLINE=${2:-0}
 SRC=${MORPH_SRC:-$(cd "$(dirname "$0")/.." && pwd)}
 PY=$(cd "$(dirname "$0")/.." && pwd)/.venv/bin/python
 mkdir -p "$OUT/logs"
-LAYERS=${LAYERS:-4,8}; A=${LAYERS%,*}; B=${LAYERS#*,}
+LAYERS=${LAYERS:-4,8}
 COMMON=(--out "$OUT/profile.json" --append --tp 1,3 --layers "$LAYERS" --timing stream --output 64
         --batches 1,4 --repetitions "${REPS:-3}" --log-dir "$OUT/logs")
-RUNS=()
-for d in "$A" "$B"; do
-  RUNS+=("--bits 16 --only W16-TP1-PP1@$d" "--bits 16 --only W16-TP1-PP2@$((d + 1))"
-         "--bits 16 --only W16-TP3-PP1@$d")
-  for b in 8 4; do RUNS+=("--bits $b --tp 1 --only W$b-TP1-PP1@$d"); done
-done
-if [ "${FULL:-1}" = 1 ]; then
-  for b in 16 8 4; do
-    for c in TP1-PP1 TP1-PP2 TP1-PP3 TP3-PP1; do
-      RUNS+=("--bits $b --tp 1 --skip-fingerprints --full W$b-$c")
-    done
-  done
-  RUNS+=("--bits 16 --tp 1 --skip-fingerprints --full W16-TP3-PP2"
-         "--bits 16 --tp 1 --skip-fingerprints --full W16-TP3-PP3")
-fi
+# The runs are deploy's own: the fingerprints `profile --layouts-at 16` runs at LAYERS
+# (`fingerprint_runs`) and, with FULL=1, every configuration `space.exclusion_reason` serves for
+# the default model, fewest processes first (a deadline cuts the 6- and 9-process ones).
+mapfile -t RUNS < <(PYTHONPATH="$SRC/python:$SRC" "$PY" - "$LAYERS" "${FULL:-1}" <<'PY'
+import json
+import sys
+
+from sglang_morph.deploy import space
+from sglang_morph.deploy.__main__ import fingerprint_runs
+from sglang_morph.plan.__main__ import _default_model_dir
+
+layers = tuple(int(n) for n in sys.argv[1].split(","))
+for cfg, n in fingerprint_runs(space.BITS, space.TP_SIZES, layers, layout_bits=16):
+    print(f"--bits {cfg.bits} --only {cfg.name}@{n}")
+if sys.argv[2] == "1":
+    hf_config = json.loads((_default_model_dir() / "config.json").read_text())
+    servable = [c for c in space.space() if space.exclusion_reason(c, hf_config) is None]
+    for cfg in sorted(servable, key=lambda c: c.processes):
+        print(f"--bits {cfg.bits} --skip-fingerprints --full {cfg.name}")
+PY
+)
+[ ${#RUNS[@]} -gt 0 ] || { echo "grid: no runs (LAYERS=$LAYERS?)" >&2; exit 2; }
 for run in "${RUNS[@]}"; do
   if [ "$DEADLINE" != 0 ] && [ "$(date +%s)" -ge "$DEADLINE" ]; then
     echo "grid: $(date -u +%T) deadline passed, skip: $run"; continue
