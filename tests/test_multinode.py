@@ -73,7 +73,9 @@ def two_nodes(reference, tmp_path_factory, engines_awq):
                 [*PP2_TWO_NODES, "--morph-engines", str(engines_awq), "--node-rank", str(rank),
                  "--dist-init-addr", dist_init_addr],
                 log_dir / f"node{rank}.log", {"SGLANG_CPU_OMP_THREADS_BIND": str(core)},
-                start_timeout_s=SERVER_START_TIMEOUT_S))
+                start_timeout_s=SERVER_START_TIMEOUT_S,
+                # a relaunched node 0 would leave node 1 on the old gloo group
+                relaunch_on_port_clash=False))
         for node in nodes:  # node 1's dummy /health answers once its scheduler is ready
             node.wait_ready()
         yield nodes

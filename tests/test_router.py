@@ -108,7 +108,9 @@ def cluster(engines_awq, tmp_path_factory):
                 ["--dtype", "float32", "--enable-morph", "--morph-engines", str(engines_awq),
                  "--morph-memory-budget", BUDGET, "--disable-morph-controller",
                  "--enable-metrics"],
-                log_dir / f"worker_{name}.log", start_timeout_s=SERVER_START_TIMEOUT_S))
+                log_dir / f"worker_{name}.log", start_timeout_s=SERVER_START_TIMEOUT_S,
+                # the router is given these URLs before the workers are ready
+                relaunch_on_port_clash=False))
         # Started beside the workers, as in a deployment: it registers them once they answer.
         router = Router([w.url for w in workers], log_dir / "router.log")
         for worker in workers:

@@ -11,10 +11,10 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-import socket
 from typing import Any
 
 from sglang_morph.kunserve.controller import ControllerConfig
+from sglang_morph.server.ports import free_late_bind_port
 
 SERVER_ARGS_ATTR = "_kunserve_live_config"
 
@@ -89,14 +89,8 @@ class KunServeLiveConfig:
         if auto_json is not None and not auto:
             raise KunServeConfigError("--kunserve-auto-config needs --kunserve-auto")
         port = getattr(args, "kunserve_link_port", None)
-        return cls(enabled=True, link_port=port if port is not None else _free_port(),
+        return cls(enabled=True, link_port=port if port is not None else free_late_bind_port(),
                    auto=AutoControlConfig.from_json(auto_json) if auto else None)
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def add_cli_args(parser: argparse.ArgumentParser) -> None:
