@@ -144,41 +144,64 @@ def _partitions(items):
 
 
 @pytest.mark.parametrize("seed", range(12))
-def test_greedy_plan_is_the_shallowest_plan_that_holds_the_demand(planner, seed):
-    """Brute force over every partition of up to 6 replicas: no grouping that holds the demand
-    keeps more groups than the greedy's, nor, with as many groups, a smaller largest group."""
+def test_greedy_plan_holds_each_groups_demand(planner, seed):
+    """Brute force over every partition of up to 6 replicas. A request stays with the replica
+    it was sent to, so a partition holds when each group holds its own members' demand: every
+    group of the greedy's plan does; where no partition holds, the greedy falls back with the
+    shortfall of its deepest grouping; each merge joined an over-demand group with one of the
+    smallest groups it could merge with."""
     rng = random.Random(seed)
     n = rng.randint(2, 6)
     limit = rng.choice([2, 3, n])
     cfg = DropPlannerConfig(planner.memory, BUDGET_BYTES, max_group_size=limit)
     full = cfg.full_replica().kv_capacity_tokens
     used = [rng.randint(0, full) for _ in range(n)]
-    view = [ReplicaDemand(r, u, u + rng.randint(0, 6 * full)) for r, u in enumerate(used)]
-    demand = sum(d.kv_demand_tokens for d in view)
-    best = None  # (groups, -largest) of the best covering partition
-    for part in _partitions(list(range(n))):
-        if max(map(len, part)) > limit:
-            continue
-        if sum(make_group(cfg, sorted(g)).capacity_tokens for g in part) >= demand:
-            key = (len(part), -max(map(len, part)))
-            best = key if best is None or key > best else best
+    view = [ReplicaDemand(r, u, u + rng.randint(0, rng.choice([2, 6]) * full))
+            for r, u in enumerate(used)]
+    wanted = {d.replica: d.kv_demand_tokens for d in view}
+
+    def holds(group):
+        return sum(wanted[r] for r in group) <= make_group(cfg, sorted(group)).capacity_tokens
+
+    exists = any(max(map(len, part)) <= limit and all(map(holds, part))
+                 for part in _partitions(list(range(n))))
     plan = plan_drop(cfg, view)
-    if best is None:
-        assert isinstance(plan, KvCentricFallback)
+    if isinstance(plan, KvCentricFallback):
         assert plan.shortfall_tokens > 0
-        return
-    assert isinstance(plan, DropPlan)
-    assert (len(plan.groups), -max(g.size for g in plan.groups)) == best
-    assert plan.capacity_tokens >= demand
-    # Each merge joined two of the smallest groups there were at that moment.
+        deepest = plan.deepest.groups if plan.deepest else [make_group(cfg, (r,)) for r in range(n)]
+        assert plan.shortfall_tokens == sum(
+            sum(wanted[r] for r in g.replicas) - g.capacity_tokens for g in deepest
+            if not holds(g.replicas))
+    else:
+        assert exists and all(holds(g.replicas) for g in plan.groups)
+        assert max(g.size for g in plan.groups) <= limit
+    if not exists:
+        assert isinstance(plan, KvCentricFallback)
+    merges = plan.merges if isinstance(plan, DropPlan) else (
+        plan.deepest.merges if plan.deepest else ())
     groups = [(r,) for r in range(n)]
-    for a, b in plan.merges:
-        sizes = sorted(len(g) for g in groups)
-        assert sorted([len(a), len(b)]) == sizes[:2] or len(a) + len(b) > limit or \
-            sizes[0] + sizes[1] > limit
-        assert a in groups and b in groups
+    for a, b in merges:
+        assert a in groups and b in groups and not holds(a)  # a: the over-demand group
+        assert len(b) == min(len(g) for g in groups if g != a and len(g) + len(a) <= limit)
         groups = [g for g in groups if g not in (a, b)] + [tuple(sorted(a + b))]
-    assert sorted(groups) == sorted(g.replicas for g in plan.groups)
+
+
+def test_overloaded_replicas_merge_together_and_idle_ones_stay_whole(planner):
+    """Round-robin DP puts the queue on some replicas: the total fits the four pools, yet two
+    replicas cannot admit theirs. Those two merge with each other (best fit), the idle ones
+    keep serving whole; one overloaded replica alone takes one partner only."""
+    full = planner.full_replica().kv_capacity_tokens
+    pair = make_group(planner, (0, 1)).capacity_tokens
+    assert 2 * (full + full // 4) <= pair
+    busy = [ReplicaDemand(0, 0, full + full // 4), ReplicaDemand(1, 0, full + full // 4),
+            ReplicaDemand(2, 0, 10), ReplicaDemand(3, 0, 10)]
+    assert sum(d.kv_demand_tokens for d in busy) < 4 * full  # an aggregate check sees no need
+    plan = plan_drop(planner, busy)
+    assert [g.replicas for g in plan.groups] == [(0, 1), (2,), (3,)]
+    one = plan_drop(planner, [ReplicaDemand(0, 0, 10), ReplicaDemand(1, 0, 2 * full),
+                              ReplicaDemand(2, 0, full // 2)])
+    assert one.merges == (((1,), (2,)),)  # best fit: the busier of the two that hold it
+    assert sorted(g.replicas for g in one.groups) == [(0,), (1, 2)]
 
 
 def test_merge_order_two_smallest_first(planner):
@@ -544,6 +567,41 @@ def test_controller_drops_after_persisting_overload_only(planner):
     ctl.decide(_view(0, planner, [full] * 2, [full, full]))
     ctl.decide(_view(1, planner, [10] * 2, [0, 0]))
     assert ctl.decide(_view(2, planner, [full] * 2, [full, full])) is None
+
+
+def test_controller_drops_when_one_replica_cannot_admit_its_queue(planner):
+    """Replica 0's queue is over its own pool while replica 1 is idle: the pair's total fits,
+    but a request never moves between replicas, so only a drop lets replica 0 admit it."""
+    full = planner.full_replica().kv_capacity_tokens
+    ctl = KunServeController(planner, ControllerConfig(drop_persist=2, min_dwell_s=0))
+    view = _view(0, planner, [full // 2, 0], [full // 2 + 100, 0])
+    assert sum(r.demand_tokens for r in view.replicas) < 2 * full
+    assert ctl.decide(view) is None
+    action = ctl.decide(_view(1, planner, [full // 2, 0], [full // 2 + 100, 0]))
+    assert isinstance(action, Drop) and [g.replicas for g in action.plan.groups] == [(0, 1)]
+    assert f"over replica 0's capacity {full}" in action.reason
+    # Exactly full is held: no drop, however long.
+    ctl = KunServeController(planner, ControllerConfig(drop_persist=1, min_dwell_s=0))
+    assert ctl.decide(_view(0, planner, [full // 2, full], [full - full // 2, 0])) is None
+
+
+def test_controller_restores_owned_requests_only_when_each_member_fits_its_own(planner):
+    """The live pair's requests stay with their replica: a restore where the total fits the
+    two restored pools but replica 0's own demand does not fit its pool would queue at once
+    (and drop again). It waits until each member's own demand fits (with the headroom)."""
+    full = planner.full_replica().kv_capacity_tokens
+    group = make_group(planner, (0, 1))
+    cfg = ControllerConfig(restore_persist=1, min_dwell_s=0, restore_headroom=0.8)
+
+    def view(own0, own1, waiting0):
+        live = [LiveRequest("replica0", own0, owner=0), LiveRequest("replica1", own1, owner=1)]
+        return _view(0, planner, [own0, own1], [waiting0, 0], [group], {0: live, 1: live})
+
+    lopsided = view(full // 2, 10, full // 2)  # replica 0: full, replica 1: 10 tokens
+    assert full + 10 <= 0.8 * 2 * full  # the total would fit the restored pair
+    assert KunServeController(planner, cfg).decide(lopsided) is None
+    action = KunServeController(planner, cfg).decide(view(full // 2, 10, full // 4))
+    assert isinstance(action, Restore) and action.plan.home == {"replica0": 0, "replica1": 1}
 
 
 def test_controller_reports_kv_centric_once(planner):

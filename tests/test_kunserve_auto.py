@@ -3,7 +3,7 @@
 - bad ``--kunserve-auto`` / ``--kunserve-auto-config`` values are a CLI error naming the flag
   and the problem, and attach nothing;
 - one DP 2 server (float32, greedy, CPU, a small pool) with the controller on: a burst on both
-  replicas whose predicted KV demand exceeds the two pools makes replica 0's controller drop
+  replicas whose predicted KV demand exceeds their pools makes replica 0's controller drop
   (the transitions log says "auto" and the controller's reason) while requests are in flight;
   every request of the burst equals its output on the undropped replicas, served one at a
   time before the burst, token for token; when the burst is over the group restores by
@@ -133,7 +133,7 @@ def test_a_burst_drops_automatically_and_the_group_restores_when_it_ends(auto_dp
         drop, restore = rep["transitions"]
         assert (drop["action"], drop["trigger"], restore["action"], restore["trigger"]) == (
             "drop", "auto", "restore", "auto")
-        assert drop["reason"].startswith("predicted KV demand") and "over capacity" in (
+        assert drop["reason"].startswith("predicted KV demand") and "over replica" in (
             drop["reason"])
         assert "under 50%" in restore["reason"]
         assert drop["kv_capacity_tokens"] == [WHOLE_TOKENS, rep["kv_capacity_tokens_merged"]]

@@ -5,14 +5,15 @@ live monitor, the tests and the cluster simulator drive the same object:
 
     ClusterView (every replica's KV and queue) -> KunServeController.decide -> Drop | Restore | None
 
-- **Drop** when the predicted KV demand exceeds what the current layout holds for
-  ``drop_persist`` consecutive views: a single spike that the pool absorbs is not worth a
-  transition. The plan is ``planner.plan_drop`` on the replicas not in a group yet; when no
+- **Drop** when the predicted KV demand of some replica exceeds its own pool for
+  ``drop_persist`` consecutive views (a replica's queue cannot use another's free KV): a
+  single spike that the pool absorbs is not worth a transition. The plan is ``planner.plan_drop`` on the replicas not in a group yet; when no
   plan holds the demand the controller says so once (``KvCentric``) and the serving engine
   keeps queueing/retracting as it does without KunServe.
 - **Restore** a group when, for ``restore_persist`` consecutive views, its KV usage is under
   ``restore_usage`` (the paper's 50%) and its predicted demand fits the restored (smaller)
-  pools with room to spare (``restore_headroom``), and ``planner.plan_restore`` homes every
+  pools with room to spare (``restore_headroom``; where requests are owned by a member, each
+  member's own demand must fit its own pool), and ``planner.plan_restore`` homes every
   live request on one member, so the shrunk pools hold all live KV and no request is lost.
   The headroom and the persistence are the hysteresis: right after a restore the demand must
   grow again by the headroom before a drop, and the other way round.
@@ -181,9 +182,9 @@ class KunServeController:
     def _drop(self, view: ClusterView) -> Action | None:
         grouped = {r for g in view.groups for r in g.replicas}
         free = [r for r in view.replicas if r.replica not in grouped]
-        demand = sum(r.demand_tokens for r in free)
-        capacity = sum(r.kv_capacity_tokens for r in free)
-        if len(free) < 2 or demand <= capacity:
+        # Each replica alone: its queue cannot use another replica's free KV.
+        over = [r for r in free if r.demand_tokens > r.kv_capacity_tokens]
+        if len(free) < 2 or not over:
             self._over_views = 0
             self._reported_fallback = False
             return None
@@ -204,7 +205,9 @@ class KunServeController:
         self._reported_fallback = False
         if not plan.merges:  # the planner's exact capacities hold it after all
             return None
-        return Drop(plan, f"predicted KV demand {demand} tokens over capacity {capacity} for "
+        worst = max(over, key=lambda r: r.demand_tokens - r.kv_capacity_tokens)
+        return Drop(plan, f"predicted KV demand {worst.demand_tokens} tokens over replica "
+                          f"{worst.replica}'s capacity {worst.kv_capacity_tokens} for "
                           f"{self._over_views} views")
 
     # ---- restore ----------------------------------------------------------------------------
@@ -217,11 +220,22 @@ class KunServeController:
             members = [view.replica(r) for r in group.replicas]
             live = {req.rid: req for m in members for req in m.live}
             used = sum(req.kv_tokens for req in live.values())
-            # Every member holds every request's KV (for its layers): count them once.
-            demand = used + max(m.kv_growth_tokens for m in members) + sum(
-                m.waiting_tokens for m in members)
-            restored_tokens = group.size * self.planner.full_replica().kv_capacity_tokens
-            calm = (used < self.cfg.restore_usage * group.capacity_tokens
+            full_tokens = self.planner.full_replica().kv_capacity_tokens
+            restored_tokens = group.size * full_tokens
+            if all(req.owner is not None for req in live.values()):
+                # Requests that stay with their replica (the live pair): after the restore each
+                # member serves its own alone, so each must fit its own restored pool (with
+                # the headroom), or the restore is followed by a queue and the next drop.
+                own = [sum(q.kv_tokens for q in live.values() if q.owner == m.replica)
+                       + m.kv_growth_tokens + m.waiting_tokens for m in members]
+                demand = sum(own)
+                members_fit = max(own) <= self.cfg.restore_headroom * full_tokens
+            else:
+                # Every member holds every request's KV (for its layers): count them once.
+                demand = used + max(m.kv_growth_tokens for m in members) + sum(
+                    m.waiting_tokens for m in members)
+                members_fit = True
+            calm = (used < self.cfg.restore_usage * group.capacity_tokens and members_fit
                     and demand <= self.cfg.restore_headroom * restored_tokens)
             self._calm_views[key] = self._calm_views.get(key, 0) + 1 if calm else 0
             if self._calm_views[key] < self.cfg.restore_persist:

@@ -7,8 +7,9 @@ others (a host copy stays, so the restore is local) and turns the freed bytes in
 layers it keeps. Each member's pool then holds the KV of its layers for every request of the
 group, so the group holds as many tokens as its tightest member (``group_capacity_tokens``).
 
-The plan is KunServe's greedy: start with every replica its own group; while the predicted KV
-demand exceeds what the groups hold, merge the two smallest groups (fewest members; ties by the
+The plan is KunServe's greedy: start with every replica its own group; while some group's
+predicted KV demand (its members' requests: a request never leaves its replica) exceeds what it
+holds, merge two of the smallest groups, that one and the one with most room (ties by the
 lowest replica, which keeps plans deterministic). Merging the smallest keeps groups as shallow
 as possible: every merge frees about one model's weights whatever groups it joins, and a
 shallower pipeline has fewer bubbles and transfers. When even the deepest allowed grouping
@@ -26,7 +27,8 @@ capacity is whole pages of what the budget leaves (``MemoryModel.kv_capacity_tok
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
+import functools
+from collections.abc import Callable, Sequence
 
 from sglang_morph.control.budget import MemoryBudget
 from sglang_morph.plan.memory import MemoryModel, full_precision_layers
@@ -239,57 +241,94 @@ class KvCentricFallback:
 
     reason: str
     demand_tokens: int
-    best_capacity_tokens: int  # what the deepest allowed grouping would hold
+    best_capacity_tokens: int  # what the deepest grouping found holds in total
     # That grouping, when it merges anything: the caller may apply it and handle only the
     # rest of the overload by KV (``ControllerConfig.partial_drop``).
     deepest: DropPlan | None = None
-
-    @property
-    def shortfall_tokens(self) -> int:
-        return self.demand_tokens - self.best_capacity_tokens
+    # Demand its over-demand groups cannot hold (> 0; the total may still fit: see plan_drop).
+    shortfall_tokens: int = 0
 
 
-def _merge_two_smallest(groups: list[tuple[int, ...]], limit: int):
-    """Indices of the two smallest groups whose union stays within ``limit``, or None."""
-    order = sorted(range(len(groups)), key=lambda i: (len(groups[i]), min(groups[i])))
-    for a_pos, a in enumerate(order):
-        for b in order[a_pos + 1:]:
-            if len(groups[a]) + len(groups[b]) <= limit:
-                return a, b
+def _next_merge(cfg: DropPlannerConfig, held: Callable[[int], int],
+                groups: list[tuple[int, ...]], over: list[int],
+                slack: dict[tuple[int, ...], int]) -> tuple[int, int] | None:
+    """Indices (a, b) of the next merge, or None when no over-demand group can merge.
+
+    ``a``: the smallest over-demand group (ties: the largest shortfall, then the lowest
+    replica); ``b``: one of the smallest groups ``a`` may merge with (within the size limit):
+    of those whose union with ``a`` holds both demands, the one leaving the least room (best
+    fit: two overloaded replicas merge together before an idle one is spent), else the one
+    with most room. ``held(size)``: the KV tokens a group of ``size`` members holds."""
+    for a in sorted(over, key=lambda i: (len(groups[i]), slack[groups[i]], min(groups[i]))):
+        partners = [b for b in range(len(groups)) if b != a
+                    and len(groups[a]) + len(groups[b]) <= cfg.group_size_limit]
+        if not partners:
+            continue
+        smallest = min(len(groups[b]) for b in partners)
+        partners = [b for b in partners if len(groups[b]) == smallest]
+
+        def room_after(b: int) -> int:  # the merged group's capacity minus both demands
+            merged = held(len(groups[a]) + len(groups[b]))
+            return merged - sum(held(len(groups[i])) - slack[groups[i]] for i in (a, b))
+
+        holding = [b for b in partners if room_after(b) >= 0]
+        if holding:
+            return a, min(holding, key=lambda b: (room_after(b), min(groups[b])))
+        return a, max(partners, key=lambda b: (room_after(b), -min(groups[b])))
     return None
 
 
 def plan_drop(cfg: DropPlannerConfig, view: Sequence[ReplicaDemand]) -> DropPlan | KvCentricFallback:
     """The greedy plan for ``view`` (every replica independent and whole now).
 
-    Returns a ``DropPlan`` whose groups hold the total predicted demand (a plan without merges
-    when the replicas already hold it), or ``KvCentricFallback`` when no allowed grouping does.
+    Returns a ``DropPlan`` whose every group holds its members' predicted demand (a plan
+    without merges when each replica already holds its own), or ``KvCentricFallback`` when the
+    greedy finds no allowed grouping that does.
+
+    Per group, not in total: a request stays with the replica (the scheduler) it was sent to,
+    so a replica whose queue outgrows its pool is not helped by another replica's free KV,
+    only by merging (under SGLang's round-robin DP dispatch one replica may queue while the
+    pair holds the total; stop 24's replay queued 2.4 s before an aggregate trigger fired).
+    KunServe's greedy merges the two smallest groups; here an over-demand group is always one
+    of the two (otherwise the merge would not help it): see ``_next_merge``. Like the paper's,
+    the greedy is not exhaustive: it may merge deeper than a best partition would, or fall
+    back where one exists (``KvCentricFallback.deepest`` still carries its deepest grouping).
     """
     if not view:
         raise ValueError("no replicas to plan for")
     if len({d.replica for d in view}) != len(view):
         raise ValueError("a replica appears twice in the view")
-    demand = sum(d.kv_demand_tokens for d in view)
+    wanted = {d.replica: d.kv_demand_tokens for d in view}
+    demand = sum(wanted.values())
     groups = [(d.replica,) for d in sorted(view, key=lambda d: d.replica)]
     merges: list[tuple[tuple[int, ...], tuple[int, ...]]] = []
 
+    # A group's layout depends on its size only (members' ranges are split_layers').
+    held = functools.cache(lambda size: make_group(cfg, range(size)).capacity_tokens)
+
     def capacity(gs):
-        return sum(make_group(cfg, g).capacity_tokens for g in gs)
+        return sum(held(len(g)) for g in gs)
 
     before = capacity(groups)
-    while capacity(groups) < demand:
-        pair = _merge_two_smallest(groups, cfg.group_size_limit)
+    while True:
+        slack = {g: held(len(g)) - sum(wanted[r] for r in g) for g in groups}
+        over = [i for i, g in enumerate(groups) if slack[g] < 0]
+        if not over:
+            return _build(cfg, view, groups, merges, demand, before)
+        pair = _next_merge(cfg, held, groups, over, slack)
         if pair is None:
+            short = -sum(slack[groups[i]] for i in over)
             return KvCentricFallback(
-                f"the deepest grouping allowed ({len(groups)} groups of at most "
-                f"{cfg.group_size_limit}) holds {capacity(groups)} KV tokens, demand is {demand}",
+                f"the deepest grouping found ({len(groups)} groups of at most "
+                f"{cfg.group_size_limit}) leaves {len(over)} over demand by {short} KV tokens "
+                f"(demand {demand}, capacity {capacity(groups)})",
                 demand, capacity(groups),
-                _build(cfg, view, groups, merges, demand, before) if merges else None)
+                _build(cfg, view, groups, merges, demand, before) if merges else None,
+                short)
         a, b = pair
         merged = tuple(sorted(groups[a] + groups[b]))
         merges.append((groups[a], groups[b]))
         groups = [g for i, g in enumerate(groups) if i not in (a, b)] + [merged]
-    return _build(cfg, view, groups, merges, demand, before)
 
 
 def _build(cfg: DropPlannerConfig, view: Sequence[ReplicaDemand], groups, merges,
