@@ -25,13 +25,13 @@ import sys
 
 from sglang_morph.deploy import space
 from sglang_morph.deploy.__main__ import fingerprint_runs
-from sglang_morph.plan.__main__ import _default_model_dir
+from sglang_morph.models import default_model_path
 
 layers = tuple(int(n) for n in sys.argv[1].split(","))
 for cfg, n in fingerprint_runs(space.BITS, space.TP_SIZES, layers, layout_bits=16):
     print(f"--bits {cfg.bits} --only {cfg.name}@{n}")
 if sys.argv[2] == "1":
-    hf_config = json.loads((_default_model_dir() / "config.json").read_text())
+    hf_config = json.loads((default_model_path() / "config.json").read_text())
     servable = [c for c in space.space() if space.exclusion_reason(c, hf_config) is None]
     for cfg in sorted(servable, key=lambda c: c.processes):
         print(f"--bits {cfg.bits} --skip-fingerprints --full {cfg.name}")

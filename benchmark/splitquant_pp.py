@@ -173,15 +173,16 @@ def main() -> None:
     parser.add_argument("--devices", default=DEVICES,
                         help=f"the two stages' devices, NAME:MEMORY (default {DEVICES})")
     args = parser.parse_args()
-    from sglang_morph.plan.__main__ import _default_engines, _default_model_dir, parse_size
+    from sglang_morph.models import default_model_path
+    from sglang_morph.plan.__main__ import default_engines, parse_size
     from sglang_morph.plan.model import ModelSpec
 
     devices = args.devices
     total_bytes = sum(parse_size(d.split(":", 1)[1]) for d in devices.split(","))
     even_devices = f"cpu:{total_bytes // 2}B,cpu:{total_bytes // 2}B"  # the same total, split
 
-    model_dir = _default_model_dir()
-    engines = str(_default_engines(model_dir))
+    model_dir = Path(default_model_path())
+    engines = str(default_engines(model_dir))
     kv_per_layer = ModelSpec.from_model_dir(model_dir).kv_bytes_per_token_per_layer()
     omega_args = ["--omega", args.omega] if args.omega else []
     runs, plans = {}, {}

@@ -139,12 +139,13 @@ def main(argv=None) -> None:
         for row in compare_indicators(Path(args.omega)):
             print(json.dumps(row))
         return
-    from sglang_morph.plan.__main__ import _default_engines, _default_model_dir
+    from sglang_morph.models import default_model_path
+    from sglang_morph.plan.__main__ import default_engines
 
     from benchmark.harness import git_state, load_average, machine_info
 
-    model_dir = _default_model_dir()
-    engines = _default_engines(model_dir)
+    model_dir = Path(default_model_path())
+    engines = default_engines(model_dir)
     meta = {"git": git_state(), "machine": machine_info(), "load_average_before": load_average(),
             "command": "python -m benchmark.splitquant_quality " + " ".join(sys.argv[1:]),
             "split": args.split, "windows": args.windows, "window_tokens": args.window_tokens,

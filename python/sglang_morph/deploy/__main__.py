@@ -53,14 +53,15 @@ def _size(text: str, flag: str) -> int:
 
 
 def _model_and_engines(args) -> tuple[Path, Path | None]:
-    from sglang_morph.plan.__main__ import _default_engines, _default_model_dir
+    from sglang_morph.models import default_model_path
+    from sglang_morph.plan.__main__ import default_engines
 
-    model_dir = Path(args.model_path) if args.model_path else _default_model_dir()
+    model_dir = Path(args.model_path) if args.model_path else Path(default_model_path())
     if not (model_dir / "config.json").is_file():
         raise CliError(f"--model-path {model_dir}: no config.json there")
     if args.engines == "none":
         return model_dir, None
-    return model_dir, Path(args.engines) if args.engines else _default_engines(model_dir)
+    return model_dir, Path(args.engines) if args.engines else default_engines(model_dir)
 
 
 # ---- fingerprint --------------------------------------------------------------------------

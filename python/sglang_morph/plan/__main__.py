@@ -23,6 +23,8 @@ from pathlib import Path
 
 import numpy as np
 
+from sglang_morph import models
+
 REPO = Path(__file__).resolve().parents[3]
 BITS = (16, 8, 4)
 DEFAULT_OMEGA = REPO / "benchmark/results/splitquant/omega.json"
@@ -45,13 +47,8 @@ def run_command(commands: dict, args) -> int:
     return 0
 
 
-def _default_model_dir() -> Path:
-    from sglang_morph import models
-
-    return Path(models.default_model_path())
-
-
-def _default_engines(model_dir: Path) -> Path:
+def default_engines(model_dir: Path) -> Path:
+    """The W8/W4 layer variants of ``model_dir`` (built once, then found in the cache)."""
     out = subprocess.run([sys.executable, "-m", "sglang_morph.build_engines", "--bits", "8,4",
                           "--model-path", str(model_dir)], capture_output=True, text=True)
     if out.returncode != 0:
@@ -80,8 +77,8 @@ def parse_size(text: str) -> int:
 def cmd_profile(args) -> dict:
     from sglang_morph.plan import cost, profile
 
-    model_dir = Path(args.model_dir) if args.model_dir else _default_model_dir()
-    engines = Path(args.engines) if args.engines else _default_engines(model_dir)
+    model_dir = Path(args.model_dir) if args.model_dir else Path(models.default_model_path())
+    engines = Path(args.engines) if args.engines else default_engines(model_dir)
     meta = {"load_average_before": profile.load_average(), "threads": args.threads,
             "model": str(model_dir.name), "engines": engines.name}
     points = profile.measure(model_dir, engines, threads=args.threads,
@@ -133,8 +130,8 @@ def load_cpu_latency(path: Path):
 def cmd_indicator(args) -> dict:
     from sglang_morph.plan import indicator
 
-    model_dir = Path(args.model_dir) if args.model_dir else _default_model_dir()
-    engines = Path(args.engines) if args.engines else _default_engines(model_dir)
+    model_dir = Path(args.model_dir) if args.model_dir else Path(models.default_model_path())
+    engines = Path(args.engines) if args.engines else default_engines(model_dir)
     measured = tuple(m for m in args.measured.split(",") if m)
     if set(measured) - set(indicator.MEASURED_INDICATORS):
         raise CliError(f"--measured {args.measured!r}: choose from "
@@ -177,8 +174,8 @@ def build_problem(args):
     elif args.model == "default":
         from sglang_morph.engines.manifest import EngineManifest
 
-        model_dir = Path(args.model_dir) if args.model_dir else _default_model_dir()
-        engines = Path(args.engines) if args.engines else _default_engines(model_dir)
+        model_dir = Path(args.model_dir) if args.model_dir else Path(models.default_model_path())
+        engines = Path(args.engines) if args.engines else default_engines(model_dir)
         model = ModelSpec.from_model_dir(model_dir)
         # The CPU kernels' layout: what a served stage holds on this machine.
         memory = MemoryModel.from_spec(model, BITS, layout="cpu")
