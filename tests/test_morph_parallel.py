@@ -22,6 +22,8 @@ same map. Each PP rank runs one torch thread here, so the reference does too
 
 from __future__ import annotations
 
+import json
+
 import threading
 import time
 
@@ -55,11 +57,16 @@ def map_bits(layer: int) -> int:
 
 
 @pytest.fixture(scope="module")
-def pp2(server_factory, engines_awq):
+def pp2_log(tmp_path_factory):
+    return tmp_path_factory.mktemp("pp2_log") / "transitions.jsonl"
+
+
+@pytest.fixture(scope="module")
+def pp2(server_factory, engines_awq, pp2_log):
     # (the controller is on: stage 0's decides; the operator's swaps below pin their layers)
     return server_factory(*COMMON, "--morph-engines", str(engines_awq), "--pp-size", "2",
                           "--morph-stage-budgets", ",".join(STAGE_BUDGETS),
-                          "--morph-swap-order", str(LIS_ORDER))
+                          "--morph-swap-order", str(LIS_ORDER), "--morph-log", str(pp2_log))
 
 
 @pytest.fixture(scope="module")
@@ -162,6 +169,18 @@ def swap_mid_stream_and_restore(server, corpus_ids, start_bits) -> None:
 
 def test_swap_mid_stream_under_pp2_grows_both_stages_and_restore_is_exact(pp2, corpus_ids):
     swap_mid_stream_and_restore(pp2, corpus_ids, [map_bits(i) for i in range(30)])
+
+
+def test_each_stage_logs_its_own_part_of_a_swap_and_says_which_stage(pp2, pp2_log):
+    """Both stages append to the one --morph-log file; each line names its stage and holds
+    only that stage's layers (layers 0-14 on stage 0, 15-29 on stage 1)."""
+    lines = [json.loads(line) for line in pp2_log.read_text().splitlines()]
+    swaps = [t for t in lines if t["action"] == "swap"]
+    assert {t["pp_stage"] for t in swaps} == {0, 1}, lines
+    for t in lines:
+        assert t["replica"] == 0 and t["pp_stage"] in (0, 1)
+        stage_layers = range(0, 15) if t["pp_stage"] == 0 else range(15, 30)
+        assert set(t["layers"]) <= set(stage_layers), t
 
 
 def test_a_swap_one_stage_refuses_changes_nothing_on_any_stage(pp2):

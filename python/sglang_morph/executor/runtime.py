@@ -651,8 +651,12 @@ class MorphRuntime:
             logger.warning("sglang-morph: %s: layers %s -> %d bits (%s): %s", t.action,
                            list(t.layers), t.to_bits, t.source, t.error)
         if self._log is not None:
-            # (every replica of a --dp-size server appends to the same file: say whose)
-            self._log.write(json.dumps({**t.to_json(), "replica": self.replica}) + "\n")
+            # (every replica of a --dp-size server and every stage of a --pp-size one appends
+            # to the same file: say whose; a stage's line names only its own layers)
+            where = {"replica": self.replica}
+            if self.pipeline is not None:
+                where["pp_stage"] = self.pipeline.rank
+            self._log.write(json.dumps({**t.to_json(), **where}) + "\n")
         if self._metrics is not None:
             self._metrics.transitions(t.action).inc()
         self._publish_metrics()
