@@ -232,6 +232,9 @@ def test_drop_with_requests_in_flight_serves_undropped_outputs(dp2, prompts, und
     one_by_one, together = all_outputs(dp2, prompts)
     assert one_by_one == [undropped, undropped]
     assert together == [undropped, undropped]
+    # The back member sent its batches to the front's layers ahead of its forwards.
+    front, back = status(dp2)["replicas"]
+    assert front["batches_sent_ahead"] == 0 < back["batches_sent_ahead"]
     r = post(dp2, "drop")
     assert r.status_code == 409 and "already merged" in r.json()["error"]
 

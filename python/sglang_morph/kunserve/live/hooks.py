@@ -17,9 +17,14 @@ def around_runner_forward(original: Callable[..., Any], runner: Any, *args: Any,
     replica = runner.__dict__.get("kunserve")
     if replica is None:
         return original(runner, *args, **kwargs)
-    # The layers run under the replica's compute lock (replica.py, "Concurrency").
-    with replica.compute_lock:
-        return original(runner, *args, **kwargs)
+    # The layers run under the replica's compute lock (replica.py, "Concurrency"); a merged
+    # back member sends its batch to the front's layers before it waits for the lock.
+    replica.send_ahead(args[0] if args else kwargs["forward_batch"])
+    try:
+        with replica.compute_lock:
+            return original(runner, *args, **kwargs)
+    finally:
+        replica.settle_ahead()
 
 
 def around_llama_forward(original: Callable[..., Any], model: Any, *args: Any,

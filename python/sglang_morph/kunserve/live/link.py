@@ -9,8 +9,9 @@ thread on each side, so no gloo pair is ever used by two threads at once:
 - ``calls[r]``: replica ``r``'s scheduler thread calls its peer's layers (sends a batch, waits
   for the result), the peer's service thread answers.
 
-A message is a *bundle*: named tensors and a few integers. Its layout travels first as JSON
-(a length, then the bytes), then each tensor, so neither side needs to know shapes up front.
+A message is a *bundle*: named tensors and a few integers. Its layout travels first as JSON in
+a fixed-size header, then all its tensors' bytes in one payload, so neither side needs to know
+shapes up front and a bundle costs two gloo messages.
 Tensors go as they are on CPU (gloo); on a GPU they would be staged through host memory.
 """
 
@@ -18,6 +19,7 @@ from __future__ import annotations
 
 import datetime
 import json
+import math
 from typing import Any
 
 import torch
@@ -27,6 +29,8 @@ import torch
 _IDLE_TIMEOUT = datetime.timedelta(days=365)
 # Both replicas reach the rendezvous while their schedulers start (seconds apart).
 _RENDEZVOUS_TIMEOUT = datetime.timedelta(minutes=10)
+_HEADER_BYTES = 4096  # a bundle's layout (JSON, NUL-padded): names, dtypes, shapes, offsets
+_ALIGN_BYTES = 16
 _DTYPES = {str(d): d for d in (torch.float32, torch.bfloat16, torch.float16, torch.int64,
                                 torch.int32, torch.uint8, torch.bool)}
 
@@ -58,28 +62,45 @@ class PeerLink:
         self.calls = (group("calls0"), group("calls1"))
 
     def send(self, pg: Any, tensors: dict[str, torch.Tensor], **ints: int) -> None:
-        tensors = {k: t.contiguous() for k, t in tensors.items()}
-        layout = json.dumps({"ints": ints, "tensors": [
-            [k, str(t.dtype), list(t.shape)] for k, t in tensors.items()]}).encode()
-        header = torch.frombuffer(bytearray(layout), dtype=torch.uint8)
-        works = [pg.send([torch.tensor([header.numel()], dtype=torch.int64)], self.peer, 0),
-                 pg.send([header], self.peer, 0)]
-        works += [pg.send([t], self.peer, 0) for t in tensors.values() if t.numel()]
+        """One bundle as two gloo messages, whatever its tensors: the layout (a fixed-size
+        header) and every tensor's bytes packed in one payload (at 16-byte offsets, so the
+        receiver's views of it are aligned for any dtype). One message per tensor cost ~1 ms
+        each on this machine's gloo: 10-14 ms per pipeline call of ~10 tensors, as much as a
+        stage's layers (stop 25's trace)."""
+        layout, parts, offset = [], [], 0
+        for name, t in tensors.items():
+            raw = t.contiguous().reshape(-1).view(torch.uint8)
+            pad = -offset % _ALIGN_BYTES
+            if pad:
+                parts.append(torch.zeros(pad, dtype=torch.uint8))
+                offset += pad
+            layout.append([name, str(t.dtype), list(t.shape), offset])
+            parts.append(raw)
+            offset += raw.numel()
+        text = json.dumps({"ints": ints, "tensors": layout, "bytes": offset}).encode()
+        if len(text) > _HEADER_BYTES:
+            raise ValueError(f"a bundle's layout is {len(text)} bytes, over {_HEADER_BYTES}")
+        header = torch.zeros(_HEADER_BYTES, dtype=torch.uint8)
+        header[:len(text)] = torch.frombuffer(bytearray(text), dtype=torch.uint8)
+        works = [pg.send([header], self.peer, 0)]
+        if offset:
+            works.append(pg.send([torch.cat(parts)], self.peer, 0))
         for w in works:
             w.wait()
 
     def recv(self, pg: Any) -> tuple[dict[str, torch.Tensor], dict[str, int]]:
-        size = torch.empty(1, dtype=torch.int64)
-        pg.recv([size], self.peer, 0).wait()
-        header = torch.empty(int(size), dtype=torch.uint8)
+        """The next bundle; its tensors are views of one received buffer (writable)."""
+        header = torch.empty(_HEADER_BYTES, dtype=torch.uint8)
         pg.recv([header], self.peer, 0).wait()
-        layout = json.loads(bytes(header.tolist()).decode())
+        layout = json.loads(header.numpy().tobytes().rstrip(b"\0"))
+        payload = torch.empty(layout["bytes"], dtype=torch.uint8)
+        if layout["bytes"]:
+            pg.recv([payload], self.peer, 0).wait()
         tensors = {}
-        for name, dtype, shape in layout["tensors"]:
-            t = torch.empty(shape, dtype=_DTYPES[dtype])
-            if t.numel():
-                pg.recv([t], self.peer, 0).wait()
-            tensors[name] = t
+        for name, dtype, shape, offset in layout["tensors"]:
+            dt = _DTYPES[dtype]
+            size = math.prod(shape) * torch.empty((), dtype=dt).element_size()
+            tensors[name] = payload[offset:offset + size].view(dt).reshape(shape)
         return tensors, layout["ints"]
 
     def exchange(self, **ints: int) -> dict[str, int]:

@@ -24,7 +24,10 @@ thread holds it through ``ModelRunner.forward`` except while it waits for the pe
 service thread takes it to run a peer batch. SGLang publishes the forward context (the
 attention backend) in a module global, not per thread; the lock keeps the service thread's
 context strictly nested inside the scheduler's. Waiting for the peer never holds the lock, so
-two replicas calling each other at once cannot deadlock.
+two replicas calling each other at once cannot deadlock. The back member (replica 1) sends its
+batch to the front's layers before its forward takes the lock (``send_ahead``), so that the
+front runs it while replica 1's core still runs the front's previous batch: the two replicas'
+steps overlap as a two-stage pipeline of two micro-batches instead of running in series.
 
 Transitions (drop, restore): both schedulers handle the same request between two batches (the
 data-parallel controller sends it to each), vote over the link, then (1) move KV between the
@@ -124,6 +127,10 @@ class KunServeReplica:
         self._whole_layers = self._merged_layers = self._merged_mirror = None
         self._moved_bytes = self._in_flight = 0
         self.compute_lock = threading.Lock()
+        # ``_batch_key`` of a batch the back member sent ahead of its forward (send_ahead),
+        # until forward_merged takes the answer.
+        self._early: tuple | None = None
+        self.batches_sent_ahead = 0
         self.faults = FaultInjector()
         if os.environ.get(FAULT_REPLICA_ENV) == str(self.rank):
             self.faults.arm_from_env()
@@ -192,6 +199,9 @@ class KunServeReplica:
                                 else self.planner.full_weight_bytes),
             "planned_freed_bytes": int(self.member.freed_bytes),
             "dropped_weight_bytes": self.dropped_weight_bytes,
+            # Batches of this (back) member that went to the front's layers before its forward
+            # took the compute lock (send_ahead); the front member's stay 0.
+            "batches_sent_ahead": self.batches_sent_ahead,
             # What the automatic control sees of this replica (also without it): held KV,
             # the remaining outputs of its running requests, its queue.
             "load": {k: v for k, v in local_view(self).items() if k != "epoch"},
@@ -472,22 +482,64 @@ class KunServeReplica:
         from sglang.srt.model_executor.forward_batch_info import PPProxyTensors
 
         model, kept = self.model, self.member.layers
-        hidden = model.embed_tokens(input_ids) if input_embeds is None else input_embeds
         if self.front:
+            hidden = model.embed_tokens(input_ids) if input_embeds is None else input_embeds
             residual_batch.start(forward_batch)
             for i in kept:
                 hidden = model.layers[i](positions, hidden, forward_batch)
             handoff = residual_batch.to_pp(hidden, forward_batch)
-            return self._call_peer(forward_batch, positions, input_ids,
-                                   handoff.tensors)["hidden_states"]
-        out = self._call_peer(forward_batch, positions, input_ids, {"hidden_states": hidden})
+            self._send_call(forward_batch, positions, input_ids, handoff.tensors)
+            return self._answer()["hidden_states"]
+        early, self._early = self._early, None
+        if early is None:
+            hidden = model.embed_tokens(input_ids) if input_embeds is None else input_embeds
+            self._send_call(forward_batch, positions, input_ids, {"hidden_states": hidden})
+        elif early != self._batch_key(forward_batch, positions, input_ids):
+            self._answer()  # keep the link in step, then refuse: the peer ran another batch
+            raise RuntimeError(f"replica {self.rank}: the batch sent ahead of the forward is not "
+                               f"the batch the forward runs")
+        out = self._answer()
         hidden = model.layers[kept.start].attn_boundary.from_pp(PPProxyTensors(out),
                                                                 forward_batch)
         for i in kept:
             hidden = model.layers[i](positions, hidden, forward_batch)
         return residual_batch.final_norm(hidden, forward_batch, model.norm)
 
-    def _call_peer(self, fb, positions, input_ids, tensors: dict[str, torch.Tensor]):
+    def send_ahead(self, forward_batch) -> None:
+        """Before ``ModelRunner.forward`` takes the compute lock (scheduler thread): the back
+        member sends its batch to the front's layers at once. Its forward would otherwise wait
+        for the lock while this replica's service thread runs the peer's batch, and only then
+        ask the peer, whose core idles meanwhile: stop 25's trace of decode at batch 1 showed
+        the two steps in series, ~35 ms of each ~85 ms step idle on each core. Only the
+        embedding runs here (a read of its weights; SGLang's forward context is not touched);
+        ``forward_merged`` takes the answer and checks it was this batch's."""
+        fb = forward_batch
+        mode = fb.forward_mode
+        if (self.front or not self.merged or self._early is not None
+                or not (mode.is_extend() or mode.is_decode())
+                or getattr(fb, "input_embeds", None) is not None):
+            return  # the ordinary path (forward_merged sends, or refuses the mode)
+        with torch.no_grad():
+            hidden = self.model.embed_tokens(fb.input_ids)
+        self._send_call(fb, fb.positions, fb.input_ids, {"hidden_states": hidden})
+        self._early = self._batch_key(fb, fb.positions, fb.input_ids)
+        self.batches_sent_ahead += 1
+
+    @staticmethod
+    def _batch_key(fb, positions, input_ids) -> tuple:
+        """What the peer's layers compute from (the runner may hand the model another
+        ForwardBatch object holding the same batch, so the values are compared)."""
+        return (int(fb.forward_mode), tuple(positions.tolist()), tuple(input_ids.tolist()),
+                tuple(fb.out_cache_loc.tolist()), tuple(fb.seq_lens.tolist()))
+
+    def settle_ahead(self) -> None:
+        """After ``ModelRunner.forward``: a batch sent ahead whose forward raised before it
+        took the answer; the answer is read and dropped so that the link stays in step."""
+        if self._early is not None:
+            self._early = None
+            self.link.recv(self.link.calls[self.rank])
+
+    def _send_call(self, fb, positions, input_ids, tensors: dict[str, torch.Tensor]) -> None:
         mode = fb.forward_mode
         if not (mode.is_extend() or mode.is_decode()):
             raise NotImplementedError(f"KunServe forwards extend and decode batches, not {mode}")
@@ -499,11 +551,13 @@ class KunServeReplica:
         if mode.is_extend():
             bundle["extend_prefix_lens"] = fb.extend_prefix_lens.to(torch.int64)
             bundle["extend_seq_lens"] = fb.extend_seq_lens.to(torch.int64)
-        pg = self.link.calls[self.rank]
+        self.link.send(self.link.calls[self.rank], bundle, mode=int(mode))
+
+    def _answer(self) -> dict[str, torch.Tensor]:
+        """The peer's answer to our last call; the compute lock is released while waiting."""
         self.compute_lock.release()  # the peer may call our layers meanwhile
         try:
-            self.link.send(pg, bundle, mode=int(mode))
-            out, ints = self.link.recv(pg)
+            out, ints = self.link.recv(self.link.calls[self.rank])
         finally:
             self.compute_lock.acquire()
         if ints.get("failed"):
