@@ -221,6 +221,14 @@ def machine_info() -> dict:
     }
 
 
+def run_meta(command: str, load_before: list[float], **extra) -> dict:
+    """What a results file records of its run: the command, commit, machine, load before and
+    after, and ``uptime``'s line (``extra`` fields go in beside them)."""
+    return {"command": command, "git": git_state(), "machine": machine_info(), **extra,
+            "load_before": load_before, "load_after": load_average(),
+            "uptime": subprocess.run(["uptime"], capture_output=True, text=True).stdout.strip()}
+
+
 def load_average() -> list[float]:
     """1, 5 and 15-minute load averages: other work on the machine skews timings."""
     return list(os.getloadavg())

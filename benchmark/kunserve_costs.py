@@ -34,7 +34,6 @@ import dataclasses
 import json
 import signal
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -42,7 +41,7 @@ from pathlib import Path
 import httpx
 import numpy as np
 
-from benchmark.harness import git_state, load_average, machine_info, running_server
+from benchmark.harness import git_state, load_average, run_meta, running_server
 from sglang_morph.kunserve.cost import (
     KUNSERVE_TERMS,
     TORCH_NATIVE_TERMS,
@@ -341,13 +340,10 @@ def main() -> None:
         records = measure(Client(server.url, args.seed, timings_path), args.repeats,
                           started + args.time_limit_s, RAW / "kunserve_costs_progress.json",
                           done)
-    meta = {"command": f"python -m benchmark.kunserve_costs --repeats {args.repeats} "
-                       f"--seed {args.seed}",
-            "git": git_state(), "machine": machine_info(), "repeats": args.repeats,
-            "seed": args.seed, "server_args": list(SERVER_ARGS), "started_utc": started_utc,
-            "load_before": load_before, "load_after": load_average(),
-            "seconds": time.monotonic() - started,
-            "uptime": subprocess.run(["uptime"], capture_output=True, text=True).stdout.strip()}
+    meta = run_meta(f"python -m benchmark.kunserve_costs --repeats {args.repeats} "
+                    f"--seed {args.seed}", load_before, repeats=args.repeats, seed=args.seed,
+                    server_args=list(SERVER_ARGS), started_utc=started_utc,
+                    seconds=time.monotonic() - started)
     if args.resume:
         earlier = previous["meta"].get("runs") or [
             {k: v for k, v in previous["meta"].items() if k != "runs"}]

@@ -18,14 +18,13 @@ import collections
 import concurrent.futures
 import json
 import statistics
-import subprocess
 import tempfile
 import time
 from pathlib import Path
 
 import httpx
 
-from benchmark.harness import git_state, load_average, machine_info, running_server
+from benchmark.harness import load_average, run_meta, running_server
 
 SERVER_ARGS = ("--dp-size", "2", "--dtype", "float32", "--max-total-tokens", "910",
                "--enable-kunserve")
@@ -111,11 +110,7 @@ def main() -> None:
         "batches_sent_ahead": [rep.get("batches_sent_ahead") for rep in status["replicas"]],
         "settings": {"server_args": list(SERVER_ARGS), "prompt_tokens": PROMPT_TOKENS,
                      "decode_tokens": DECODE_TOKENS, "omp_threads_per_replica": 1},
-        "meta": {"command": "python -m benchmark.kunserve_pipeline", "git": git_state(),
-                 "machine": machine_info(), "load_before": load_before,
-                 "load_after": load_average(),
-                 "uptime": subprocess.run(["uptime"], capture_output=True,
-                                          text=True).stdout.strip()},
+        "meta": run_meta("python -m benchmark.kunserve_pipeline", load_before),
     }
     (args.out / "pipeline.json").write_text(json.dumps(result, indent=1))
     lines = [

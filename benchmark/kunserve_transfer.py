@@ -15,7 +15,6 @@ import argparse
 import json
 import os
 import statistics
-import subprocess
 import time
 from pathlib import Path
 
@@ -24,7 +23,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from benchmark.harness import free_port, git_state, load_average, machine_info
+from benchmark.harness import free_port, load_average, run_meta
 
 SIZES_BYTES = (4 << 10, 64 << 10, 1 << 20, 8 << 20, 32 << 20)
 REPEATS = 9
@@ -96,11 +95,7 @@ def main() -> None:
         "gloo_latency_s": float(max(intercept, 0.0)),
         "gloo_bandwidth_bytes_per_s": float(1 / slope),
         "host_copy_bandwidth_bytes_per_s": copy_bw,
-        "meta": {"command": "python -m benchmark.kunserve_transfer", "git": git_state(),
-                 "machine": machine_info(), "load_before": load_before,
-                 "load_after": load_average(),
-                 "uptime": subprocess.run(["uptime"], capture_output=True,
-                                          text=True).stdout.strip()},
+        "meta": run_meta("python -m benchmark.kunserve_transfer", load_before),
     }
     (args.out / "transfer.json").write_text(json.dumps(result, indent=1))
     print(json.dumps({k: v for k, v in result.items() if k != "meta"}, indent=1))
