@@ -543,30 +543,46 @@ def test_serve_pipeline_rejects_bad_input():
 # ---- controller ----------------------------------------------------------------------------
 
 
-def _view(t, planner, used, waiting, groups=(), live=None):
+def _view(t, planner, used, waiting, groups=(), live=None, growth=None):
     full = planner.full_replica().kv_capacity_tokens
     snaps = []
     grouped = {r: g for g in groups for r in g.replicas}
     for r, (u, w) in enumerate(zip(used, waiting)):
         cap = grouped[r].capacity_tokens if r in grouped else full
         reqs = tuple(live[r]) if live else ()
-        snaps.append(ReplicaSnapshot(r, cap, u, 0, w, reqs))
+        snaps.append(ReplicaSnapshot(r, cap, u, growth[r] if growth else 0, w, reqs))
     return ClusterView(t, tuple(snaps), tuple(groups))
 
 
 def test_controller_drops_after_persisting_overload_only(planner):
+    """A forecast overload (the running requests' remaining outputs would outgrow the pools)
+    must persist for drop_persist views; a calm view in between restarts the count."""
     full = planner.full_replica().kv_capacity_tokens
+    growing = dict(used=[full // 2] * 2, waiting=[0, 0], growth=[full, full])
     ctl = KunServeController(planner, ControllerConfig(drop_persist=2, min_dwell_s=0))
     assert ctl.decide(_view(0, planner, [full // 2] * 2, [0, 0])) is None
-    assert ctl.decide(_view(1, planner, [full] * 2, [full, full])) is None  # first view over
-    action = ctl.decide(_view(2, planner, [full] * 2, [full, full]))
-    assert isinstance(action, Drop)
+    assert ctl.decide(_view(1, planner, **growing)) is None  # first view over
+    action = ctl.decide(_view(2, planner, **growing))
+    assert isinstance(action, Drop) and "for 2 views" in action.reason
     assert [g.replicas for g in action.plan.groups] == [(0, 1)]
-    # A calm view in between restarts the count.
     ctl = KunServeController(planner, ControllerConfig(drop_persist=2, min_dwell_s=0))
-    ctl.decide(_view(0, planner, [full] * 2, [full, full]))
+    ctl.decide(_view(0, planner, **growing))
     ctl.decide(_view(1, planner, [10] * 2, [0, 0]))
-    assert ctl.decide(_view(2, planner, [full] * 2, [full, full])) is None
+    assert ctl.decide(_view(2, planner, **growing)) is None
+
+
+def test_controller_drops_at_once_for_a_queue_the_pool_cannot_take(planner):
+    """A queue that does not fit the replica's free KV now is no forecast: the first view
+    drops, whatever drop_persist; a queue that fits waits for the persistence."""
+    full = planner.full_replica().kv_capacity_tokens
+    ctl = KunServeController(planner, ControllerConfig(drop_persist=3, min_dwell_s=0))
+    action = ctl.decide(_view(0, planner, [full // 2, 0], [full // 2 + 1, 0]))
+    assert isinstance(action, Drop) and "does not fit" in action.reason
+    fits = KunServeController(planner, ControllerConfig(drop_persist=3, min_dwell_s=0))
+    # queued 10 tokens fit next to full // 2 live; the growth makes the forecast over
+    view = _view(0, planner, [full // 2, 0], [10, 0], growth=[full, 0])
+    assert [fits.decide(view) for _ in range(2)] == [None, None]
+    assert isinstance(fits.decide(view), Drop)
 
 
 def test_controller_drops_when_one_replica_cannot_admit_its_queue(planner):
@@ -576,8 +592,7 @@ def test_controller_drops_when_one_replica_cannot_admit_its_queue(planner):
     ctl = KunServeController(planner, ControllerConfig(drop_persist=2, min_dwell_s=0))
     view = _view(0, planner, [full // 2, 0], [full // 2 + 100, 0])
     assert sum(r.demand_tokens for r in view.replicas) < 2 * full
-    assert ctl.decide(view) is None
-    action = ctl.decide(_view(1, planner, [full // 2, 0], [full // 2 + 100, 0]))
+    action = ctl.decide(view)  # a blocked queue: the first view drops
     assert isinstance(action, Drop) and [g.replicas for g in action.plan.groups] == [(0, 1)]
     assert f"over replica 0's capacity {full}" in action.reason
     # Exactly full is held: no drop, however long.

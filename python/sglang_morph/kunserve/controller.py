@@ -7,7 +7,9 @@ live monitor, the tests and the cluster simulator drive the same object:
 
 - **Drop** when the predicted KV demand of some replica exceeds its own pool for
   ``drop_persist`` consecutive views (a replica's queue cannot use another's free KV): a
-  single spike that the pool absorbs is not worth a transition. The plan is ``planner.plan_drop`` on the replicas not in a group yet; when no
+  single spike that the pool absorbs is not worth a transition. Where the overload is a queue
+  the replica's pool cannot take in now (live KV + queued tokens over the pool), not only the
+  forecast growth of running requests, the first such view suffices. The plan is ``planner.plan_drop`` on the replicas not in a group yet; when no
   plan holds the demand the controller says so once (``KvCentric``) and the serving engine
   keeps queueing/retracting as it does without KunServe.
 - **Restore** a group when, for ``restore_persist`` consecutive views, its KV usage is under
@@ -93,7 +95,8 @@ class ClusterView:
 
 @dataclasses.dataclass(frozen=True)
 class ControllerConfig:
-    drop_persist: int = 2  # consecutive views with demand over capacity before a drop
+    # consecutive views with demand over capacity before a drop (1 when a queue is blocked)
+    drop_persist: int = 2
     restore_usage: float = 0.5  # a group restores below this KV usage (of its capacity)
     restore_headroom: float = 0.8  # ... and when its demand fits this share of the restored pools
     restore_persist: int = 3
@@ -189,7 +192,11 @@ class KunServeController:
             self._reported_fallback = False
             return None
         self._over_views += 1
-        if self._over_views < self.cfg.drop_persist:
+        # A queue the replica's KV cannot take in now is no forecast (the growth of running
+        # requests is: max_new_tokens bounds it from above): no need to wait for it to persist.
+        blocked = [r for r in over if r.waiting_tokens
+                   and r.kv_used_tokens + r.waiting_tokens > r.kv_capacity_tokens]
+        if self._over_views < self.cfg.drop_persist and not blocked:
             return None
         if not self._dwelt([r.replica for r in free], view.time_s):
             return None
@@ -206,9 +213,10 @@ class KunServeController:
         if not plan.merges:  # the planner's exact capacities hold it after all
             return None
         worst = max(over, key=lambda r: r.demand_tokens - r.kv_capacity_tokens)
+        why = (f"its queue of {worst.waiting_tokens} tokens does not fit"
+               if worst in blocked else f"for {self._over_views} views")
         return Drop(plan, f"predicted KV demand {worst.demand_tokens} tokens over replica "
-                          f"{worst.replica}'s capacity {worst.kv_capacity_tokens} for "
-                          f"{self._over_views} views")
+                          f"{worst.replica}'s capacity {worst.kv_capacity_tokens}, {why}")
 
     # ---- restore ----------------------------------------------------------------------------
 
