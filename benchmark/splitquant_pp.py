@@ -181,7 +181,7 @@ def main() -> None:
     total_bytes = sum(parse_size(d.split(":", 1)[1]) for d in devices.split(","))
     even_devices = f"cpu:{total_bytes // 2}B,cpu:{total_bytes // 2}B"  # the same total, split
 
-    model_dir = Path(default_model_path())
+    model_dir = default_model_path()
     engines = str(default_engines(model_dir))
     kv_per_layer = ModelSpec.from_model_dir(model_dir).kv_bytes_per_token_per_layer()
     omega_args = ["--omega", args.omega] if args.omega else []

@@ -144,7 +144,7 @@ def main(argv=None) -> None:
 
     from benchmark.harness import git_state, load_average, machine_info
 
-    model_dir = Path(default_model_path())
+    model_dir = default_model_path()
     engines = default_engines(model_dir)
     meta = {"git": git_state(), "machine": machine_info(), "load_average_before": load_average(),
             "command": "python -m benchmark.splitquant_quality " + " ".join(sys.argv[1:]),

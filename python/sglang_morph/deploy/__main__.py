@@ -56,7 +56,7 @@ def _model_and_engines(args) -> tuple[Path, Path | None]:
     from sglang_morph.models import default_model_path
     from sglang_morph.plan.__main__ import default_engines
 
-    model_dir = Path(args.model_path) if args.model_path else Path(default_model_path())
+    model_dir = Path(args.model_path) if args.model_path else default_model_path()
     if not (model_dir / "config.json").is_file():
         raise CliError(f"--model-path {model_dir}: no config.json there")
     if args.engines == "none":

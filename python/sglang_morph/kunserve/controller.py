@@ -9,9 +9,10 @@ live monitor, the tests and the cluster simulator drive the same object:
   ``drop_persist`` consecutive views (a replica's queue cannot use another's free KV): a
   single spike that the pool absorbs is not worth a transition. Where the overload is a queue
   the replica's pool cannot take in now (live KV + queued tokens over the pool), not only the
-  forecast growth of running requests, the first such view suffices. The plan is ``planner.plan_drop`` on the replicas not in a group yet; when no
-  plan holds the demand the controller says so once (``KvCentric``) and the serving engine
-  keeps queueing/retracting as it does without KunServe.
+  forecast growth of running requests, the first such view suffices. The plan is
+  ``planner.plan_drop`` on the replicas not in a group yet; when no plan holds the demand the
+  controller says so once (``KvCentric``) and the serving engine keeps queueing/retracting as
+  it does without KunServe.
 - **Restore** a group when, for ``restore_persist`` consecutive views, its KV usage is under
   ``restore_usage`` (the paper's 50%) and its predicted demand fits the restored (smaller)
   pools with room to spare (``restore_headroom``; where requests are owned by a member, each

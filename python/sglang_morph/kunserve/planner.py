@@ -9,8 +9,8 @@ group, so the group holds as many tokens as its tightest member (``group_capacit
 
 The plan is KunServe's greedy: start with every replica its own group; while some group's
 predicted KV demand (its members' requests: a request never leaves its replica) exceeds what it
-holds, merge two of the smallest groups, that one and the one with most room (ties by the
-lowest replica, which keeps plans deterministic). Merging the smallest keeps groups as shallow
+holds, merge that group with one of the smallest others (the one the merge fits best, else
+the one with most room; ties by the lowest replica, which keeps plans deterministic). Merging the smallest keeps groups as shallow
 as possible: every merge frees about one model's weights whatever groups it joins, and a
 shallower pipeline has fewer bubbles and transfers. When even the deepest allowed grouping
 cannot hold the demand, there is no drop plan and the caller falls back to KV-centric handling
@@ -249,32 +249,31 @@ class KvCentricFallback:
     shortfall_tokens: int = 0
 
 
-def _next_merge(cfg: DropPlannerConfig, held: Callable[[int], int],
-                groups: list[tuple[int, ...]], over: list[int],
-                slack: dict[tuple[int, ...], int]) -> tuple[int, int] | None:
+def _next_merge(groups: list[tuple[int, ...]], need: dict[tuple[int, ...], int],
+                held: Callable[[int], int], limit: int) -> tuple[int, int] | None:
     """Indices (a, b) of the next merge, or None when no over-demand group can merge.
 
-    ``a``: the smallest over-demand group (ties: the largest shortfall, then the lowest
-    replica); ``b``: one of the smallest groups ``a`` may merge with (within the size limit):
-    of those whose union with ``a`` holds both demands, the one leaving the least room (best
-    fit: two overloaded replicas merge together before an idle one is spent), else the one
-    with most room. ``held(size)``: the KV tokens a group of ``size`` members holds."""
-    for a in sorted(over, key=lambda i: (len(groups[i]), slack[groups[i]], min(groups[i]))):
-        partners = [b for b in range(len(groups)) if b != a
-                    and len(groups[a]) + len(groups[b]) <= cfg.group_size_limit]
+    ``need[g]``: group ``g``'s predicted demand; ``held(size)``: the KV tokens a group of
+    ``size`` members holds. ``a``: the smallest over-demand group (ties: the largest shortfall,
+    then the lowest replica); ``b``: one of the smallest groups ``a`` may merge with (within
+    ``limit`` members): of those whose union with ``a`` holds both demands, the one leaving the
+    least room (best fit: two overloaded replicas merge together before an idle one is spent),
+    else the one with most room."""
+    def room(*gs: tuple[int, ...]) -> int:  # what the union of ``gs`` holds beyond its demand
+        return held(sum(map(len, gs))) - sum(need[g] for g in gs)
+
+    over = [i for i, g in enumerate(groups) if room(g) < 0]
+    for a in sorted(over, key=lambda i: (len(groups[i]), room(groups[i]), min(groups[i]))):
+        partners = [b for b in range(len(groups))
+                    if b != a and len(groups[a]) + len(groups[b]) <= limit]
         if not partners:
             continue
         smallest = min(len(groups[b]) for b in partners)
         partners = [b for b in partners if len(groups[b]) == smallest]
-
-        def room_after(b: int) -> int:  # the merged group's capacity minus both demands
-            merged = held(len(groups[a]) + len(groups[b]))
-            return merged - sum(held(len(groups[i])) - slack[groups[i]] for i in (a, b))
-
-        holding = [b for b in partners if room_after(b) >= 0]
+        holding = [b for b in partners if room(groups[a], groups[b]) >= 0]
         if holding:
-            return a, min(holding, key=lambda b: (room_after(b), min(groups[b])))
-        return a, max(partners, key=lambda b: (room_after(b), -min(groups[b])))
+            return a, min(holding, key=lambda b: (room(groups[a], groups[b]), min(groups[b])))
+        return a, max(partners, key=lambda b: (room(groups[a], groups[b]), -min(groups[b])))
     return None
 
 
@@ -311,16 +310,16 @@ def plan_drop(cfg: DropPlannerConfig, view: Sequence[ReplicaDemand]) -> DropPlan
 
     before = capacity(groups)
     while True:
-        slack = {g: held(len(g)) - sum(wanted[r] for r in g) for g in groups}
-        over = [i for i, g in enumerate(groups) if slack[g] < 0]
-        if not over:
+        need = {g: sum(wanted[r] for r in g) for g in groups}
+        short = sum(max(0, need[g] - held(len(g))) for g in groups)
+        if not short:
             return _build(cfg, view, groups, merges, demand, before)
-        pair = _next_merge(cfg, held, groups, over, slack)
+        pair = _next_merge(groups, need, held, cfg.group_size_limit)
         if pair is None:
-            short = -sum(slack[groups[i]] for i in over)
+            over = sum(need[g] > held(len(g)) for g in groups)
             return KvCentricFallback(
                 f"the deepest grouping found ({len(groups)} groups of at most "
-                f"{cfg.group_size_limit}) leaves {len(over)} over demand by {short} KV tokens "
+                f"{cfg.group_size_limit}) leaves {over} over demand by {short} KV tokens "
                 f"(demand {demand}, capacity {capacity(groups)})",
                 demand, capacity(groups),
                 _build(cfg, view, groups, merges, demand, before) if merges else None,

@@ -47,6 +47,12 @@ def run_command(commands: dict, args) -> int:
     return 0
 
 
+def _model_and_engines(args) -> tuple[Path, Path]:
+    """``--model-dir`` and ``--engines``, or the default model and its W8/W4 variants."""
+    model_dir = Path(args.model_dir) if args.model_dir else models.default_model_path()
+    return model_dir, Path(args.engines) if args.engines else default_engines(model_dir)
+
+
 def default_engines(model_dir: Path) -> Path:
     """The W8/W4 layer variants of ``model_dir`` (built once, then found in the cache)."""
     out = subprocess.run([sys.executable, "-m", "sglang_morph.build_engines", "--bits", "8,4",
@@ -77,8 +83,7 @@ def parse_size(text: str) -> int:
 def cmd_profile(args) -> dict:
     from sglang_morph.plan import cost, profile
 
-    model_dir = Path(args.model_dir) if args.model_dir else Path(models.default_model_path())
-    engines = Path(args.engines) if args.engines else default_engines(model_dir)
+    model_dir, engines = _model_and_engines(args)
     meta = {"load_average_before": profile.load_average(), "threads": args.threads,
             "model": str(model_dir.name), "engines": engines.name}
     points = profile.measure(model_dir, engines, threads=args.threads,
@@ -130,8 +135,7 @@ def load_cpu_latency(path: Path):
 def cmd_indicator(args) -> dict:
     from sglang_morph.plan import indicator
 
-    model_dir = Path(args.model_dir) if args.model_dir else Path(models.default_model_path())
-    engines = Path(args.engines) if args.engines else default_engines(model_dir)
+    model_dir, engines = _model_and_engines(args)
     measured = tuple(m for m in args.measured.split(",") if m)
     if set(measured) - set(indicator.MEASURED_INDICATORS):
         raise CliError(f"--measured {args.measured!r}: choose from "
@@ -174,8 +178,7 @@ def build_problem(args):
     elif args.model == "default":
         from sglang_morph.engines.manifest import EngineManifest
 
-        model_dir = Path(args.model_dir) if args.model_dir else Path(models.default_model_path())
-        engines = Path(args.engines) if args.engines else default_engines(model_dir)
+        model_dir, engines = _model_and_engines(args)
         model = ModelSpec.from_model_dir(model_dir)
         # The CPU kernels' layout: what a served stage holds on this machine.
         memory = MemoryModel.from_spec(model, BITS, layout="cpu")

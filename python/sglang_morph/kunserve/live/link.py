@@ -99,7 +99,7 @@ class PeerLink:
         tensors = {}
         for name, dtype, shape, offset in layout["tensors"]:
             dt = _DTYPES[dtype]
-            size = math.prod(shape) * torch.empty((), dtype=dt).element_size()
+            size = math.prod(shape) * dt.itemsize
             tensors[name] = payload[offset:offset + size].view(dt).reshape(shape)
         return tensors, layout["ints"]
 
