@@ -23,7 +23,6 @@ same map. Each PP rank runs one torch thread here, so the reference does too
 from __future__ import annotations
 
 import json
-
 import threading
 import time
 
