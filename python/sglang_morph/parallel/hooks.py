@@ -19,4 +19,7 @@ HOOKS: tuple[Hook, ...] = (
          only_if_imported=_IN_SCHEDULER),
     Hook(tied_head.HOOK_LLAMA_LOAD_WEIGHTS, tied_head.around_llama_load_weights, "AROUND",
          only_if_imported=_IN_SCHEDULER),
+    # The data-parallel controller's process imports its module before loading plugins.
+    Hook(cpu.HOOK_DP_EVENT_LOOP, cpu.around_dp_event_loop, "AROUND",
+         only_if_imported=cpu.DP_CONTROLLER_MODULE),
 )
