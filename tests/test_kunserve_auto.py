@@ -35,8 +35,9 @@ AUTO = {"interval_ms": 100, "drop_persist": 2, "restore_persist": 3, "min_dwell_
 
 
 @pytest.mark.parametrize("flags, message", [
-    (dict(kunserve_auto=True), "--kunserve-auto and --kunserve-auto-config need "
-                               "--enable-kunserve"),
+    (dict(kunserve_auto=True), "--kunserve-auto needs --enable-kunserve"),
+    (dict(kunserve_auto=True, kunserve_auto_config="{}"),
+     "--kunserve-auto, --kunserve-auto-config need --enable-kunserve"),
     (dict(enable_kunserve=True, kunserve_auto_config="{}"),
      "--kunserve-auto-config needs --kunserve-auto"),
     (dict(enable_kunserve=True, kunserve_auto=True, kunserve_auto_config="{drop"),

@@ -48,7 +48,7 @@ from test_morph_runtime_server import (  # noqa: F401
 
 N_NEW = 40  # long enough that the streams are still running when a transition lands under load
 WHOLE_TOKENS = 1024
-PROMPT_LENGTHS = (16, 48, 120)
+PROMPT_LENGTHS = (16, 48, 120, 200)
 
 
 # ---- launch checks (no server) ----
@@ -73,6 +73,31 @@ def test_launch_refuses_what_is_not_built(overrides, morph, message):
         _kunserve_from_cli_args(server_args, argparse.Namespace(enable_kunserve=True), morph)
     assert message in str(e.value)
     assert not hasattr(server_args, kunserve_config.SERVER_ARGS_ATTR)  # nothing attached
+
+
+@pytest.mark.parametrize("value, message", [
+    (0, "--kunserve-micro-batches must be an integer in [1, 16], got 0"),
+    (17, "got 17"),
+])
+def test_micro_batches_out_of_range_are_refused(value, message):
+    server_args = launch_args()
+    with pytest.raises(MorphPluginError, match="sglang-morph: error: ") as e:
+        _kunserve_from_cli_args(server_args, argparse.Namespace(
+            enable_kunserve=True, kunserve_micro_batches=value), False)
+    assert message in str(e.value)
+    assert not hasattr(server_args, kunserve_config.SERVER_ARGS_ATTR)
+
+
+def test_micro_batches_need_the_flag_and_default_to_four():
+    server_args = launch_args()
+    with pytest.raises(MorphPluginError, match="--kunserve-micro-batches needs --enable-kunserve"):
+        _kunserve_from_cli_args(server_args, argparse.Namespace(kunserve_micro_batches=2), False)
+    assert not hasattr(server_args, kunserve_config.SERVER_ARGS_ATTR)
+    from_cli = kunserve_config.KunServeLiveConfig.from_cli_namespace
+    assert from_cli(argparse.Namespace(enable_kunserve=True, kunserve_link_port=1)
+                    ).micro_batches == 4
+    assert from_cli(argparse.Namespace(enable_kunserve=True, kunserve_link_port=1,
+                                       kunserve_micro_batches=1)).micro_batches == 1
 
 
 def test_without_the_flag_nothing_changes():
@@ -235,6 +260,13 @@ def test_drop_with_requests_in_flight_serves_undropped_outputs(dp2, prompts, und
     # The back member sent its batches to the front's layers ahead of its forwards.
     front, back = status(dp2)["replicas"]
     assert front["batches_sent_ahead"] == 0 < back["batches_sent_ahead"]
+    # A whole prefill cut into micro-batches (200 tokens: three of 66-67, one request cut
+    # twice), on each replica: the radix cache, which holds every prompt, is flushed first.
+    micro = [rep["batches_micro"] for rep in (front, back)]
+    r = requests.post(f"{dp2.url}/flush_cache", headers=ADMIN, timeout=60)
+    assert r.status_code == 200, r.text
+    assert [generate_on(dp2, prompts[3], r) for r in (0, 1)] == [undropped[3]] * 2
+    assert [rep["batches_micro"] for rep in status(dp2)["replicas"]] == [m + 1 for m in micro]
     r = post(dp2, "drop")
     assert r.status_code == 409 and "already merged" in r.json()["error"]
 

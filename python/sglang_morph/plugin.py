@@ -296,7 +296,7 @@ def _after_scheduler_init(_result: None, scheduler: Any, *args: Any, **kwargs: A
         from sglang_morph.kunserve.live.hooks import attach
 
         try:
-            attach(scheduler, kunserve.link_port, kunserve.auto)
+            attach(scheduler, kunserve.link_port, kunserve.auto, kunserve.micro_batches)
         except NotImplementedError as e:
             raise MorphPluginError(f"sglang-morph: error: --enable-kunserve does not support "
                                    f"this configuration: {e}") from e

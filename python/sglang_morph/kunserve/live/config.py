@@ -71,26 +71,44 @@ class AutoControlConfig:
             raise KunServeConfigError(f"{flag}: {e}") from e
 
 
+MAX_MICRO_BATCHES = 16
+
+
 @dataclasses.dataclass(frozen=True)
 class KunServeLiveConfig:
     enabled: bool = False
     link_port: int | None = None  # TCPStore port of the replicas' gloo link
     auto: AutoControlConfig | None = None  # None: operator-driven only
+    # A merged replica's prefill of at least 2 x 64 tokens runs as up to this many
+    # micro-batches through the pair's two stages (1: never cut).
+    micro_batches: int = 4
+
+    def __post_init__(self) -> None:
+        m = self.micro_batches
+        if not (isinstance(m, int) and not isinstance(m, bool) and 1 <= m <= MAX_MICRO_BATCHES):
+            raise KunServeConfigError(f"--kunserve-micro-batches must be an integer in "
+                                      f"[1, {MAX_MICRO_BATCHES}], got {m!r}")
 
     @classmethod
     def from_cli_namespace(cls, args: argparse.Namespace) -> "KunServeLiveConfig":
         auto = bool(getattr(args, "kunserve_auto", False))
         auto_json = getattr(args, "kunserve_auto_config", None)
+        micro = getattr(args, "kunserve_micro_batches", None)
         if not getattr(args, "enable_kunserve", False):
-            if auto or auto_json is not None:
-                raise KunServeConfigError("--kunserve-auto and --kunserve-auto-config need "
-                                          "--enable-kunserve")
+            given = [flag for flag, on in (("--kunserve-auto", auto),
+                                           ("--kunserve-auto-config", auto_json is not None),
+                                           ("--kunserve-micro-batches", micro is not None)) if on]
+            if given:
+                raise KunServeConfigError(f"{', '.join(given)} "
+                                          f"{'needs' if len(given) == 1 else 'need'} "
+                                          f"--enable-kunserve")
             return cls()
         if auto_json is not None and not auto:
             raise KunServeConfigError("--kunserve-auto-config needs --kunserve-auto")
         port = getattr(args, "kunserve_link_port", None)
         return cls(enabled=True, link_port=port if port is not None else free_late_bind_port(),
-                   auto=AutoControlConfig.from_json(auto_json) if auto else None)
+                   auto=AutoControlConfig.from_json(auto_json) if auto else None,
+                   **({} if micro is None else {"micro_batches": micro}))
 
 
 def add_cli_args(parser: argparse.ArgumentParser) -> None:
@@ -115,6 +133,11 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
         "\"drop_persist\": 2, \"restore_usage\": 0.5, \"restore_headroom\": 0.8, "
         "\"restore_persist\": 3, \"min_dwell_s\": 5, \"partial_drop\": true}' (the "
         "defaults).")
+    group.add_argument(
+        "--kunserve-micro-batches", type=int, default=None, metavar="K",
+        help="While merged, cut a replica's prefill of at least 128 tokens into up to K "
+        "micro-batches of equal tokens (at least 64 each) that flow through the pair's two "
+        f"stages at once (default {KunServeLiveConfig.micro_batches}; 1: never cut).")
 
 
 def check_launch(server_args: Any, morph_enabled: bool) -> None:

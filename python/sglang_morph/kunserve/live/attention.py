@@ -1,0 +1,81 @@
+"""Extend attention over the new rows only, for the merged pair's micro-batches and peer batches.
+
+SGLang's torch_native backend runs an extend request's attention as a square: a query of the
+whole sequence (prefix rows left uninitialised), causal, then keeps the new rows. A prefill cut
+into micro-batches (``replica.KunServeReplica._micro_batches``) would pay that square once per
+micro-batch: a 384-token prompt in four ranges of 96 did 1.9x the attention work of the uncut
+prefill, and its last two ranges' front layers took ~240 ms against ~130 ms for the first two
+(stop 26's trace). Here a request's query is its new rows only, against the prefix + new keys,
+with the causal mask shifted by the prefix (a plain ``is_causal`` when there is none).
+
+Equal to the square's rows up to float rounding, not always bit for bit
+(``tests/test_kunserve_attention.py``: identical with no prefix and for 96-token ranges of a
+384-token prompt; a 1-token extend behind 50 tokens differs by 3e-7 in float32). Cutting a
+prefill changes its rounding anyway (SGLang's own square attention of the third of four ranges
+differs from the uncut prefill's rows by 4e-7), so the replica uses this backend for
+micro-batches only: a batch it does not cut runs with SGLang's attention, exactly as on a
+whole replica.
+"""
+
+from __future__ import annotations
+
+import types
+from typing import Any
+
+import torch
+from torch.nn.functional import scaled_dot_product_attention
+
+
+def new_rows_backend(device: Any, req_to_token_pool: Any, token_to_kv_pool: Any):
+    """A torch_native attention backend over these pools whose extend attention computes the
+    new rows only (decode is SGLang's)."""
+    from sglang.srt.layers.attention.torch_native_backend import TorchNativeAttnBackend
+
+    class NewRowsAttnBackend(TorchNativeAttnBackend):
+        def _run_sdpa_forward_extend(self, query, output, k_cache, v_cache, req_to_token,
+                                     req_pool_indices, seq_lens, extend_prefix_lens,
+                                     extend_seq_lens, encoder_lens=None, scaling=None,
+                                     enable_gqa=False, causal=False, is_cross_attn=False,
+                                     sliding_window_size=None):
+            if (encoder_lens is not None or is_cross_attn or not causal
+                    or (sliding_window_size is not None and sliding_window_size > -1)):
+                return super()._run_sdpa_forward_extend(
+                    query, output, k_cache, v_cache, req_to_token, req_pool_indices, seq_lens,
+                    extend_prefix_lens, extend_seq_lens, encoder_lens, scaling, enable_gqa,
+                    causal, is_cross_attn, sliding_window_size)
+            return extend_new_rows(query, output, k_cache, v_cache, req_to_token,
+                                   req_pool_indices, seq_lens, extend_prefix_lens,
+                                   extend_seq_lens, scaling, enable_gqa)
+
+    return NewRowsAttnBackend(types.SimpleNamespace(
+        device=device, req_to_token_pool=req_to_token_pool, token_to_kv_pool=token_to_kv_pool))
+
+
+def extend_new_rows(query: torch.Tensor, output: torch.Tensor, k_cache: torch.Tensor,
+                    v_cache: torch.Tensor, req_to_token: torch.Tensor,
+                    req_pool_indices: torch.Tensor, seq_lens: torch.Tensor,
+                    prefix_lens: torch.Tensor, new_lens: torch.Tensor,
+                    scaling: float | None, enable_gqa: bool) -> torch.Tensor:
+    """Causal attention of each request's new rows (``query``/``output``: [tokens, heads, dim],
+    requests one after another) over its whole sequence's keys, read from the caches at the
+    request's slots (``req_to_token[req_pool_indices[i], :seq_lens[i]]``)."""
+    start = 0
+    for i, (kv_len, prefix, new) in enumerate(zip(seq_lens.tolist(), prefix_lens.tolist(),
+                                                  new_lens.tolist())):
+        if prefix + new != kv_len:
+            raise ValueError(f"request {i}: prefix {prefix} + new {new} != sequence {kv_len}")
+        slots = req_to_token[req_pool_indices[i], :kv_len]
+        q = query[start:start + new].movedim(0, 1).contiguous()  # [heads, new, dim]
+        k = k_cache[slots].movedim(0, 1)
+        v = v_cache[slots].movedim(0, 1)
+        if not q.dtype == k.dtype == v.dtype:
+            k, v = k.to(q.dtype), v.to(q.dtype)
+        # Row r (absolute position prefix + r) sees keys 0..prefix + r.
+        mask = (torch.ones(new, kv_len, dtype=torch.bool, device=q.device).tril(prefix)
+                if prefix else None)
+        out = scaled_dot_product_attention(q[None], k[None], v[None], attn_mask=mask,
+                                           is_causal=mask is None, scale=scaling,
+                                           enable_gqa=enable_gqa)[0]
+        output[start:start + new] = out.movedim(0, 1)
+        start += new
+    return output
