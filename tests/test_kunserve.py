@@ -585,6 +585,28 @@ def test_controller_drops_at_once_for_a_queue_the_pool_cannot_take(planner):
     assert isinstance(fits.decide(view), Drop)
 
 
+def test_controller_drops_at_once_for_a_queue_the_engine_refused(planner):
+    """SGLang reserves room for the running requests' next tokens, so it can refuse a queue
+    that the used tokens alone would fit: the engine's refusal is no forecast either. Without
+    it (or without demand over the pool) the same view waits for drop_persist."""
+    full = planner.full_replica().kv_capacity_tokens
+
+    def view(refused: bool, growth: int = full):
+        snaps = (ReplicaSnapshot(0, full, full // 2, growth, 100, queue_refused=refused),
+                 ReplicaSnapshot(1, full, 0))
+        return ClusterView(0, snaps)
+
+    ctl = KunServeController(planner, ControllerConfig(drop_persist=3, min_dwell_s=0))
+    action = ctl.decide(view(True))
+    assert isinstance(action, Drop) and "its queue of 100 tokens was refused" in action.reason
+    waits = KunServeController(planner, ControllerConfig(drop_persist=3, min_dwell_s=0))
+    assert [waits.decide(view(False)) for _ in range(2)] == [None, None]
+    assert "for 3 views" in waits.decide(view(False)).reason
+    # A refusal while the forecast fits the pool (the engine's reservation is a guess): no drop.
+    calm = KunServeController(planner, ControllerConfig(drop_persist=1, min_dwell_s=0))
+    assert calm.decide(view(True, growth=0)) is None
+
+
 def test_controller_drops_when_one_replica_cannot_admit_its_queue(planner):
     """Replica 0's queue is over its own pool while replica 1 is idle: the pair's total fits,
     but a request never moves between replicas, so only a drop lets replica 0 admit it."""

@@ -34,6 +34,39 @@ PER_REPLICA = 3
 AUTO = {"interval_ms": 100, "drop_persist": 2, "restore_persist": 3, "min_dwell_s": 1.0}
 
 
+
+def _replica(waiting: int, running: int, batch_is_full: bool, max_running: int = 8):
+    """A stand-in for a live replica's scheduler state, as ``local_view`` reads it."""
+    import types
+
+    req = lambda n: types.SimpleNamespace(  # noqa: E731
+        origin_input_ids=[1] * n, output_ids=[], sampling_params=types.SimpleNamespace(
+            max_new_tokens=8))
+    sched = types.SimpleNamespace(
+        waiting_queue=[req(100)] * waiting, max_running_requests=max_running,
+        running_batch=types.SimpleNamespace(batch_is_full=batch_is_full),
+        tree_cache=types.SimpleNamespace(evictable_size=lambda: 0))
+    return types.SimpleNamespace(
+        scheduler=sched, transitions=[], live_requests=lambda: [req(10)] * running,
+        pool=types.SimpleNamespace(size=910),
+        allocator=types.SimpleNamespace(available_size=lambda: 500))
+
+
+@pytest.mark.parametrize("waiting, running, full, max_running, refused", [
+    (1, 2, True, 8, 1),  # SGLang tried and found no KV room: refused
+    (0, 2, True, 8, 0),  # nothing waits
+    (1, 2, False, 8, 0),  # not tried yet (or room was found)
+    (1, 8, True, 8, 0),  # the request-count limit, which a drop does not lift
+])
+def test_local_view_reports_a_queue_sglang_refused(waiting, running, full, max_running,
+                                                   refused):
+    from sglang_morph.kunserve.live.auto import local_view, snapshot
+
+    view = local_view(_replica(waiting, running, full, max_running))
+    assert view["queue_refused"] == refused
+    assert view["waiting_tokens"] == waiting * 108 and view["kv_used_tokens"] == 410
+    assert snapshot(0, view).queue_refused is bool(refused)
+
 @pytest.mark.parametrize("flags, message", [
     (dict(kunserve_auto=True), "--kunserve-auto needs --enable-kunserve"),
     (dict(kunserve_auto=True, kunserve_auto_config="{}"),

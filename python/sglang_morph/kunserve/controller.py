@@ -51,7 +51,8 @@ class ReplicaSnapshot:
     requests are still expected to add (remaining output tokens); ``waiting_tokens``: prompt +
     expected output of its queued requests. ``live`` lists the running requests (a group's
     members list the same requests: each holds every request's KV for its layers; the
-    group's view takes them once).
+    group's view takes them once). ``queue_refused``: the serving engine tried to admit the
+    queue and found no KV room for it (SGLang's prefill adder), whatever the token counts say.
     """
 
     replica: int
@@ -60,6 +61,7 @@ class ReplicaSnapshot:
     kv_growth_tokens: int = 0
     waiting_tokens: int = 0
     live: tuple[LiveRequest, ...] = ()
+    queue_refused: bool = False
 
     def __post_init__(self) -> None:
         if min(self.kv_capacity_tokens, self.kv_used_tokens, self.kv_growth_tokens,
@@ -195,8 +197,11 @@ class KunServeController:
         self._over_views += 1
         # A queue the replica's KV cannot take in now is no forecast (the growth of running
         # requests is: max_new_tokens bounds it from above): no need to wait for it to persist.
-        blocked = [r for r in over if r.waiting_tokens
-                   and r.kv_used_tokens + r.waiting_tokens > r.kv_capacity_tokens]
+        # Nor is a queue the engine already refused: SGLang reserves room for the running
+        # requests' next tokens, so it refuses a prompt that the used tokens alone would fit
+        # (the replay's 384-token prompts waited ~0.5 s for the second view).
+        blocked = [r for r in over if r.waiting_tokens and (
+            r.queue_refused or r.kv_used_tokens + r.waiting_tokens > r.kv_capacity_tokens)]
         if self._over_views < self.cfg.drop_persist and not blocked:
             return None
         if not self._dwelt([r.replica for r in free], view.time_s):
@@ -214,8 +219,9 @@ class KunServeController:
         if not plan.merges:  # the planner's exact capacities hold it after all
             return None
         worst = max(over, key=lambda r: r.demand_tokens - r.kv_capacity_tokens)
-        why = (f"its queue of {worst.waiting_tokens} tokens does not fit"
-               if worst in blocked else f"for {self._over_views} views")
+        why = (f"for {self._over_views} views" if worst not in blocked
+               else f"its queue of {worst.waiting_tokens} tokens was refused" if
+               worst.queue_refused else f"its queue of {worst.waiting_tokens} tokens does not fit")
         return Drop(plan, f"predicted KV demand {worst.demand_tokens} tokens over replica "
                           f"{worst.replica}'s capacity {worst.kv_capacity_tokens}, {why}")
 

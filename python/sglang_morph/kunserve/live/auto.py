@@ -60,7 +60,10 @@ def local_view(replica: Any) -> dict[str, int]:
     ``kv_used_tokens``: KV held by requests and locked cache (not free, not evictable);
     ``kv_growth_tokens``: output tokens its running requests may still add (their
     ``max_new_tokens`` minus what they produced); ``waiting_tokens``: prompt + ``max_new_tokens``
-    of its queued requests. Also the count of transitions, which dates the view."""
+    of its queued requests; ``queue_refused`` (0/1): SGLang's last prefill attempt found no KV
+    room for the queue (``batch_is_full`` with requests waiting and fewer running than its
+    limit; it stays set until a request finishes or memory is freed). Also the count of
+    transitions, which dates the view."""
     s = replica.scheduler
     running = replica.live_requests()
 
@@ -72,10 +75,12 @@ def local_view(replica: Any) -> dict[str, int]:
     capacity = int(replica.pool.size)
     used = capacity - int(replica.allocator.available_size()) - int(
         s.tree_cache.evictable_size())
+    refused = bool(s.waiting_queue) and bool(getattr(s.running_batch, "batch_is_full", False)) \
+        and len(running) < int(getattr(s, "max_running_requests", 1 << 30))
     return {"epoch": len(replica.transitions), "kv_capacity_tokens": capacity,
             "kv_used_tokens": max(0, used), "kv_growth_tokens": int(growth),
             "waiting_tokens": int(waiting), "running_reqs": len(running),
-            "waiting_reqs": len(s.waiting_queue)}
+            "waiting_reqs": len(s.waiting_queue), "queue_refused": int(refused)}
 
 
 def snapshot(replica: int, view: dict[str, int]) -> ReplicaSnapshot:
@@ -86,6 +91,7 @@ def snapshot(replica: int, view: dict[str, int]) -> ReplicaSnapshot:
     return ReplicaSnapshot(
         replica=replica, kv_capacity_tokens=view["kv_capacity_tokens"], kv_used_tokens=used,
         kv_growth_tokens=view["kv_growth_tokens"], waiting_tokens=view["waiting_tokens"],
+        queue_refused=bool(view.get("queue_refused", 0)),
         live=(LiveRequest(f"replica{replica}", used, owner=replica),) if used else ())
 
 
