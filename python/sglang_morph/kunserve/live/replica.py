@@ -45,6 +45,7 @@ transitions log, ``duration_s``).
 
 from __future__ import annotations
 
+import itertools
 import logging
 import os
 import threading
@@ -130,8 +131,8 @@ class KunServeReplica:
         self._whole_layers = self._merged_layers = self._merged_mirror = None
         self._moved_bytes = self._in_flight = 0
         self.compute_lock = threading.Lock()
-        # ``_batch_key`` of a batch the back member sent ahead of its forward (send_ahead),
-        # until forward_merged takes the answer.
+        # ``(_batch_key, its micro-batches or [])`` of a batch the back member sent ahead of
+        # its forward (send_ahead), until forward_merged takes the answer.
         self._early: tuple | None = None
         self.batches_sent_ahead = 0
         self.micro_batches = micro_batches  # --kunserve-micro-batches
@@ -492,12 +493,16 @@ class KunServeReplica:
         from sglang.srt.model_executor.forward_batch_info import PPProxyTensors
 
         model, kept = self.model, self.member.layers
-        parts = (self._micro_batches(forward_batch, positions, input_ids)
-                 if input_embeds is None else [])
+        # The back member's batch may have gone ahead (send_ahead), cut or not: its cut is
+        # reused; otherwise it is cut here.
+        ahead = None if self.front else self._take_ahead(forward_batch, positions, input_ids)
+        parts = ahead if ahead is not None else (
+            self._micro_batches(forward_batch, positions, input_ids)
+            if input_embeds is None else [])
         if parts:
             self.batches_micro += 1
             return (self._front_micro(parts) if self.front
-                    else self._back_micro(parts, forward_batch, positions, input_ids))
+                    else self._back_micro(parts, sent_first=ahead is not None))
         if self.front:
             hidden = model.embed_tokens(input_ids) if input_embeds is None else input_embeds
             residual_batch.start(forward_batch)
@@ -506,14 +511,9 @@ class KunServeReplica:
             handoff = residual_batch.to_pp(hidden, forward_batch)
             self._send_call(forward_batch, positions, input_ids, handoff.tensors)
             return self._answer()["hidden_states"]
-        early, self._early = self._early, None
-        if early is None:
+        if ahead is None:
             hidden = model.embed_tokens(input_ids) if input_embeds is None else input_embeds
             self._send_call(forward_batch, positions, input_ids, {"hidden_states": hidden})
-        elif early != self._batch_key(forward_batch, positions, input_ids):
-            self._answer()  # keep the link in step, then refuse: the peer ran another batch
-            raise RuntimeError(f"replica {self.rank}: the batch sent ahead of the forward is not "
-                               f"the batch the forward runs")
         out = self._answer()
         hidden = model.layers[kept.start].attn_boundary.from_pp(PPProxyTensors(out),
                                                                 forward_batch)
@@ -540,8 +540,22 @@ class KunServeReplica:
         with torch.no_grad():
             hidden = self.model.embed_tokens(input_ids)
         self._send_call(sub, positions, input_ids, {"hidden_states": hidden}, micro=bool(parts))
-        self._early = self._batch_key(fb, fb.positions, fb.input_ids)
+        self._early = (self._batch_key(fb, fb.positions, fb.input_ids), parts)
         self.batches_sent_ahead += 1
+
+    def _take_ahead(self, fb, positions, input_ids) -> list | None:
+        """The micro-batches of the batch ``send_ahead`` sent (``[]``: sent uncut), or None when
+        nothing went ahead. A batch other than this forward's is refused once its answer is
+        read (the link stays in step)."""
+        early, self._early = self._early, None
+        if early is None:
+            return None
+        key, parts = early
+        if key != self._batch_key(fb, positions, input_ids):
+            self._answer()  # keep the link in step, then refuse: the peer ran another batch
+            raise RuntimeError(f"replica {self.rank}: the batch sent ahead of the forward is not "
+                               f"the batch the forward runs")
+        return parts
 
     # A long prefill runs as a pipeline of micro-batches (KunServe's micro-batching, within one
     # forward): while the back member runs micro-batch j's layers, the front runs j + 1's, so
@@ -557,7 +571,7 @@ class KunServeReplica:
         """``[(sub_batch, positions, input_ids)]`` of a plain extend batch of at least
         ``2 * MICRO_MIN_TOKENS`` tokens, cut into up to ``micro_batches`` equal token ranges;
         ``[]`` otherwise."""
-        from sglang.srt.model_executor.forward_batch_info import ForwardBatch, ForwardMode
+        from sglang.srt.model_executor.forward_batch_info import ForwardMode
 
         if fb.forward_mode != ForwardMode.EXTEND or self.micro_batches < 2:
             return []
@@ -569,7 +583,7 @@ class KunServeReplica:
         if sum(extend) != total:
             return []
         bounds = [total * j // k for j in range(k + 1)]
-        starts = [sum(extend[:i]) for i in range(len(extend))]
+        starts = list(itertools.accumulate(extend, initial=0))
         parts = []
         for a, b in zip(bounds, bounds[1:]):
             rows, pre, new = [], [], []
@@ -579,16 +593,12 @@ class KunServeReplica:
                     rows.append(i)
                     pre.append(p + lo - s0)
                     new.append(hi - lo)
-            seq = torch.tensor([p + n for p, n in zip(pre, new)], dtype=fb.seq_lens.dtype)
-            sub = ForwardBatch(
-                forward_mode=fb.forward_mode, batch_size=len(rows), input_ids=input_ids[a:b],
-                req_pool_indices=fb.req_pool_indices[rows], seq_lens=seq,
-                out_cache_loc=fb.out_cache_loc[a:b], seq_lens_sum=int(seq.sum()),
-                seq_lens_cpu=seq, positions=positions[a:b])
-            sub.extend_prefix_lens = torch.tensor(pre, dtype=fb.extend_prefix_lens.dtype)
-            sub.extend_seq_lens = torch.tensor(new, dtype=fb.extend_seq_lens.dtype)
-            sub.extend_prefix_lens_cpu, sub.extend_seq_lens_cpu = pre, new
-            sub.extend_num_tokens = b - a
+            sub = _layers_batch(
+                fb.forward_mode, input_ids[a:b], fb.req_pool_indices[rows],
+                torch.tensor([p + n for p, n in zip(pre, new)], dtype=fb.seq_lens.dtype),
+                fb.out_cache_loc[a:b], positions[a:b],
+                torch.tensor(pre, dtype=fb.extend_prefix_lens.dtype),
+                torch.tensor(new, dtype=fb.extend_seq_lens.dtype))
             parts.append((sub, positions[a:b], input_ids[a:b]))
         return parts
 
@@ -612,22 +622,17 @@ class KunServeReplica:
         outs.append(self._answer()["hidden_states"])
         return torch.cat(outs)
 
-    def _back_micro(self, parts: list, fb, positions, input_ids) -> torch.Tensor:
+    def _back_micro(self, parts: list, sent_first: bool) -> torch.Tensor:
         """The back member's own batch: the peer runs micro-batch j + 1's front layers while
-        this replica runs j's back layers (the first one may have gone ahead)."""
+        this replica runs j's back layers (the first one went ahead when ``sent_first``)."""
         from sglang.srt.layers.layer_boundary.residual import batch as residual_batch
         from sglang.srt.model_executor.forward_batch_info import PPProxyTensors
 
-        early, self._early = self._early, None
         model, kept, outs = self.model, self.member.layers, []
-        if early is None:
+        if not sent_first:
             sub, pos, ids = parts[0]
             self._send_call(sub, pos, ids, {"hidden_states": model.embed_tokens(ids)},
                             micro=True)
-        elif early != self._batch_key(fb, positions, input_ids):
-            self._answer()
-            raise RuntimeError(f"replica {self.rank}: the batch sent ahead of the forward is not "
-                               f"the batch the forward runs")
         for j, (sub, pos, ids) in enumerate(parts):
             out = self._answer()
             if j + 1 < len(parts):
@@ -711,28 +716,16 @@ class KunServeReplica:
     def _run_for_peer(self, t: dict[str, torch.Tensor], mode_value: int,
                       micro: bool = False) -> dict[str, Any]:
         from sglang.srt.layers.layer_boundary.residual import batch as residual_batch
-        from sglang.srt.model_executor.forward_batch_info import (
-            ForwardBatch,
-            ForwardMode,
-            PPProxyTensors,
-        )
+        from sglang.srt.model_executor.forward_batch_info import ForwardMode, PPProxyTensors
         from sglang.srt.model_executor.forward_context import ForwardContext, forward_context
 
         if not self.merged:
             raise RuntimeError("a peer batch arrived while this replica is whole")
-        mode = ForwardMode(mode_value)
-        seq_lens, bs = t["seq_lens"], t["seq_lens"].numel()
-        fb = ForwardBatch(
-            forward_mode=mode, batch_size=bs, input_ids=t["input_ids"],
-            req_pool_indices=torch.arange(bs, dtype=torch.int64), seq_lens=seq_lens,
-            out_cache_loc=t["out_cache_loc"], seq_lens_sum=int(seq_lens.sum()),
-            seq_lens_cpu=seq_lens, positions=t["positions"])
-        if mode.is_extend():
-            fb.extend_prefix_lens, fb.extend_seq_lens = (t["extend_prefix_lens"],
-                                                         t["extend_seq_lens"])
-            fb.extend_prefix_lens_cpu = t["extend_prefix_lens"].tolist()
-            fb.extend_seq_lens_cpu = t["extend_seq_lens"].tolist()
-            fb.extend_num_tokens = int(t["extend_seq_lens"].sum())
+        # The peer's rows of req_to_token come with the batch: request i reads row i.
+        fb = _layers_batch(ForwardMode(mode_value), t["input_ids"],
+                           torch.arange(t["seq_lens"].numel(), dtype=torch.int64),
+                           t["seq_lens"], t["out_cache_loc"], t["positions"],
+                           t.get("extend_prefix_lens"), t.get("extend_seq_lens"))
         self._peer_rows.req_to_token = t["req_to_token"]
         model, kept, positions = self.model, self.member.layers, t["positions"]
         # A micro-batch attends over its new rows only; a batch run uncut runs exactly as it
@@ -774,6 +767,26 @@ class _Metrics:
         transitions = Counter("sglang_morph_kunserve_transitions", "KunServe transitions",
                               ("replica", "action"))
         self.transitions = lambda action: transitions.labels(replica=r, action=action)
+
+
+def _layers_batch(mode: Any, input_ids: torch.Tensor, req_pool_indices: torch.Tensor,
+                  seq_lens: torch.Tensor, out_cache_loc: torch.Tensor, positions: torch.Tensor,
+                  prefix_lens: torch.Tensor | None = None,
+                  extend_lens: torch.Tensor | None = None) -> Any:
+    """A ForwardBatch with what the decoder layers read (attention on torch_native): a peer's
+    batch or a micro-batch; an extend batch also gets its prefix and new lengths."""
+    from sglang.srt.model_executor.forward_batch_info import ForwardBatch
+
+    fb = ForwardBatch(
+        forward_mode=mode, batch_size=seq_lens.numel(), input_ids=input_ids,
+        req_pool_indices=req_pool_indices, seq_lens=seq_lens, out_cache_loc=out_cache_loc,
+        seq_lens_sum=int(seq_lens.sum()), seq_lens_cpu=seq_lens, positions=positions)
+    if mode.is_extend():
+        fb.extend_prefix_lens, fb.extend_seq_lens = prefix_lens, extend_lens
+        fb.extend_prefix_lens_cpu = prefix_lens.tolist()
+        fb.extend_seq_lens_cpu = extend_lens.tolist()
+        fb.extend_num_tokens = int(extend_lens.sum())
+    return fb
 
 
 def _pool_layers(pool: Any) -> tuple:
