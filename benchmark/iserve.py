@@ -60,6 +60,21 @@ def cost_breakdown(records: list[dict]) -> list[dict]:
     return out
 
 
+def latency_errors(record: dict, fits: estimate.ModelEstimates) -> list[dict]:
+    """A full record's measured TTFT and TPOT per batch against L2's estimates, with the
+    relative error of each (the fastest repetition, as ``estimate`` takes it)."""
+    cfg = space.Configuration(record["bits"], record["tp"], record["pp"])
+    rows = []
+    for point in estimate.latency_points([record], record["bits"]):
+        ttft, tpot = fits.latency_of(cfg, point.batch)
+        rows.append({
+            "batch": point.batch, "ttft_measured_s": point.ttft_s, "ttft_estimated_s": ttft,
+            "ttft_error": abs(ttft - point.ttft_s) / point.ttft_s,
+            "tpot_measured_s": point.tpot_s, "tpot_estimated_s": tpot,
+            "tpot_error": abs(tpot - point.tpot_s) / point.tpot_s})
+    return rows
+
+
 def compare(profile_path: str, layouts_at: int | None = None) -> dict:
     profile = load_profile(profile_path)
     if layouts_at is not None:  # the same measurements, fewer fingerprints fitted and costed
@@ -76,13 +91,7 @@ def compare(profile_path: str, layouts_at: int | None = None) -> dict:
         cfg = space.Configuration(r["bits"], r["tp"], r["pp"])
         row = {"config": cfg.name, "cpu_s": r["cpu_s"], "start_s": r["start_s"],
                "load_average": r["load_average"], "latency": [], "memory": {}}
-        for point in estimate.latency_points([r], r["bits"]):
-            ttft, tpot = fits.latency_of(cfg, point.batch)
-            row["latency"].append({
-                "batch": point.batch, "ttft_measured_s": point.ttft_s, "ttft_estimated_s": ttft,
-                "ttft_error": abs(ttft - point.ttft_s) / point.ttft_s,
-                "tpot_measured_s": point.tpot_s, "tpot_estimated_s": tpot,
-                "tpot_error": abs(tpot - point.tpot_s) / point.tpot_s})
+        row["latency"] = latency_errors(r, fits)
         est = fits.memory_of(cfg)
         for figure in estimate.MEMORY_FIGURES:
             values = [p[figure] for p in r["processes"]]

@@ -45,7 +45,6 @@ import numpy as np
 from sglang_morph.deploy import estimate, space
 from sglang_morph.deploy.measure import Workload, measure_server
 
-REPO = Path(__file__).resolve().parents[1]
 PHASES = ("ttft", "tpot")
 # The grid's workload (benchmark/iserve_grid.sh): the measurements the error tables score.
 GRID_WORKLOAD = Workload(prompt_tokens=128, output_tokens=(64,), batches=(1, 4), repetitions=3,
@@ -194,9 +193,8 @@ def spread_markdown(rows: list[dict]) -> str:
     lines = ["| run | batch | phase | per launch (fastest repetition) | CV | mean abs. dev. | "
              "range | CV within a launch |", "|---|---:|---|---|---:|---:|---:|---:|"]
     for r in rows:
-        unit, scale = ("ms", 1000)
-        values = ", ".join(f"{v * scale:.1f}" for v in r["values_s"])
-        lines.append(f"| {r['run']} | {r['batch']} | {r['phase']} | {values} {unit} | "
+        values = ", ".join(f"{v * 1000:.1f}" for v in r["values_s"])
+        lines.append(f"| {r['run']} | {r['batch']} | {r['phase']} | {values} ms | "
                      f"{r['cv']:.1%} | {r['mean_abs_dev']:.1%} | {r['range']:.1%} | "
                      f"{r['within_launch_cv']:.1%} |")
     return "\n".join(lines) + "\n"
@@ -211,12 +209,6 @@ def launch_cv(noise: dict) -> dict[tuple[str, str], float]:
     for r in noise["spread"]:
         pooled.setdefault((r["kind"], r["phase"]), []).append(r["cv"])
     return {k: float(np.sqrt(np.mean(np.square(v)))) for k, v in pooled.items()}
-
-
-def _fingerprint_truth(fits: estimate.ModelEstimates, record: dict, batch: int,
-                       phase: str) -> float:
-    return fits.latency[record["bits"]][record["tp"]].seconds(
-        phase, record["num_layers"], batch, record["pp"])
 
 
 def _draw(records: list[dict], truth, cv: dict[str, float], rng) -> list[dict]:
@@ -252,7 +244,7 @@ def mean_errors(raw: dict, fp_cv: dict[str, float], full_cv: dict[str, float], t
     batches), the profile's own fit being the truth (see the module docstring), and how many
     of ``benchmark.iserve``'s intent choices land within ``INTENT_GAP`` of the drawn
     measurements' best (``intents_within``, of ``intents``)."""
-    from benchmark.iserve import intent_check
+    from benchmark.iserve import intent_check, latency_errors
     from sglang_morph.deploy.__main__ import Profile
 
     fps = [r for r in raw["records"] if r["kind"] == "fingerprint"]
@@ -266,31 +258,28 @@ def mean_errors(raw: dict, fp_cv: dict[str, float], full_cv: dict[str, float], t
 
     truth = fit(fps)
 
+    def fingerprint_truth(r, batch, phase):
+        return truth.latency[r["bits"]][r["tp"]].seconds(phase, r["num_layers"], batch, r["pp"])
+
     def full_truth(r, batch, phase):
         cfg = space.Configuration(r["bits"], r["tp"], r["pp"])
         return truth.latency_of(cfg, batch)[PHASES.index(phase)]
 
     out: dict[str, list[float]] = {p: [] for p in (*PHASES, "intents_within", "intents")}
     for _ in range(trials):
-        drawn_fps = _draw(fps, lambda r, b, p: _fingerprint_truth(truth, r, b, p), fp_cv, rng)
+        drawn_fps = _draw(fps, fingerprint_truth, fp_cv, rng)
         drawn = fit(drawn_fps)
         drawn_full = _draw(full, full_truth, full_cv, rng)
-        trial: dict[str, list[float]] = {p: [] for p in PHASES}
-        for r in drawn_full:
-            cfg = space.Configuration(r["bits"], r["tp"], r["pp"])
-            for point in estimate.latency_points([r], r["bits"]):
-                est = drawn.latency_of(cfg, point.batch)
-                for i, (phase, measured) in enumerate(zip(PHASES, (point.ttft_s,
-                                                                   point.tpot_s))):
-                    trial[phase].append(abs(est[i] - measured) / measured)
+        rows = [x for r in drawn_full for x in latency_errors(r, drawn)]
         for phase in PHASES:
-            out[phase].append(statistics.mean(trial[phase]))
-        profile = Profile(Path(raw.get("path", "profile.json")),
+            out[phase].append(statistics.mean(x[f"{phase}_error"] for x in rows))
+        # A profile of the drawn records (on no disk: nothing reads its path).
+        profile = Profile(Path("drawn.json"),
                           {**raw, "records": drawn_fps + drawn_full}, drawn, hf_config)
-        rows = intent_check(profile, drawn_full)
-        out["intents"].append(len(rows))
+        choices = intent_check(profile, drawn_full)
+        out["intents"].append(len(choices))
         out["intents_within"].append(sum(
-            1 for x in rows if "gap" in x and x["gap"] <= INTENT_GAP
+            1 for x in choices if "gap" in x and x["gap"] <= INTENT_GAP
             and x["chosen_infeasible_measured"] is None))
     return out
 
