@@ -11,7 +11,7 @@ tokens, 512-token windows, input-token logprobs), and (2) prefill/decode tokens/
 size with ``benchmark.throughput``'s streamed-batch method (fresh prompts, radix cache flushed,
 median of the repetitions). Configurations: fp, all-W8, all-W4 AWQ, all-W4 round-to-nearest with
 the same groups, and, with ``--order``, the first 8 layers of that swap order at W4 (mixed).
-Engines are built with ``python -m sglang_morph.build_engines`` when not given.
+Engines are built with ``python -m sglang_morph.morph.build_engines`` when not given.
 """
 
 from __future__ import annotations
@@ -35,7 +35,7 @@ from benchmark.throughput import (
     run_sglang,
     summarize,
 )
-from sglang_morph.engines.swap_order import load_swap_order
+from sglang_morph.morph.engines.swap_order import load_swap_order
 from sglang_morph.models import default_model_path
 
 RESULTS = Path(__file__).resolve().parent / "results"

@@ -6,7 +6,7 @@
   signals the whole group: SIGTERM, then SIGKILL for whatever is left. A server that fails to
   start is stopped before the error is raised; leaving a ``with running_server(...)`` block by
   an exception or Ctrl-C stops it too.
-- ``build_engines(*flags)``: ``python -m sglang_morph.build_engines`` into its default cache
+- ``build_engines(*flags)``: ``python -m sglang_morph.morph.build_engines`` into its default cache
   directory, which it reuses when model, recipe and calibration text are unchanged.
 - ``git_state()``, ``machine_info()``, ``load_average()``: what every results file records.
 """
@@ -178,7 +178,7 @@ def build_engines(*flags: str, timeout_s: float = 1800.0) -> Path:
     """Engines for the default model in the builder's default cache directory (reused when
     model, recipe and calibration are unchanged); returns that directory."""
     proc = subprocess.run(
-        [sys.executable, "-m", "sglang_morph.build_engines", *flags],
+        [sys.executable, "-m", "sglang_morph.morph.build_engines", *flags],
         capture_output=True, text=True, timeout=timeout_s,
         # One thread: the search's many small matmuls lose more to thread hand-offs than they
         # gain on 2 cores, and idle servers still hold a little CPU.

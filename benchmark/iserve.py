@@ -1,8 +1,8 @@
 """iServe's estimates against measured full configurations (issue 14).
 
-    python -m sglang_morph.deploy profile --out P.json --bits 16            # fingerprints
-    python -m sglang_morph.deploy profile --out P.json --bits 8 --append    # ... per session
-    python -m sglang_morph.deploy profile --out P.json --bits 16 --tp 1 --append \
+    python -m sglang_morph.iserve profile --out P.json --bits 16            # fingerprints
+    python -m sglang_morph.iserve profile --out P.json --bits 8 --append    # ... per session
+    python -m sglang_morph.iserve profile --out P.json --bits 16 --tp 1 --append \
         --full W16-TP1-PP1,W8-TP1-PP2 ...                                  # full configurations
     python -m benchmark.iserve --profile P.json --out-dir benchmark/results/iserve
 
@@ -30,8 +30,8 @@ import json
 import statistics
 from pathlib import Path
 
-from sglang_morph.deploy import estimate, intents, space
-from sglang_morph.deploy.__main__ import candidates, fingerprint_runs, load_profile
+from sglang_morph.iserve import estimate, intents, space
+from sglang_morph.iserve.__main__ import candidates, fingerprint_runs, load_profile
 
 REPO = Path(__file__).resolve().parents[1]
 

@@ -23,8 +23,8 @@ mapfile -t RUNS < <(PYTHONPATH="$SRC/python:$SRC" "$PY" - "$LAYERS" "${FULL:-1}"
 import json
 import sys
 
-from sglang_morph.deploy import space
-from sglang_morph.deploy.__main__ import fingerprint_runs
+from sglang_morph.iserve import space
+from sglang_morph.iserve.__main__ import fingerprint_runs
 from sglang_morph.models import default_model_path
 
 layers = tuple(int(n) for n in sys.argv[1].split(","))
@@ -45,7 +45,7 @@ for run in "${RUNS[@]}"; do
   t0=$(date +%s); echo "grid: $(date -u +%T) start: $run ($(cut -d' ' -f1-3 /proc/loadavg))"
   # shellcheck disable=SC2086
   PYTHONPATH="$SRC/python:$SRC:$SRC/sgl-kernel/morph-kernels/python" \
-    "$PY" -m sglang_morph.deploy profile "${COMMON[@]}" $run >> "$OUT/logs/sessions.log" 2>&1
+    "$PY" -m sglang_morph.iserve profile "${COMMON[@]}" $run >> "$OUT/logs/sessions.log" 2>&1
   rc=$?; echo "grid: rc=$rc took $(( $(date +%s) - t0 )) s: $run"
   [ $rc = 0 ] || tail -5 "$OUT/logs/sessions.log"
 done

@@ -42,8 +42,8 @@ from pathlib import Path
 
 import numpy as np
 
-from sglang_morph.deploy import estimate, space
-from sglang_morph.deploy.measure import Workload, measure_server
+from sglang_morph.iserve import estimate, space
+from sglang_morph.iserve.measure import Workload, measure_server
 
 PHASES = ("ttft", "tpot")
 # The grid's workload (benchmark/iserve_grid.sh): the measurements the error tables score.
@@ -152,9 +152,9 @@ def cmd_report(args) -> dict:
 
 
 def cmd_measure(args) -> dict:
-    from sglang_morph.deploy.fingerprint import make_fingerprint
+    from sglang_morph.iserve.fingerprint import make_fingerprint
     from sglang_morph.models import default_model_path
-    from sglang_morph.plan.__main__ import default_engines
+    from sglang_morph.splitquant.__main__ import default_engines
 
     model_dir = default_model_path()
     engines = default_engines(model_dir)
@@ -245,7 +245,7 @@ def mean_errors(raw: dict, fp_cv: dict[str, float], full_cv: dict[str, float], t
     of ``benchmark.iserve``'s intent choices land within ``INTENT_GAP`` of the drawn
     measurements' best (``intents_within``, of ``intents``)."""
     from benchmark.iserve import intent_check, latency_errors
-    from sglang_morph.deploy.__main__ import Profile
+    from sglang_morph.iserve.__main__ import Profile
 
     fps = [r for r in raw["records"] if r["kind"] == "fingerprint"]
     full = [r for r in raw["records"] if r["kind"] == "full"]

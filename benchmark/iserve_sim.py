@@ -1,7 +1,7 @@
 """iServe vs max-TP, max-PP and AlpaServe-like on a SIMULATED 8-device cluster (SimPy).
 
 Every latency and SLO number this writes is SIMULATED: no cluster runs. What is real: the
-estimates (``sglang_morph.deploy``: M2 memory and L2 latency fitted on the fingerprints of a
+estimates (``sglang_morph.iserve``: M2 memory and L2 latency fitted on the fingerprints of a
 ``--profile``, through ``load_profile``/``candidates``/``ModelEstimates.latency_of``, unchanged),
 iServe's choice (the deploy tool's own ``select``: intent ranking and placement, run as its CLI
 runs it), the configuration space and what of it is servable here (``space``), and the arrival
@@ -34,7 +34,7 @@ throughput). A router sends each arrival to the replica with the fewest outstand
 
 **The systems**, each one configuration on as many devices as hold it:
 
-- ``iserve``: ``python -m sglang_morph.deploy select`` with the intent (default ``latency-target``
+- ``iserve``: ``python -m sglang_morph.iserve select`` with the intent (default ``latency-target``
   with the TTFT/TPOT SLO below, ``--max-perplexity 30`` so no precision worse than 16 bits is
   chosen) and ``--batch``/``--output`` of the workload; its chosen configuration and first device,
   then the same placement policy (``placement.Cluster.choose``) over the devices left. If no
@@ -92,13 +92,13 @@ import simpy
 from benchmark.harness import git_state, load_average
 from benchmark.replay.metrics import Slo
 from benchmark.replay.trace import TraceWindow, load_window
-from sglang_morph.deploy import __main__ as deploy_cli
-from sglang_morph.deploy import intents, placement, space
+from sglang_morph.iserve import __main__ as deploy_cli
+from sglang_morph.iserve import intents, placement, space
 from sglang_morph.repo_data import TRACES_DIR
 
 RESULTS = Path("benchmark/results/iserve")
 REPO = Path(__file__).resolve().parents[1]
-INPUT_PATHS = ("benchmark/iserve_sim.py", "benchmark/replay", "python/sglang_morph/deploy")
+INPUT_PATHS = ("benchmark/iserve_sim.py", "benchmark/replay", "python/sglang_morph/iserve")
 SYSTEMS = ("iserve", "max-tp", "max-pp", "alpaserve", "alpaserve-any-bits")
 GIB = 2**30
 CLUSTERS = {
@@ -397,7 +397,7 @@ def place_replicas(setting: Setting, cfg: space.Configuration, first: str | None
 
 
 def select_iserve(setting: Setting, intent: str | None = None) -> tuple[dict, str]:
-    """``python -m sglang_morph.deploy select`` as the CLI runs it: (its JSON, stderr)."""
+    """``python -m sglang_morph.iserve select`` as the CLI runs it: (its JSON, stderr)."""
     intent = intent or setting.intent
     argv = ["select", "--profile", setting.profile_path, "--intent", intent,
             "--batch", str(setting.max_running), "--output", str(setting.output_tokens),
@@ -414,7 +414,7 @@ def select_iserve(setting: Setting, intent: str | None = None) -> tuple[dict, st
     with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
         code = deploy_cli.main(argv)
     return (json.loads(out.getvalue()) if code == 0 else {"error": err.getvalue().strip()},
-            "python -m sglang_morph.deploy " + shlex.join(argv))
+            "python -m sglang_morph.iserve " + shlex.join(argv))
 
 
 def iserve_deployment(setting: Setting) -> tuple[Deployment, dict]:

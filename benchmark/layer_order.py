@@ -43,7 +43,7 @@ from pathlib import Path
 from tqdm import tqdm
 
 from benchmark.harness import git_state, machine_info
-from sglang_morph.engines.hf_variants import (
+from sglang_morph.morph.engines.hf_variants import (
     LayerRunner,
     LayerVariants,
     PerplexityEvaluator,
@@ -53,7 +53,7 @@ from sglang_morph.engines.hf_variants import (
     open_engines,
     read_token_ids,
 )
-from sglang_morph.engines.swap_order import front_to_back, load_swap_order
+from sglang_morph.morph.engines.swap_order import front_to_back, load_swap_order
 from sglang_morph.repo_data import WIKITEXT2_TEST
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
@@ -277,7 +277,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                         help="HF model directory (default: the embedded default model)")
     parser.add_argument("--engines", type=Path, required=True, help="built engines directory")
     parser.add_argument("--order", type=Path, required=True,
-                        help="profile JSON from python -m sglang_morph.profile_layers")
+                        help="profile JSON from python -m sglang_morph.morph.profile_layers")
     parser.add_argument("--bits", type=int, default=4)
     parser.add_argument("--eval-windows", type=int, default=6, help="default 6")
     parser.add_argument("--window-tokens", type=int, default=512, help="default 512")

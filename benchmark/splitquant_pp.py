@@ -52,7 +52,7 @@ PERPLEXITY_WINDOW = 512
 
 def plan(devices: str, *extra: str) -> dict:
     with tempfile.TemporaryDirectory() as d:
-        out = subprocess.run([sys.executable, "-m", "sglang_morph.plan", "plan", "--devices",
+        out = subprocess.run([sys.executable, "-m", "sglang_morph.splitquant", "plan", "--devices",
                               devices, *WORKLOAD, "--baselines", *extra, "--out",
                               f"{d}/plan.json"], capture_output=True, text=True)
         if out.returncode != 0:
@@ -83,7 +83,7 @@ def run_batch(url: str, batch: int, prompt: int, output: int, seed: int) -> floa
 def serve(p: dict, engines: str, kv_bytes_per_token_per_layer: int, log_dir: Path,
           perplexity_tokens: int, timing: bool = True) -> dict:
     """Serve plan ``p`` with its serve.sh command; measure time, memory and perplexity."""
-    from sglang_morph.plan.__main__ import serve_command
+    from sglang_morph.splitquant.__main__ import serve_command
 
     argv, env = serve_command(p, kv_bytes_per_token_per_layer, Path(engines))
     w = p["workload"]
@@ -174,8 +174,8 @@ def main() -> None:
                         help=f"the two stages' devices, NAME:MEMORY (default {DEVICES})")
     args = parser.parse_args()
     from sglang_morph.models import default_model_path
-    from sglang_morph.plan.__main__ import default_engines, parse_size
-    from sglang_morph.plan.model import ModelSpec
+    from sglang_morph.splitquant.__main__ import default_engines, parse_size
+    from sglang_morph.splitquant.model import ModelSpec
 
     devices = args.devices
     total_bytes = sum(parse_size(d.split(":", 1)[1]) for d in devices.split(","))

@@ -1,6 +1,6 @@
 """What quantizing layers really costs, measured offline: per-token NLL and KL to full precision.
 
-The planner's indicators (``sglang_morph.plan.indicator``) predict the quality loss of a
+The planner's indicators (``sglang_morph.splitquant.indicator``) predict the quality loss of a
 (layer, bit-width) from weights and calibration statistics. This benchmark measures it on the
 float32 model with the built variants' dequantized weights (``engines.hf_variants``, the same
 effective weights the CPU kernels are tested against):
@@ -37,7 +37,7 @@ from pathlib import Path
 
 import numpy as np
 
-from sglang_morph.plan.measured import SPLITS, QualityProbe, make_windows, window_mean_se
+from sglang_morph.splitquant.measured import SPLITS, QualityProbe, make_windows, window_mean_se
 
 
 def parse_map(text: str, num_layers: int) -> dict[int, int]:
@@ -140,7 +140,7 @@ def main(argv=None) -> None:
             print(json.dumps(row))
         return
     from sglang_morph.models import default_model_path
-    from sglang_morph.plan.__main__ import default_engines
+    from sglang_morph.splitquant.__main__ import default_engines
 
     from benchmark.harness import git_state, load_average, machine_info
 

@@ -7,7 +7,7 @@ import math
 
 import pytest
 
-from sglang_morph.control import (
+from sglang_morph.morph.control import (
     MODES,
     ModePolicy,
     LayerCosts,

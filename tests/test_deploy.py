@@ -1,4 +1,4 @@
-"""iServe (``sglang_morph.deploy``) without servers: the M2/L2 solves recover known
+"""iServe (``sglang_morph.iserve``) without servers: the M2/L2 solves recover known
 coefficients from synthetic fingerprint measurements, every intent picks the best row of a
 given table, the placement policies, the configuration space, and bad input on the CLI."""
 
@@ -10,8 +10,8 @@ import json
 import numpy as np
 import pytest
 
-from sglang_morph.deploy import __main__ as cli
-from sglang_morph.deploy import estimate, intents, measure, placement, space
+from sglang_morph.iserve import __main__ as cli
+from sglang_morph.iserve import estimate, intents, measure, placement, space
 
 # Ground truth of the synthetic measurements (bytes / seconds), per TP size.
 FIXED = {1: 900e6, 3: 700e6}

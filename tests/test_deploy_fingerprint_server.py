@@ -1,4 +1,4 @@
-"""A 2-layer fingerprint (``sglang_morph.deploy.fingerprint``) is a real model: SGLang serves it
+"""A 2-layer fingerprint (``sglang_morph.iserve.fingerprint``) is a real model: SGLang serves it
 with the same greedy tokens as transformers on the same truncated checkpoint (float32), and its
 restricted engines directory serves the full build's W8/W4 variants of those layers (same
 files, same sha256) through ``--morph-engines`` without any rebuild.
@@ -18,10 +18,10 @@ import torch
 from safetensors import safe_open
 
 from conftest import running_server
-from sglang_morph.deploy import measure
-from sglang_morph.deploy.fingerprint import make_fingerprint
-from sglang_morph.engines import hf_variants
-from sglang_morph.engines.manifest import EngineManifest, sha256_of_file
+from sglang_morph.iserve import measure
+from sglang_morph.iserve.fingerprint import make_fingerprint
+from sglang_morph.morph.engines import hf_variants
+from sglang_morph.morph.engines.manifest import EngineManifest, sha256_of_file
 
 PROMPTS = [("The capital of France is", 16), ("def fibonacci(n):\n", 16),
            ("Once upon a time, in a small village by the sea,", 16)]

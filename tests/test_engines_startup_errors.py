@@ -14,7 +14,7 @@ import subprocess
 import pytest
 
 from conftest import REPO_ROOT
-from sglang_morph.engines.manifest import (
+from sglang_morph.morph.engines.manifest import (
     EngineManifest,
     VariantInfo,
     model_identity,
@@ -98,7 +98,7 @@ def test_layer_out_of_range(parse, tmp_path, hf_config):
 
 
 def test_valid_flags_parse(parse, tmp_path, hf_config):
-    from sglang_morph import config as morph_config
+    from sglang_morph.morph import config as morph_config
 
     engines = write_manifest(tmp_path / "ok", hf_config)
     cfg = morph_config.get(parse("--morph-engines", str(engines), "--morph-precision-map", "*:8"))

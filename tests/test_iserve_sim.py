@@ -12,7 +12,7 @@ import pytest
 from benchmark import iserve_sim as sim
 from benchmark.replay.metrics import Slo
 from benchmark.replay.trace import read_trace
-from sglang_morph.deploy import intents, placement, space
+from sglang_morph.iserve import intents, placement, space
 from sglang_morph.repo_data import TRACES_DIR
 from test_deploy import EMBEDDING, fingerprint_records
 

@@ -53,9 +53,9 @@ from sglang_morph.kunserve.planner import (
     plan_restore,
     split_layers,
 )
-from sglang_morph.plan.memory import MemoryModel, full_precision_layers
-from sglang_morph.plan.model import SIMULATED_MODELS, ModelSpec
-from sglang_morph.plan.workload import Workload
+from sglang_morph.splitquant.memory import MemoryModel, full_precision_layers
+from sglang_morph.splitquant.model import SIMULATED_MODELS, ModelSpec
+from sglang_morph.splitquant.workload import Workload
 
 BUDGET_BYTES = 365_000_000  # SmolLM2-135M whole: ~270 MB of weights + ~4k KV tokens
 

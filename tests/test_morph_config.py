@@ -6,7 +6,7 @@ import argparse
 
 import pytest
 
-from sglang_morph.config import MORPH_MODES, MorphConfig, MorphConfigError, PrecisionMap, parse_bytes
+from sglang_morph.morph.config import MORPH_MODES, MorphConfig, MorphConfigError, PrecisionMap, parse_bytes
 
 
 def ns(**kw):
@@ -92,7 +92,7 @@ def test_memory_budget_errors_name_the_flag(text):
 
 
 def test_cli_modes_match_the_policy_registry():
-    from sglang_morph.control.policy import MODES
+    from sglang_morph.morph.control.policy import MODES
 
     assert set(MODES) == set(MORPH_MODES)
 
@@ -100,7 +100,7 @@ def test_cli_modes_match_the_policy_registry():
 def test_budget_sizing_from_the_checkpoint(default_model_path):
     import json
 
-    from sglang_morph.engines.startup import size_kv_for_budget
+    from sglang_morph.morph.engines.startup import size_kv_for_budget
 
     hf = json.loads((default_model_path / "config.json").read_text())
     weights = 134_515_008 * 2  # SmolLM2-135M parameters (tied LM head), bf16

@@ -21,18 +21,19 @@ import torch
 import torch.nn.functional as F
 from safetensors.torch import save_file
 
-from sglang_morph.config import FULL_PRECISION_BITS, MorphConfig
-from sglang_morph.control.controller import SwapLayers
-from sglang_morph.engines import formats
-from sglang_morph.engines.manifest import (
+from sglang_morph.config import FULL_PRECISION_BITS
+from sglang_morph.morph.config import MorphConfig
+from sglang_morph.morph.control.controller import SwapLayers
+from sglang_morph.morph.engines import formats
+from sglang_morph.morph.engines.manifest import (
     LINEAR_NAMES,
     EngineManifest,
     VariantInfo,
     variant_file_name,
 )
-from sglang_morph.executor import variants
-from sglang_morph.executor.faults import STEPS, FaultInjector, InjectedFault, parse_spec
-from sglang_morph.executor.variants import (
+from sglang_morph.morph.executor import variants
+from sglang_morph.morph.executor.faults import STEPS, FaultInjector, InjectedFault, parse_spec
+from sglang_morph.morph.executor.variants import (
     FUSED_LINEARS,
     LayerVariantInstaller,
     MorphQuantLinearMethod,
@@ -258,7 +259,7 @@ def test_revert_puts_an_applied_move_back_exactly(staged):
 
 
 def make_runtime(staged):
-    from sglang_morph.executor.runtime import MorphRuntime
+    from sglang_morph.morph.executor.runtime import MorphRuntime
 
     s = make_scheduler()
     model = TinyModel()
@@ -298,7 +299,7 @@ def live_kv_above_the_start_capacity(s) -> list:
 
 @pytest.mark.parametrize("step", STEPS)
 def test_runtime_fault_in_each_step_changes_nothing(staged, step):
-    from sglang_morph.executor.runtime import MorphRequestError
+    from sglang_morph.morph.executor.runtime import MorphRequestError
 
     s, model, runtime = make_runtime(staged)
     start_capacity, fp_out = runtime.resizer.capacity_tokens, outputs(model)
@@ -334,7 +335,7 @@ def test_runtime_fault_in_each_step_changes_nothing(staged, step):
 
 
 def test_runtime_refused_restore_is_recorded_and_changes_nothing(staged):
-    from sglang_morph.executor.runtime import MorphRequestError
+    from sglang_morph.morph.executor.runtime import MorphRequestError
 
     s, model, runtime = make_runtime(staged)
     runtime.apply(SwapLayers((0, 1, 2), 4, "test"), source="api")
@@ -418,7 +419,7 @@ def fault_server(server_factory, engines_awq, tmp_path_factory):
 @pytest.fixture(scope="module")
 def corpus_ids(default_model_path):
     from conftest import DATA_DIR
-    from sglang_morph.engines import hf_variants
+    from sglang_morph.morph.engines import hf_variants
 
     tokenizer = hf_variants.load_tokenizer(default_model_path)
     return tokenizer((DATA_DIR / "text" / "wikitext2_test.txt").read_text())["input_ids"]

@@ -96,10 +96,10 @@ def test_pp2_with_a_precision_map_equals_pp1_token_for_token(pp2, pp1, corpus_id
 
 
 def test_stage_memory_equals_the_plan_memory_model(pp2, default_model_path):
-    from sglang_morph.config import parse_bytes
-    from sglang_morph.plan.memory import MemoryModel
-    from sglang_morph.plan.model import ModelSpec
-    from sglang_morph.plan.workload import Workload
+    from sglang_morph.morph.config import parse_bytes
+    from sglang_morph.splitquant.memory import MemoryModel
+    from sglang_morph.splitquant.model import ModelSpec
+    from sglang_morph.splitquant.workload import Workload
 
     memory = MemoryModel.from_spec(ModelSpec.from_model_dir(default_model_path, dtype_bytes=4),
                                    layout="cpu")
@@ -267,8 +267,8 @@ def test_the_leaders_action_goes_out_once_and_it_waits_for_it():
     """parallel/relay.py without a server: what the hook on _poll_timeout_aborts adds."""
     import types
 
-    from sglang_morph.control.controller import SwapLayers
-    from sglang_morph.parallel.relay import ActionRelay
+    from sglang_morph.morph.control.controller import SwapLayers
+    from sglang_morph.morph.parallel.relay import ActionRelay
     from sglang_morph.plugin import _after_poll_timeout_aborts
 
     relay = ActionRelay(leads=True)
@@ -326,7 +326,7 @@ def test_unsupported_pipeline_configurations_are_refused(parse, flags, line):
 
 
 def test_pipeline_flags_parse(parse):
-    from sglang_morph import config as morph_config
+    from sglang_morph.morph import config as morph_config
 
     args = parse("--pp-size", "2", "--morph-stage-budgets", "300MB,1GiB")
     assert morph_config.get(args).stage_budget_bytes == (300 * 10**6, 2**30)

@@ -1,4 +1,4 @@
-"""``python -m sglang_morph.plan`` end to end: the cost model fitted from this machine's
+"""``python -m sglang_morph.splitquant`` end to end: the cost model fitted from this machine's
 measurements, the variance indicator against the real output error, the CLI's plan and errors,
 and a single-stage plan served by SGLang whose /morph/status matches the memory model."""
 
@@ -13,17 +13,17 @@ import numpy as np
 import pytest
 import requests
 
-from sglang_morph.config import PrecisionMap
-from sglang_morph.plan import cost, indicator
-from sglang_morph.plan.memory import MemoryModel
-from sglang_morph.plan.model import ModelSpec
+from sglang_morph.morph.config import PrecisionMap
+from sglang_morph.splitquant import cost, indicator
+from sglang_morph.splitquant.memory import MemoryModel
+from sglang_morph.splitquant.model import ModelSpec
 
 REPO = Path(__file__).resolve().parents[1]
 PROFILE = REPO / "benchmark/results/splitquant/cpu_profile.json"
 
 
 def plan_cli(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "sglang_morph.plan", *args],
+    return subprocess.run([sys.executable, "-m", "sglang_morph.splitquant", *args],
                           capture_output=True, text=True, timeout=300)
 
 
@@ -57,8 +57,8 @@ def test_fit_recovers_known_coefficients():
 
 def test_variance_indicator_ranks_layers_like_the_real_output_error(default_model_path,
                                                                     engines_awq):
-    from sglang_morph.engines import awq, formats
-    from sglang_morph.engines.manifest import EngineManifest, read_variant
+    from sglang_morph.morph.engines import awq, formats
+    from sglang_morph.morph.engines.manifest import EngineManifest, read_variant
     from safetensors import safe_open
 
     stats, _ = indicator.calibration_stats(default_model_path, samples=2,
@@ -98,7 +98,7 @@ def test_variance_indicator_ranks_layers_like_the_real_output_error(default_mode
     (["--devices", "cpu:1GB", "--cpu-profile", "/nonexistent.json"], "does not exist"),
 ])
 def test_cli_errors_name_the_problem(args, message, capsys):
-    from sglang_morph.plan.__main__ import main
+    from sglang_morph.splitquant.__main__ import main
 
     assert main(["plan", *args]) == 2
     err = capsys.readouterr().err
@@ -157,6 +157,6 @@ def test_single_stage_plan_served_memory_equals_the_model(tmp_path, default_mode
 
 
 def _workload(plan):
-    from sglang_morph.plan.workload import Workload
+    from sglang_morph.splitquant.workload import Workload
 
     return Workload(**plan["plan"]["workload"])

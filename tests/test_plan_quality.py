@@ -8,10 +8,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from sglang_morph.engines.hf_variants import effective_weights, load_model
-from sglang_morph.engines.manifest import EngineManifest
-from sglang_morph.plan import indicator
-from sglang_morph.plan.measured import QualityProbe, window_mean_se
+from sglang_morph.morph.engines.hf_variants import effective_weights, load_model
+from sglang_morph.morph.engines.manifest import EngineManifest
+from sglang_morph.splitquant import indicator
+from sglang_morph.splitquant.measured import QualityProbe, window_mean_se
 
 BITS = (16, 8, 4)
 

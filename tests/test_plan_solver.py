@@ -10,13 +10,13 @@ import time
 import numpy as np
 import pytest
 
-from sglang_morph.plan import baselines, brute_force, heuristic, ilp
-from sglang_morph.plan.devices import GPUS, gpu_latency_model
-from sglang_morph.plan.memory import MemoryModel
-from sglang_morph.plan.model import SIMULATED_MODELS
-from sglang_morph.plan.problem import Cluster, Device, PlanningProblem, StageTables
-from sglang_morph.plan.search import search
-from sglang_morph.plan.workload import Workload
+from sglang_morph.splitquant import baselines, brute_force, heuristic, ilp
+from sglang_morph.splitquant.devices import GPUS, gpu_latency_model
+from sglang_morph.splitquant.memory import MemoryModel
+from sglang_morph.splitquant.model import SIMULATED_MODELS
+from sglang_morph.splitquant.problem import Cluster, Device, PlanningProblem, StageTables
+from sglang_morph.splitquant.search import search
+from sglang_morph.splitquant.workload import Workload
 
 BITS = (16, 8, 4)
 

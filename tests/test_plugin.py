@@ -7,7 +7,7 @@ import pickle
 import pytest
 
 from sglang_morph import SGLANG_VERSION
-from sglang_morph import config as morph_config
+from sglang_morph.morph import config as morph_config
 from sglang_morph.plugin import HOOKS, Hook, MorphPluginError, register_and_verify
 
 
@@ -79,19 +79,19 @@ def test_hook_that_cannot_apply_stops_startup_naming_the_sglang_version(loaded_s
 
 
 def test_every_sglang_symbol_the_plugin_uses_exists_in_the_pinned_release(loaded_sglang):
-    from sglang_morph import sglang_symbols as sym
+    from sglang_morph import surface as sym
 
     assert sym.missing_symbols(sym.ALL_SYMBOLS) == []
     # Every hook target is in the list.
     listed = {s.path for s in sym.ALL_SYMBOLS if s.use == "hook"}
-    from sglang_morph.server.provenance import http_hooks
+    from sglang_morph.morph.provenance import http_hooks
 
     http_side = {sym.HOOK_TOKENIZER_MANAGER_INIT} | {target for target, _, _ in http_hooks()}
     assert {h.target for h in HOOKS} | http_side == listed
 
 
 def test_a_missing_symbol_stops_startup_with_one_line_naming_the_release(loaded_sglang):
-    from sglang_morph import sglang_symbols as sym
+    from sglang_morph import surface as sym
 
     gone = (sym.Symbol("sglang.srt.managers.scheduler.Scheduler.no_such_attribute", "read", True),
             sym.Symbol("sglang.srt.mem_cache.memory_pool.NoSuchPool", "read"),

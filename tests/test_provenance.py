@@ -14,12 +14,12 @@ from types import SimpleNamespace
 import pytest
 import requests
 
-from sglang_morph.server import provenance as prov
+from sglang_morph.morph import provenance as prov
 # The runtime test's 8 layers (the first of the LIS order) and its transformers reference with
 # a precision schedule.
 import test_morph_runtime_server as runtime_test
 from test_morph_runtime_server import SWAPPED as LAYERS, transformers_schedule
-from sglang_morph.server.provenance import (
+from sglang_morph.morph.provenance import (
     PrecisionState,
     ProvenanceTracker,
     Segment,

@@ -14,7 +14,7 @@ from benchmark.replay import metrics as M
 from benchmark.replay.client import ReplayResult, RequestRecord
 from benchmark.replay.trace import TRACES, TraceWindow, load_window, prompt_token_ids, read_trace
 from conftest import REPO_ROOT
-from sglang_morph.server.provenance import check_provenance
+from sglang_morph.morph.provenance import check_provenance
 
 CODE = TRACES / "azure_llm_2023_code.csv"
 BURSTGPT = TRACES / "burstgpt_first400.csv"

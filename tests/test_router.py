@@ -33,7 +33,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from conftest import SERVER_START_TIMEOUT_S
 from benchmark.harness import ServerProcess, free_port
-from sglang_morph.server.provenance import KEY
+from sglang_morph.morph.provenance import KEY
 from test_provenance import prompt
 
 BUDGET = "650MB"

@@ -20,8 +20,8 @@ import logging
 import sys
 from typing import Any, Callable
 
-from sglang_morph import config as morph_config
-from sglang_morph import sglang_symbols as sym
+from sglang_morph.morph import config as morph_config
+from sglang_morph import surface as sym
 
 logger = logging.getLogger("sglang_morph")
 
@@ -56,12 +56,12 @@ def _after_add_cli_args(_result: None, parser: Any) -> None:
 
 
 def _after_from_cli_args(server_args: Any, _cls: Any, args: Any) -> None:
-    from sglang_morph.engines.startup import local_hf_config, plan_startup
+    from sglang_morph.morph.engines.startup import local_hf_config, plan_startup
 
     try:
         cfg = morph_config.MorphConfig.from_cli_namespace(args)
         if cfg.enabled:
-            from sglang_morph.parallel.pipeline import check_launch
+            from sglang_morph.morph.parallel.pipeline import check_launch
 
             check_supported(server_args)
             check_launch(server_args, cfg)
@@ -72,7 +72,7 @@ def _after_from_cli_args(server_args: Any, _cls: Any, args: Any) -> None:
             # every variant at startup and would stop with a traceback).
             plan = plan_startup(cfg, hf_config, verify_checksums=True)
         if cfg.enabled:
-            from sglang_morph.parallel import tensor
+            from sglang_morph.morph.parallel import tensor
 
             tensor.check_launch(server_args, cfg, hf_config,
                                 plan.manifest if plan is not None else None)
@@ -91,7 +91,7 @@ def _after_from_cli_args(server_args: Any, _cls: Any, args: Any) -> None:
 
 
 # Flags of parallel layouts the runtime does not morph yet. Pipeline parallelism is supported
-# (sglang_morph.parallel.pipeline: each stage morphs its own layers), also with its stages on
+# (sglang_morph.morph.parallel.pipeline: each stage morphs its own layers), also with its stages on
 # several nodes (--nnodes); so are data parallelism (parallel/replicas.py: each replica morphs
 # on its own) and tensor parallelism (parallel/tensor.py: each rank swaps its shards at the same
 # step), one at a time and on one node (checked in check_supported).
@@ -208,7 +208,7 @@ def _turn_off_graphs(server_args: Any) -> None:
 def _size_kv_for_budget(server_args: Any, cfg: morph_config.MorphConfig, hf_config: Any) -> None:
     from pathlib import Path
 
-    from sglang_morph.engines.startup import size_kv_for_budget
+    from sglang_morph.morph.engines.startup import size_kv_for_budget
 
     if server_args.max_total_tokens is not None:
         raise morph_config.MorphConfigError(
@@ -217,7 +217,7 @@ def _size_kv_for_budget(server_args: Any, cfg: morph_config.MorphConfig, hf_conf
         raise morph_config.MorphConfigError(
             "--morph-memory-budget needs a local model directory (--model-path PATH)")
     if (server_args.pp_size or 1) > 1 or (server_args.tp_size or 1) > 1:
-        from sglang_morph.parallel import pipeline, tensor
+        from sglang_morph.morph.parallel import pipeline, tensor
 
         sizing = pipeline if (server_args.pp_size or 1) > 1 else tensor
         server_args.max_total_tokens = sizing.initial_kv_tokens(cfg, hf_config, server_args)
@@ -235,10 +235,10 @@ def _install_http_side() -> None:
     their IPC. Only with --enable-morph, so a server without it has no /morph routes."""
     from sglang.srt.entrypoints.http_server import app
 
-    from sglang_morph.server.http import add_routes
+    from sglang_morph.morph.http import add_routes
 
     add_routes(app)
-    from sglang_morph.server.provenance import http_hooks
+    from sglang_morph.morph.provenance import http_hooks
 
     register_and_verify((Hook(sym.HOOK_TOKENIZER_MANAGER_INIT, _after_tokenizer_manager_init,
                               "AFTER"),
@@ -247,7 +247,7 @@ def _install_http_side() -> None:
 
 def _after_tokenizer_manager_init(_result: None, tokenizer_manager: Any, *args: Any,
                                   **kwargs: Any) -> None:
-    from sglang_morph.server.http import attach_to_tokenizer_manager
+    from sglang_morph.morph.http import attach_to_tokenizer_manager
 
     attach_to_tokenizer_manager(tokenizer_manager)
 
@@ -257,9 +257,9 @@ def _after_load_model(_result: None, runner: Any) -> None:
     if not cfg.enabled or cfg.engines_dir is None or runner.is_draft_worker:
         return
     from sglang_morph.config import FULL_PRECISION_BITS
-    from sglang_morph.engines.startup import plan_startup
-    from sglang_morph.executor.variants import LayerVariantInstaller, StagedVariants, held_layers
-    from sglang_morph.parallel.tensor import sharder
+    from sglang_morph.morph.engines.startup import plan_startup
+    from sglang_morph.morph.executor.variants import LayerVariantInstaller, StagedVariants, held_layers
+    from sglang_morph.morph.parallel.tensor import sharder
 
     try:
         plan = plan_startup(cfg, runner.model_config.hf_config.to_dict())
@@ -305,10 +305,10 @@ def _after_scheduler_init(_result: None, scheduler: Any, *args: Any, **kwargs: A
         return
     from sglang.utils import TypeBasedDispatcher
 
-    from sglang_morph.executor.runtime import MorphRuntime
-    from sglang_morph.server.messages import MORPH_REQUESTS, MorphActionReq
+    from sglang_morph.morph.executor.runtime import MorphRuntime
+    from sglang_morph.morph.messages import MORPH_REQUESTS, MorphActionReq
 
-    from sglang_morph.parallel.pipeline import stage_config
+    from sglang_morph.morph.parallel.pipeline import stage_config
 
     model_config = scheduler.model_config
     try:
@@ -350,13 +350,13 @@ def _after_poll_timeout_aborts(result: list, scheduler: Any) -> list:
 
 
 def _after_get_output_streamer_class(result: type, scheduler: Any) -> type | None:
-    from sglang_morph.server.provenance import after_get_output_streamer_class
+    from sglang_morph.morph.provenance import after_get_output_streamer_class
 
     return after_get_output_streamer_class(result, scheduler)
 
 
 def _after_retract_decode(result: Any, *args: Any, **kwargs: Any) -> None:
-    from sglang_morph.executor.runtime import count_retractions
+    from sglang_morph.morph.executor.runtime import count_retractions
 
     count_retractions(result)
 
@@ -405,7 +405,7 @@ def load() -> None:
     """Entry point called by ``sglang.srt.plugins.load_plugins()``."""
     # Registers the /morph IPC message types with SGLang's msgpack decoder in this process.
     from sglang_morph.kunserve.live import messages as kunserve_messages
-    from sglang_morph.server import messages
+    from sglang_morph.morph import messages
 
     del messages, kunserve_messages
     # Multi-rank SGLang on CPU (TP, PP, DP, nodes), with or without --enable-morph.

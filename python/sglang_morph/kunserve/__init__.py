@@ -1,4 +1,4 @@
-"""KunServe on SGLang data-parallel replicas (issue 13): drop replicated layers, not precision.
+"""KunServe on SGLang data-parallel replicas: drop replicated layers, not precision.
 
 Under a KV overload, replicas drop complementary parts of their (replicated) decoder layers,
 turn the freed weight memory into KV, and serve the merged group as a pipeline; they restore

@@ -10,8 +10,6 @@ without ``--enable-morph``, and act on CPU only:
 - ``binding``: the default ``SGLANG_CPU_OMP_THREADS_BIND`` for a launch (``scripts/serve.sh``
   sets it when the user did not).
 
-With ``--enable-morph``: ``tensor`` (each TP rank shards the variants at load and swaps at the
-same step), ``pipeline`` (each stage morphs its own layers, also with stages on several nodes),
-``relay`` (TP rank 0's or stage 0's controller decides for every rank), ``replicas`` (each DP
-replica morphs on its own).
+Morphing under these layouts (``--enable-morph`` with TP, PP or DP) lives in
+``sglang_morph.morph.parallel``.
 """

@@ -16,7 +16,7 @@ from sglang_morph.kunserve.live.messages import (
     KunServeRestoreReq,
     KunServeStatusReq,
 )
-from sglang_morph.server.http import control_client, json_object
+from sglang_morph.morph.http import control_client, json_object
 
 
 async def _forward(req: Any) -> JSONResponse:

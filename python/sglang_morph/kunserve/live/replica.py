@@ -55,12 +55,12 @@ from typing import Any
 
 import torch
 
-from sglang_morph.executor.faults import FaultInjector
-from sglang_morph.executor.kv_resizer import KVResizer, set_pool_buffers
+from sglang_morph.morph.executor.faults import FaultInjector
+from sglang_morph.morph.executor.kv_resizer import KVResizer, set_pool_buffers
 from sglang_morph.kunserve.live.attention import new_rows_backend
 from sglang_morph.kunserve.live.link import PeerLink
 from sglang_morph.kunserve.planner import DropPlannerConfig, MemberLayout, make_group
-from sglang_morph.parallel.replicas import replica_index
+from sglang_morph.morph.parallel.replicas import replica_index
 
 logger = logging.getLogger("sglang_morph.kunserve")
 
@@ -79,8 +79,8 @@ class KunServeReplica:
 
     def __init__(self, scheduler: Any, link_port: int, auto: Any = None,
                  micro_batches: int = 4):
-        from sglang_morph.plan.memory import MemoryModel
-        from sglang_morph.plan.model import ModelSpec
+        from sglang_morph.splitquant.memory import MemoryModel
+        from sglang_morph.splitquant.model import ModelSpec
 
         runner = scheduler.tp_worker.model_runner
         model = runner.model
@@ -251,7 +251,7 @@ class KunServeReplica:
 
     def handle_control(self, req: Any) -> Any:
         from sglang_morph.kunserve.live.messages import KunServeDropReq, KunServeRestoreReq
-        from sglang_morph.server.messages import MorphControlOutput
+        from sglang_morph.morph.messages import MorphControlOutput
 
         if isinstance(req, (KunServeDropReq, KunServeRestoreReq)):
             code, body = self.transition(merge=isinstance(req, KunServeDropReq))

@@ -1,0 +1,194 @@
+"""``/morph/*`` routes in SGLang's HTTP server and the client that forwards them to the scheduler.
+
+The morphing state lives in the scheduler process; a route sends a typed request
+(``messages.MorphStatusReq``, ``MorphSwapReq``, ``MorphModeReq``) through the TokenizerManager's
+scheduler socket and awaits the ``MorphControlOutput`` that the scheduler sends back on its
+control-output channel (dispatched by the TokenizerManager's result dispatcher, the same path
+SGLang's own control requests take). The scheduler applies a swap between two batches and
+answers with the new status.
+
+Auth: the control routes are ``ADMIN_OPTIONAL`` in SGLang's auth model (``--api-key`` protects
+them; with ``--admin-api-key`` set only the admin key opens them); ``GET /morph/status`` is a
+normal endpoint (``--api-key`` protects it).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import uuid
+from typing import Any
+
+from fastapi import Request
+from fastapi.responses import JSONResponse
+
+from sglang_morph.morph.parallel.replicas import SKIPPED, replica_count
+from sglang_morph.morph.messages import (
+    MorphControlOutput,
+    MorphModeReq,
+    MorphStatusReq,
+    MorphSwapReq,
+)
+
+logger = logging.getLogger("sglang_morph")
+
+# A swap of every layer with a KV move takes seconds on CPU; past this the route gives up (the
+# scheduler still finishes the transition, and /morph/status shows it).
+CONTROL_TIMEOUT_S = 300.0
+
+
+class MorphControlClient:
+    """Pending control requests of one TokenizerManager, keyed by request id. Under
+    ``--dp-size N`` every replica answers each request (``parallel/replicas.py``): a request is
+    done when all ``replicas`` have."""
+
+    def __init__(self, tokenizer_manager: Any, replicas: int = 1):
+        self.tokenizer_manager = tokenizer_manager
+        self.replicas = replicas
+        self._pending: dict[str, tuple[asyncio.Future, list[MorphControlOutput]]] = {}
+
+    async def call(self, req: MorphStatusReq | MorphSwapReq | MorphModeReq
+                   ) -> list[MorphControlOutput]:
+        """Send ``req`` (its ``rid`` is set here) and return the answers of the replicas it
+        concerned (one on a server without data parallelism), in replica order."""
+        req.rid = f"morph-{uuid.uuid4().hex}"
+        future = asyncio.get_running_loop().create_future()
+        self._pending[req.rid] = (future, [])
+        tm = self.tokenizer_manager
+        tm.auto_create_handle_loop()  # the loop that receives scheduler outputs
+        try:
+            await tm._async_dispatch_to_scheduler(req)
+            outs: list[MorphControlOutput] = await asyncio.wait_for(future, CONTROL_TIMEOUT_S)
+        finally:
+            self._pending.pop(req.rid, None)
+        return sorted((o for o in outs if o.status_code != SKIPPED), key=lambda o: o.replica)
+
+    def on_output(self, out: MorphControlOutput) -> None:
+        future, outs = self._pending.get(out.rid, (None, None))
+        if future is None or future.done():
+            return
+        outs.append(out)
+        if len(outs) == self.replicas:
+            future.set_result(outs)
+
+
+def attach_to_tokenizer_manager(tokenizer_manager: Any) -> None:
+    """Give ``tokenizer_manager`` a control client and route scheduler answers to it."""
+    from sglang.utils import TypeBasedDispatcher
+
+    client = MorphControlClient(tokenizer_manager,
+                                replica_count(getattr(tokenizer_manager, "server_args", None)))
+    tokenizer_manager._result_dispatcher += TypeBasedDispatcher(
+        [(MorphControlOutput, client.on_output)]
+    )
+    tokenizer_manager.morph_control = client
+
+
+def _bad_request(message: str):
+    return JSONResponse({"error": message}, status_code=400)
+
+
+def control_client() -> Any:
+    """The TokenizerManager's control client (``attach_to_tokenizer_manager``), or None where
+    no control routes were installed. The /morph and /kunserve routes both go through it."""
+    from sglang.srt.entrypoints.http_server import get_global_state
+
+    return getattr(get_global_state().tokenizer_manager, "morph_control", None)
+
+
+async def _forward(req: MorphStatusReq | MorphSwapReq | MorphModeReq):
+    """The scheduler's answer; under ``--dp-size N`` (several answers) ``{"replicas": [...]}``,
+    with the first failing replica's status code if any failed."""
+    client = control_client()
+    if client is None:
+        return JSONResponse({"error": "sglang-morph is not running in this server"},
+                              status_code=503)
+    outs = await client.call(req)
+    if client.replicas == 1 or getattr(req, "replica", None) is not None:
+        (out,) = outs
+        return JSONResponse(out.body, status_code=out.status_code)
+    failed = [o.status_code for o in outs if o.status_code != 200]
+    return JSONResponse({"replicas": [o.body for o in outs]},
+                        status_code=failed[0] if failed else 200)
+
+
+def _replica_field(body: dict[str, Any], replicas: int, required: bool):
+    """The ``replica`` of a control request body: (value, None) or (None, error response)."""
+    replica = body.get("replica")
+    if replica is None:
+        if required and replicas > 1:
+            return None, _bad_request(
+                f"this server has {replicas} data-parallel replicas and each swaps on its own: "
+                f"name one with \"replica\" (0-{replicas - 1})")
+        return None, None
+    if not isinstance(replica, int) or isinstance(replica, bool) or not 0 <= replica < replicas:
+        return None, _bad_request(f"'replica' must be a data-parallel replica index, "
+                                  f"0-{replicas - 1} on this server")
+    return replica, None
+
+
+def _replicas() -> int:
+    client = control_client()
+    return 1 if client is None else client.replicas
+
+
+async def json_object(request) -> dict[str, Any] | None:
+    """The request's JSON body if it is an object, else None (not JSON, or not an object)."""
+    try:
+        body = await request.json()
+    except (ValueError, UnicodeDecodeError):
+        return None
+    return body if isinstance(body, dict) else None
+
+
+def add_routes(app: Any) -> None:
+    """Add the /morph routes to SGLang's FastAPI ``app`` (launcher process, before serving)."""
+    from sglang.srt.utils.auth import AuthLevel, auth_level
+
+    async def morph_status():
+        """Layer precisions, KV capacity and usage, the memory budget, recent transitions."""
+        return await _forward(MorphStatusReq())
+
+    @auth_level(AuthLevel.ADMIN_OPTIONAL)
+    async def morph_swap(request: Request):
+        """``{"layers": [0, 3], "bits": 4}``; bits 16 restores full precision. The layers stay
+        pinned where the operator put them (the controller does not move them) unless
+        ``"pin": false``, which hands them back to the controller. Under ``--dp-size N`` the
+        body names the ``"replica"`` that swaps."""
+        body = await json_object(request)
+        if body is None:
+            return _bad_request('expected a JSON object like {"layers": [0, 1], "bits": 4}')
+        unknown = sorted(set(body) - {"layers", "bits", "pin", "replica"})
+        if unknown:
+            return _bad_request(f"unknown fields {unknown}; expected 'layers', 'bits' and "
+                                f"optionally 'pin' and 'replica'")
+        layers, bits = body.get("layers"), body.get("bits")
+        if (not isinstance(layers, list) or not layers
+                or not all(isinstance(i, int) and not isinstance(i, bool) for i in layers)):
+            return _bad_request("'layers' must be a non-empty list of layer indices")
+        if not isinstance(bits, int) or isinstance(bits, bool):
+            return _bad_request("'bits' must be an integer bit-width (16 restores)")
+        pin = body.get("pin", True)
+        if not isinstance(pin, bool):
+            return _bad_request("'pin' must be true or false")
+        replica, error = _replica_field(body, _replicas(), required=True)
+        if error is not None:
+            return error
+        return await _forward(MorphSwapReq(layers=layers, bits=bits, pin=pin, replica=replica))
+
+    @auth_level(AuthLevel.ADMIN_OPTIONAL)
+    async def morph_mode(request: Request):
+        """``{"mode": "performance"}``: change the controller's policy at runtime (every
+        replica's, or one's with ``"replica"``)."""
+        body = await json_object(request)
+        if (body is None or not isinstance(body.get("mode"), str)
+                or not set(body) <= {"mode", "replica"}):
+            return _bad_request('expected a JSON object like {"mode": "performance"}')
+        replica, error = _replica_field(body, _replicas(), required=False)
+        if error is not None:
+            return error
+        return await _forward(MorphModeReq(mode=body["mode"], replica=replica))
+
+    app.add_api_route("/morph/status", morph_status, methods=["GET"])
+    app.add_api_route("/morph/swap", morph_swap, methods=["POST"])
+    app.add_api_route("/morph/mode", morph_mode, methods=["POST"])
