@@ -20,7 +20,7 @@ from sglang_morph.morph.engines.manifest import (
     model_identity,
     variant_file_name,
 )
-from sglang_morph.plugin import MorphPluginError
+from sglang_morph.surface import PluginError
 
 
 def write_manifest(engines_dir, hf_config, bits=(8,)):
@@ -63,37 +63,37 @@ def hf_config(default_model_path):
 
 
 def test_missing_engines_dir(parse, tmp_path):
-    with pytest.raises(MorphPluginError, match="engines directory .* does not exist"):
+    with pytest.raises(PluginError, match="engines directory .* does not exist"):
         parse("--morph-engines", str(tmp_path / "nope"))
 
 
 def test_dir_without_manifest(parse, tmp_path):
-    with pytest.raises(MorphPluginError, match="has no manifest.json; build it with"):
+    with pytest.raises(PluginError, match="has no manifest.json; build it with"):
         parse("--morph-engines", str(tmp_path))
 
 
 def test_manifest_for_another_model(parse, tmp_path, hf_config):
     other = {**hf_config, "num_hidden_layers": 2, "hidden_size": 64}
     engines = write_manifest(tmp_path / "other", other)
-    with pytest.raises(MorphPluginError, match="built for a model with num_hidden_layers=2"):
+    with pytest.raises(PluginError, match="built for a model with num_hidden_layers=2"):
         parse("--morph-engines", str(engines), "--morph-precision-map", "*:8")
 
 
 def test_unknown_bit_width(parse, tmp_path, hf_config):
     engines = write_manifest(tmp_path / "e", hf_config)
-    with pytest.raises(MorphPluginError, match="unknown bit-width 5"):
+    with pytest.raises(PluginError, match="unknown bit-width 5"):
         parse("--morph-engines", str(engines), "--morph-precision-map", "0-3:5")
 
 
 def test_bits_without_built_variant(parse, tmp_path, hf_config):
     engines = write_manifest(tmp_path / "e8", hf_config, bits=(8,))
-    with pytest.raises(MorphPluginError, match=r"asks for \[4\]-bit layers"):
+    with pytest.raises(PluginError, match=r"asks for \[4\]-bit layers"):
         parse("--morph-engines", str(engines), "--morph-precision-map", "0-3:4")
 
 
 def test_layer_out_of_range(parse, tmp_path, hf_config):
     engines = write_manifest(tmp_path / "e", hf_config)
-    with pytest.raises(MorphPluginError, match="layer 31 does not exist"):
+    with pytest.raises(PluginError, match="layer 31 does not exist"):
         parse("--morph-engines", str(engines), "--morph-precision-map", "31:8")
 
 
@@ -108,7 +108,7 @@ def test_valid_flags_parse(parse, tmp_path, hf_config):
 def test_corrupted_variant_file_is_named(parse, tmp_path, hf_config):
     engines = write_manifest(tmp_path / "e", hf_config)
     (engines / variant_file_name(3, 8)).write_bytes(b"not the built variant")
-    with pytest.raises(MorphPluginError, match=r"layer 3 8-bit variant layer_003\.w8\.safetensors: "
+    with pytest.raises(PluginError, match=r"layer 3 8-bit variant layer_003\.w8\.safetensors: "
                                                r"sha256 differs from the manifest's"):
         parse("--morph-engines", str(engines))
 
@@ -125,7 +125,7 @@ def test_corrupted_variant_file_is_named(parse, tmp_path, hf_config):
     (["--speculative-algorithm", "NGRAM"], "--speculative-algorithm"),
 ])
 def test_unsupported_configurations_are_refused(parse, flags, needle):
-    with pytest.raises(MorphPluginError, match="sglang-morph: error: --enable-morph does not "
+    with pytest.raises(PluginError, match="sglang-morph: error: --enable-morph does not "
                                                "support " + re.escape(needle)):
         parse(*flags)
 

@@ -22,10 +22,10 @@ import time
 import pytest
 
 from sglang_morph.kunserve.live import config as kunserve_config
-from sglang_morph.plugin import MorphPluginError, _kunserve_from_cli_args
+from sglang_morph.surface import PluginError
 # (corpus_ids and tokenizer are that module's fixtures)
 from test_morph_runtime_server import corpus_ids, prompt_ids, tokenizer  # noqa: F401
-from test_kunserve_live import generate_on as generate_on_live, launch_args, status
+from test_kunserve_live import configure_kunserve, generate_on as generate_on_live, launch_args, status
 
 N_NEW = 16
 WHOLE_TOKENS = 256
@@ -97,8 +97,8 @@ def test_local_view_reports_a_queue_sglang_refused(waiting, running, full, max_r
 ])
 def test_bad_auto_flags_are_a_cli_error(flags, message):
     server_args = launch_args()
-    with pytest.raises(MorphPluginError, match="sglang-morph: error: ") as e:
-        _kunserve_from_cli_args(server_args, argparse.Namespace(**flags), False)
+    with pytest.raises(PluginError, match="sglang-morph: error: ") as e:
+        configure_kunserve(server_args, argparse.Namespace(**flags), False)
     assert message in str(e.value)
     assert not hasattr(server_args, kunserve_config.SERVER_ARGS_ATTR)  # nothing attached
 

@@ -35,7 +35,9 @@ import requests
 
 from sglang_morph.kunserve.live import config as kunserve_config
 from sglang_morph.kunserve.live.replica import FAULT_REPLICA_ENV
-from sglang_morph.plugin import MorphPluginError, _kunserve_from_cli_args
+from sglang_morph.kunserve.live.mechanism import MECHANISM as KUNSERVE
+from sglang_morph.plugin import configure
+from sglang_morph.surface import PluginError
 # (corpus_ids and tokenizer are that module's fixtures)
 from test_morph_runtime_server import (  # noqa: F401
     ADMIN,
@@ -59,6 +61,11 @@ def launch_args(**overrides):
     return types.SimpleNamespace(**{**base, **overrides})
 
 
+def configure_kunserve(server_args, args, morph_enabled: bool) -> bool:
+    """The launcher's configuration of KunServe, after morph's when that is enabled."""
+    return configure(KUNSERVE, server_args, args, frozenset({"morph"} if morph_enabled else ()))
+
+
 @pytest.mark.parametrize("overrides, morph, message", [
     (dict(dp_size=1), False, "--enable-kunserve needs --dp-size 2 (got 1)"),
     (dict(dp_size=4), False, "--enable-kunserve needs --dp-size 2 (got 4)"),
@@ -69,8 +76,8 @@ def launch_args(**overrides):
 ])
 def test_launch_refuses_what_is_not_built(overrides, morph, message):
     server_args = launch_args(**overrides)
-    with pytest.raises(MorphPluginError, match="sglang-morph: error: ") as e:
-        _kunserve_from_cli_args(server_args, argparse.Namespace(enable_kunserve=True), morph)
+    with pytest.raises(PluginError, match="sglang-morph: error: ") as e:
+        configure_kunserve(server_args, argparse.Namespace(enable_kunserve=True), morph)
     assert message in str(e.value)
     assert not hasattr(server_args, kunserve_config.SERVER_ARGS_ATTR)  # nothing attached
 
@@ -81,8 +88,8 @@ def test_launch_refuses_what_is_not_built(overrides, morph, message):
 ])
 def test_micro_batches_out_of_range_are_refused(value, message):
     server_args = launch_args()
-    with pytest.raises(MorphPluginError, match="sglang-morph: error: ") as e:
-        _kunserve_from_cli_args(server_args, argparse.Namespace(
+    with pytest.raises(PluginError, match="sglang-morph: error: ") as e:
+        configure_kunserve(server_args, argparse.Namespace(
             enable_kunserve=True, kunserve_micro_batches=value), False)
     assert message in str(e.value)
     assert not hasattr(server_args, kunserve_config.SERVER_ARGS_ATTR)
@@ -90,8 +97,8 @@ def test_micro_batches_out_of_range_are_refused(value, message):
 
 def test_micro_batches_need_the_flag_and_default_to_four():
     server_args = launch_args()
-    with pytest.raises(MorphPluginError, match="--kunserve-micro-batches needs --enable-kunserve"):
-        _kunserve_from_cli_args(server_args, argparse.Namespace(kunserve_micro_batches=2), False)
+    with pytest.raises(PluginError, match="--kunserve-micro-batches needs --enable-kunserve"):
+        configure_kunserve(server_args, argparse.Namespace(kunserve_micro_batches=2), False)
     assert not hasattr(server_args, kunserve_config.SERVER_ARGS_ATTR)
     from_cli = kunserve_config.KunServeLiveConfig.from_cli_namespace
     assert from_cli(argparse.Namespace(enable_kunserve=True, kunserve_link_port=1)
@@ -102,7 +109,7 @@ def test_micro_batches_need_the_flag_and_default_to_four():
 
 def test_without_the_flag_nothing_changes():
     server_args = launch_args(dp_size=1)
-    _kunserve_from_cli_args(server_args, argparse.Namespace(), False)
+    configure_kunserve(server_args, argparse.Namespace(), False)
     assert not kunserve_config.get(server_args).enabled
 
 
@@ -304,3 +311,17 @@ def test_restore_with_requests_in_flight_gives_whole_replicas_back(dp2, prompts,
         assert f'sglang_morph_kunserve_layers_held{{replica="{replica}"}} 30.0' in metrics
         assert (f'sglang_morph_kunserve_transitions_total{{action="restore",replica="{replica}"}}'
                 f' 1.0') in metrics
+        # The elastic core's family counts the same transitions (the failed drop too).
+        assert (f'sglang_morph_elastic_transitions_total{{action="restore",mechanism="kunserve",'
+                f'outcome="applied",replica="{replica}"}} 1.0') in metrics
+    elastic = requests.get(f"{dp2.url}/elastic/status", headers=USER, timeout=60).json()
+    assert elastic["mechanisms"] == ["kunserve"]
+    assert [r["replica"] for r in elastic["replicas"]] == [0, 1]
+    for rep in elastic["replicas"]:
+        kunserve = rep["mechanisms"]["kunserve"]
+        assert kunserve["state"]["group"] == [rep["replica"]]
+        assert kunserve["state"]["kv_capacity_tokens"] == WHOLE_TOKENS
+        applied = [t["action"] for t in kunserve["transitions"]["recent"]
+                   if t["outcome"] == "applied"]
+        assert applied == ["drop", "restore"]
+        assert kunserve["transitions"]["totals"]["failed"] >= 1

@@ -269,7 +269,7 @@ def test_the_leaders_action_goes_out_once_and_it_waits_for_it():
 
     from sglang_morph.morph.control.controller import SwapLayers
     from sglang_morph.morph.parallel.relay import ActionRelay
-    from sglang_morph.plugin import _after_poll_timeout_aborts
+    from sglang_morph.morph.mechanism import _after_poll_timeout_aborts
 
     relay = ActionRelay(leads=True)
     scheduler = types.SimpleNamespace(morph_runtime=types.SimpleNamespace(relay=relay))
@@ -317,9 +317,9 @@ NODES = ("--node-rank", "0", "--dist-init-addr", "127.0.0.1:29555")
      "--morph-memory-budget and --morph-stage-budgets exclude each other"),
 ])
 def test_unsupported_pipeline_configurations_are_refused(parse, flags, line):
-    from sglang_morph.plugin import MorphPluginError
+    from sglang_morph.surface import PluginError
 
-    with pytest.raises(MorphPluginError) as e:
+    with pytest.raises(PluginError) as e:
         parse(*flags)
     assert str(e.value) == f"sglang-morph: error: {line}" or line in str(e.value)
     assert "\n" not in str(e.value)

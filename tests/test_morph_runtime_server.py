@@ -221,6 +221,20 @@ def test_swap_grows_kv_by_freed_bytes_and_restore_returns_exactly(server, corpus
     assert [x["action"] for x in logged] == ["swap", "restore"]
     assert logged[0]["layers"] == SWAPPED
 
+    # The elastic core lists the same two transitions with the mechanism's capacities.
+    r = requests.get(f"{server.url}/elastic/status", headers=USER, timeout=60)
+    assert r.status_code == 200, r.text
+    assert r.json()["mechanisms"] == ["morph"]
+    (replica,) = r.json()["replicas"]
+    morph = replica["mechanisms"]["morph"]
+    assert morph["state"]["kv_capacity_tokens"] == start["kv_capacity_tokens"]
+    recent = morph["transitions"]["recent"][-2:]
+    assert [(x["action"], x["outcome"]) for x in recent] == [("swap", "applied"),
+                                                              ("restore", "applied")]
+    assert recent[0]["detail"]["layers"] == SWAPPED and recent[0]["detail"]["to_bits"] == 4
+    assert recent[0]["capacity_after_tokens"] == start["kv_capacity_tokens"] + grown
+    assert recent[1]["capacity_after_tokens"] == start["kv_capacity_tokens"]
+
 
 def test_long_prompt_is_admitted_only_while_the_pool_is_grown(server, corpus_ids,
                                                             default_model_path, engines_awq):

@@ -296,9 +296,9 @@ def test_rank0s_controller_swaps_every_rank_alike_under_a_burst(tp3, corpus_ids)
      "divisible by 2, and num_key_value_heads (3) a multiple or a divisor of 2"),
 ])
 def test_unsupported_tensor_parallel_launches_are_refused(parse, flags, line):
-    from sglang_morph.plugin import MorphPluginError
+    from sglang_morph.surface import PluginError
 
-    with pytest.raises(MorphPluginError) as e:
+    with pytest.raises(PluginError) as e:
         parse(*flags)
     assert line in str(e.value) and "\n" not in str(e.value)
 

@@ -8,7 +8,8 @@ import pytest
 
 from sglang_morph import SGLANG_VERSION
 from sglang_morph.morph import config as morph_config
-from sglang_morph.plugin import HOOKS, Hook, MorphPluginError, register_and_verify
+from sglang_morph.plugin import hooks
+from sglang_morph.surface import Hook, PluginError, register_and_verify
 
 
 @pytest.fixture(scope="module")
@@ -37,7 +38,7 @@ def test_entry_point_is_registered():
 
 def test_cli_hooks_applied_by_sglang_loader(loaded_sglang):
     _, registry = loaded_sglang
-    for hook in HOOKS:
+    for hook in hooks():
         if hook.only_if_imported is None:
             assert hook.target in registry._patched
 
@@ -68,7 +69,7 @@ def test_hook_that_cannot_apply_stops_startup_naming_the_sglang_version(loaded_s
     _, registry = loaded_sglang
     target = "sglang.srt.server_args.ServerArgs.no_such_method_in_this_release"
     try:
-        with pytest.raises(MorphPluginError) as exc:
+        with pytest.raises(PluginError) as exc:
             register_and_verify((Hook(target, lambda *a, **k: None, "AFTER"),))
         message = str(exc.value)
         assert target in message and f"sglang=={SGLANG_VERSION}" in message
@@ -87,7 +88,7 @@ def test_every_sglang_symbol_the_plugin_uses_exists_in_the_pinned_release(loaded
     from sglang_morph.morph.provenance import http_hooks
 
     http_side = {sym.HOOK_TOKENIZER_MANAGER_INIT} | {target for target, _, _ in http_hooks()}
-    assert {h.target for h in HOOKS} | http_side == listed
+    assert {h.target for h in hooks()} | http_side == listed
 
 
 def test_a_missing_symbol_stops_startup_with_one_line_naming_the_release(loaded_sglang):

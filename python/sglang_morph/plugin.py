@@ -1,184 +1,115 @@
 """SGLang plugin entry point (entry-point group ``sglang.srt.plugins``, name ``morph``).
 
 SGLang calls ``load()`` in every process it starts (launcher, scheduler, detokenizer, DP
-controller). We register hooks, apply them at once and verify that each one took: SGLang's
-``HookRegistry`` only logs a hook it could not apply, which would leave a half-patched server
-that silently ignores ``--enable-morph``. A hook that did not apply ends the process with a
-message naming the SGLang release the plugin was written for. With ``--enable-morph`` the
-launcher also checks, before spawning anything, every other SGLang symbol the plugin uses
-(``sglang_symbols``), refuses configurations the runtime does not support, and turns CUDA
-graphs and torch.compile off; each of these stops with one line.
+controller). We register hooks, apply them at once and verify that each one took
+(``surface.register_and_verify``): a hook that did not apply ends the process with a message
+naming the SGLang release the plugin was written for.
 
-Without ``--enable-morph`` the hooks only add our CLI flags and carry a disabled ``MorphConfig``;
-SGLang's behaviour is unchanged.
+The live mechanisms are listed in ``MECHANISMS``, one line each; this module loops over them.
+In the launcher each mechanism parses and checks its flags before anything is spawned (one
+line naming the flag on error), the SGLang symbols of every enabled mechanism are checked, and
+the enabled ones install their routes. In each scheduler the enabled ones attach and get their
+per-step entry called between batches. With no mechanism enabled the hooks only add our CLI
+flags and SGLang's behaviour is unchanged.
 """
 
 from __future__ import annotations
 
-import dataclasses
+import functools
+import importlib
 import logging
-import sys
-from typing import Any, Callable
+import os
+from typing import Any
 
-from sglang_morph.morph import config as morph_config
 from sglang_morph import surface as sym
+from sglang_morph.config import ConfigError
+from sglang_morph.elastic import registry
+from sglang_morph.elastic.registry import Mechanism
+from sglang_morph.surface import IN_SCHEDULER, Hook, PluginError
 
 logger = logging.getLogger("sglang_morph")
 
+# The live mechanisms, in the order they are configured and attached: a module each, exporting
+# ``MECHANISM``. Adding a mechanism is one line here.
+MECHANISMS = (
+    "sglang_morph.morph.mechanism",
+    "sglang_morph.kunserve.live.mechanism",
+)
+# More mechanism modules, comma-separated, for mechanisms that live outside this package.
+EXTRA_MECHANISMS_ENV = "SGLANG_MORPH_EXTRA_MECHANISMS"
 
-class MorphPluginError(SystemExit):
-    """Fatal plugin setup error. A SystemExit, because SGLang's plugin loader catches and only
-
-    logs ``Exception``: startup must stop here instead of serving without the plugin.
-    """
-
-
-@dataclasses.dataclass(frozen=True)
-class Hook:
-    target: str
-    fn: Callable[..., Any]
-    kind: str  # a HookType member name: BEFORE, AFTER, AROUND or REPLACE
-    # Only hook the target in processes that already imported this module (the scheduler
-    # process imports the scheduler before calling load_plugins): importing the model runner
-    # into the launcher or the detokenizer would cost seconds and memory for nothing.
-    # None means "always" (the CLI hooks run in the launcher before anything else is imported).
-    only_if_imported: str | None = None
+@functools.lru_cache(maxsize=None)
+def mechanisms() -> tuple[Mechanism, ...]:
+    extra = [m for m in os.environ.get(EXTRA_MECHANISMS_ENV, "").split(",") if m.strip()]
+    found = tuple(importlib.import_module(m.strip()).MECHANISM for m in (*MECHANISMS, *extra))
+    names = [m.name for m in found]
+    if len(set(names)) != len(names):
+        raise PluginError(f"sglang-morph: error: two mechanisms share a name: {names}")
+    return found
 
 
-_IN_SCHEDULER = "sglang.srt.managers.scheduler"
+def enabled_mechanisms(server_args: Any) -> tuple[Mechanism, ...]:
+    return tuple(m for m in mechanisms() if m.enabled(server_args))
+
+
+def add_cli_args(parser: Any) -> None:
+    """Every flag the plugin adds: the elastic core's, then each mechanism's."""
+    registry.add_cli_args(parser)
+    for mechanism in mechanisms():
+        mechanism.add_cli_args(parser)
+
+
+def add_routes(app: Any) -> None:
+    """Every route the plugin can add (the reference docs read them here)."""
+    from sglang_morph.elastic.status import add_routes as add_elastic_routes
+
+    add_elastic_routes(app)
+    for mechanism in mechanisms():
+        mechanism.add_routes(app)
+
+
+def configure(mechanism: Mechanism, server_args: Any, args: Any,
+              enabled_before: frozenset[str]) -> bool:
+    """One mechanism's launcher-side configuration; its ConfigError becomes one line."""
+    try:
+        return mechanism.configure(server_args, args, enabled_before)
+    except ConfigError as e:
+        raise PluginError(f"sglang-morph: error: {e}") from e
 
 
 def _after_add_cli_args(_result: None, parser: Any) -> None:
-    from sglang_morph.kunserve.live import config as kunserve_config
-
-    morph_config.add_cli_args(parser)
-    kunserve_config.add_cli_args(parser)
+    add_cli_args(parser)
 
 
 def _after_from_cli_args(server_args: Any, _cls: Any, args: Any) -> None:
-    from sglang_morph.morph.engines.startup import local_hf_config, plan_startup
-
-    try:
-        cfg = morph_config.MorphConfig.from_cli_namespace(args)
-        if cfg.enabled:
-            from sglang_morph.morph.parallel.pipeline import check_launch
-
-            check_supported(server_args)
-            check_launch(server_args, cfg)
-        hf_config = local_hf_config(server_args.model_path)
-        plan = None
-        if hf_config is not None:
-            # Fail here, before any process is spawned (checksums too: the scheduler reads
-            # every variant at startup and would stop with a traceback).
-            plan = plan_startup(cfg, hf_config, verify_checksums=True)
-        if cfg.enabled:
-            from sglang_morph.morph.parallel import tensor
-
-            tensor.check_launch(server_args, cfg, hf_config,
-                                plan.manifest if plan is not None else None)
-        if cfg.memory_budget_bytes is not None or cfg.stage_budget_bytes is not None:
-            _size_kv_for_budget(server_args, cfg, hf_config)
-    except morph_config.MorphConfigError as e:
-        raise MorphPluginError(f"sglang-morph: error: {e}") from e
-    morph_config.attach(server_args, cfg)
-    _kunserve_from_cli_args(server_args, args, cfg.enabled)
-    if cfg.enabled:
-        _prepare_for_transitions(server_args)
-        _install_http_side()
-        missing = sym.missing_symbols(sym.ALL_SYMBOLS)
-        if missing:
-            raise MorphPluginError(sym.mismatch_message(missing))
-
-
-# Flags of parallel layouts the runtime does not morph yet. Pipeline parallelism is supported
-# (sglang_morph.morph.parallel.pipeline: each stage morphs its own layers), also with its stages on
-# several nodes (--nnodes); so are data parallelism (parallel/replicas.py: each replica morphs
-# on its own) and tensor parallelism (parallel/tensor.py: each rank swaps its shards at the same
-# step), one at a time and on one node (checked in check_supported).
-_PARALLEL_FLAGS = ("attn_dp_size", "attn_cp_size", "dcp_size")
-# KV caches the resizer cannot grow or shrink (it supports the device radix cache only).
-_KV_CACHE_FLAGS = ("enable_hierarchical_cache", "enable_lmcache", "enable_hisparse",
-                   "enable_flexkv", "enable_unified_cache_external_linker",
-                   "enable_session_radix_cache", "disable_radix_cache")
-# KV dtypes stored unquantized (the resizer copies rows as they are).
-_PLAIN_KV_DTYPES = ("auto", "bfloat16", "bf16", "float16", "fp16", "half", "float32", "float")
-
-
-def check_supported(server_args: Any) -> None:
-    """Raise MorphConfigError (one line, naming the flag) for a configuration the morph runtime
-    does not support; called in the launcher, before anything is spawned."""
-    def flag(name: str) -> str:
-        return "--" + name.replace("_", "-")
-
-    for name in _PARALLEL_FLAGS:
-        value = getattr(server_args, name, 1)
-        if value is not None and value > 1:
-            raise morph_config.MorphConfigError(
-                f"--enable-morph does not support {flag(name)} {value} yet: layer swaps and KV "
-                f"resizing run per tensor-parallel rank, pipeline stage or data-parallel "
-                f"replica on one node (--tp-size N, --pp-size N or --dp-size N is supported)")
-    # One parallel layout at a time: each is tested alone, and two at once would need both
-    # routings of /morph (e.g. replicas of pipelines).
-    layouts = [name for name in ("tp_size", "pp_size", "dp_size")
-               if (getattr(server_args, name, 1) or 1) > 1]
-    if len(layouts) > 1:
-        raise morph_config.MorphConfigError(
-            f"--enable-morph does not support {flag(layouts[0])} and {flag(layouts[1])} "
-            f"together yet: use one")
-    nnodes = getattr(server_args, "nnodes", 1) or 1
-    if nnodes > 1 and (layouts != ["pp_size"] or nnodes > server_args.pp_size):
-        # Tested: whole pipeline stages on each node. Not tested: TP ranks or DP replicas
-        # across nodes.
-        raise morph_config.MorphConfigError(
-            f"--enable-morph with --nnodes {nnodes} supports pipeline stages across nodes only "
-            f"(--pp-size N, whole stages per node); tensor-parallel ranks or data-parallel "
-            f"replicas across nodes are not supported yet")
-    for name in _KV_CACHE_FLAGS:
-        if getattr(server_args, name, False):
-            raise morph_config.MorphConfigError(
-                f"--enable-morph does not support {flag(name)}: KV resizing works on SGLang's "
-                f"device radix cache only")
-    if getattr(server_args, "speculative_algorithm", None) is not None:
-        raise morph_config.MorphConfigError(
-            "--enable-morph does not support --speculative-algorithm: a draft model's KV pool "
-            "shares the slot indices a KV shrink rewrites")
-    if str(getattr(server_args, "disaggregation_mode", "null")) != "null":
-        raise morph_config.MorphConfigError(
-            "--enable-morph does not support --disaggregation-mode (prefill/decode "
-            "disaggregation)")
-    kv_dtype = str(getattr(server_args, "kv_cache_dtype", "auto"))
-    if kv_dtype not in _PLAIN_KV_DTYPES:
-        raise morph_config.MorphConfigError(
-            f"--enable-morph does not support --kv-cache-dtype {kv_dtype}: KV resizing needs an "
-            f"unquantized KV cache ({', '.join(_PLAIN_KV_DTYPES)})")
-
-
-def _kunserve_from_cli_args(server_args: Any, args: Any, morph_enabled: bool) -> None:
-    from sglang_morph.kunserve.live import config as kunserve_config
-
-    try:
-        cfg = kunserve_config.KunServeLiveConfig.from_cli_namespace(args)
-        if cfg.enabled:
-            kunserve_config.check_launch(server_args, morph_enabled)
-    except kunserve_config.KunServeConfigError as e:
-        raise MorphPluginError(f"sglang-morph: error: {e}") from e
-    kunserve_config.attach(server_args, cfg)
-    if not cfg.enabled:
+    registry.attach_config(server_args, registry.ElasticConfig.from_cli_namespace(args))
+    enabled: list[Mechanism] = []
+    for mechanism in mechanisms():
+        if configure(mechanism, server_args, args, frozenset(m.name for m in enabled)):
+            enabled.append(mechanism)
+    if not enabled:
         return
-    _prepare_for_transitions(server_args)
+    missing = sym.missing_symbols(
+        sym.CORE_SYMBOLS + tuple(s for m in enabled for s in m.symbols()))
+    if missing:
+        raise PluginError(sym.mismatch_message(missing))
+    if any(m.transitions_between_batches for m in enabled):
+        _prepare_for_transitions(server_args)
     from sglang.srt.entrypoints.http_server import app
 
-    from sglang_morph.kunserve.live.http import add_routes
+    from sglang_morph.elastic.status import add_routes as add_elastic_routes
 
-    add_routes(app)
-    register_and_verify((Hook(sym.HOOK_TOKENIZER_MANAGER_INIT, _after_tokenizer_manager_init,
-                              "AFTER"),))
+    add_elastic_routes(app)
+    sym.register_and_verify((Hook(sym.HOOK_TOKENIZER_MANAGER_INIT,
+                                  _after_tokenizer_manager_init, "AFTER"),))
+    for mechanism in enabled:
+        mechanism.launcher_setup(server_args)
 
 
 def _prepare_for_transitions(server_args: Any) -> None:
-    """Morph's and KunServe's transitions rewrite weights and KV slot indices between two
-    batches; with overlap scheduling a launched batch's results would still hold the old ones,
-    and graphs would replay the old tensors."""
+    """Transitions rewrite weights and KV slot indices between two batches; with overlap
+    scheduling a launched batch's results would still hold the old ones, and graphs would
+    replay the old tensors."""
     server_args.disable_overlap_schedule = True
     _turn_off_graphs(server_args)
 
@@ -200,220 +131,59 @@ def _turn_off_graphs(server_args: Any) -> None:
     server_args.cuda_graph_config = None  # a --cuda-graph-config JSON would override the above
     server_args.enable_torch_compile = False
     if on:
-        logger.warning("sglang-morph: %s turned off with --enable-morph (layer swaps and KV "
-                       "resizes replace tensors a captured graph would keep reading)",
+        logger.warning("sglang-morph: %s turned off with a live mechanism enabled (its "
+                       "transitions replace tensors a captured graph would keep reading)",
                        " and ".join(on))
-
-
-def _size_kv_for_budget(server_args: Any, cfg: morph_config.MorphConfig, hf_config: Any) -> None:
-    from pathlib import Path
-
-    from sglang_morph.morph.engines.startup import size_kv_for_budget
-
-    if server_args.max_total_tokens is not None:
-        raise morph_config.MorphConfigError(
-            "--morph-memory-budget sizes the KV pool itself; drop --max-total-tokens")
-    if hf_config is None:
-        raise morph_config.MorphConfigError(
-            "--morph-memory-budget needs a local model directory (--model-path PATH)")
-    if (server_args.pp_size or 1) > 1 or (server_args.tp_size or 1) > 1:
-        from sglang_morph.morph.parallel import pipeline, tensor
-
-        sizing = pipeline if (server_args.pp_size or 1) > 1 else tensor
-        server_args.max_total_tokens = sizing.initial_kv_tokens(cfg, hf_config, server_args)
-        return
-    sizing = size_kv_for_budget(cfg.memory_budget_bytes, Path(server_args.model_path).expanduser(),
-                                hf_config, server_args.dtype, server_args.kv_cache_dtype)
-    server_args.max_total_tokens = sizing.kv_capacity_tokens
-    logger.info("sglang-morph: memory budget %d bytes = weights %d + KV %d tokens x %d bytes",
-                sizing.budget_bytes, sizing.weight_bytes, sizing.kv_capacity_tokens,
-                sizing.kv_bytes_per_token)
-
-
-def _install_http_side() -> None:
-    """In the launcher (the HTTP process): the /morph routes and the TokenizerManager's side of
-    their IPC. Only with --enable-morph, so a server without it has no /morph routes."""
-    from sglang.srt.entrypoints.http_server import app
-
-    from sglang_morph.morph.http import add_routes
-
-    add_routes(app)
-    from sglang_morph.morph.provenance import http_hooks
-
-    register_and_verify((Hook(sym.HOOK_TOKENIZER_MANAGER_INIT, _after_tokenizer_manager_init,
-                              "AFTER"),
-                         *(Hook(target, fn, kind) for target, fn, kind in http_hooks())))
 
 
 def _after_tokenizer_manager_init(_result: None, tokenizer_manager: Any, *args: Any,
                                   **kwargs: Any) -> None:
-    from sglang_morph.morph.http import attach_to_tokenizer_manager
+    from sglang_morph.elastic.control import attach_to_tokenizer_manager
 
     attach_to_tokenizer_manager(tokenizer_manager)
 
 
-def _after_load_model(_result: None, runner: Any) -> None:
-    cfg = morph_config.get(runner.server_args)
-    if not cfg.enabled or cfg.engines_dir is None or runner.is_draft_worker:
-        return
-    from sglang_morph.config import FULL_PRECISION_BITS
-    from sglang_morph.morph.engines.startup import plan_startup
-    from sglang_morph.morph.executor.variants import LayerVariantInstaller, StagedVariants, held_layers
-    from sglang_morph.morph.parallel.tensor import sharder
-
-    try:
-        plan = plan_startup(cfg, runner.model_config.hf_config.to_dict())
-        # Every variant into host memory now (pinned on CUDA, so copies can be asynchronous):
-        # a transition never reads the engines directory while serving.
-        # A pipeline stage holds (and stages the variants of) start_layer..end_layer-1 only.
-        owned = held_layers(runner.model)
-        staged = StagedVariants(plan.manifest, plan.engines_dir,
-                                pin_memory=str(runner.device).startswith("cuda"), layers=owned,
-                                shard=sharder(runner.model))  # a TP rank keeps its shards
-    except (morph_config.MorphConfigError, OSError, ValueError) as e:
-        raise MorphPluginError(f"sglang-morph: error: --morph-engines: {e}") from e
-    installer = LayerVariantInstaller(runner.model, staged, act_dtype=runner.model_config.dtype)
-    bytes_before = sum(installer.layer_device_bytes(i) for i in owned)
-    for bits in sorted(set(plan.layer_bits) - {FULL_PRECISION_BITS}):
-        installer.set_layers([i for i in owned if plan.layer_bits[i] == bits], bits)
-    installer.check_integrity()
-    warmed = installer.warmup(max_tokens=WARMUP_MAX_TOKENS)
-    bytes_after = sum(installer.layer_device_bytes(i) for i in owned)
-    # The executors of later stages (swapping, KV resizing) find the installer here.
-    runner.morph_installer = installer
-    logger.info(
-        "sglang-morph: layer precision %s (layers %d-%d here); decoder linears %d -> %d bytes; "
-        "%d kernels warmed", ",".join(str(b) for b in plan.layer_bits), owned.start,
-        owned.stop - 1, bytes_before, bytes_after, warmed,
-    )
-
-
 def _after_scheduler_init(_result: None, scheduler: Any, *args: Any, **kwargs: Any) -> None:
-    from sglang_morph.kunserve.live import config as kunserve_config
-
-    kunserve = kunserve_config.get(scheduler.server_args)
-    if kunserve.enabled:
-        from sglang_morph.kunserve.live.hooks import attach
-
-        try:
-            attach(scheduler, kunserve.link_port, kunserve.auto, kunserve.micro_batches)
-        except NotImplementedError as e:
-            raise MorphPluginError(f"sglang-morph: error: --enable-kunserve does not support "
-                                   f"this configuration: {e}") from e
-    cfg = morph_config.get(scheduler.server_args)
-    if not cfg.enabled:
+    enabled = enabled_mechanisms(scheduler.server_args)
+    if not enabled:
         return
-    from sglang.utils import TypeBasedDispatcher
+    from sglang_morph.elastic.status import host
 
-    from sglang_morph.morph.executor.runtime import MorphRuntime
-    from sglang_morph.morph.messages import MORPH_REQUESTS, MorphActionReq
-
-    from sglang_morph.morph.parallel.pipeline import stage_config
-
-    model_config = scheduler.model_config
-    try:
-        runtime = MorphRuntime(scheduler, stage_config(cfg, scheduler))
-    except NotImplementedError as e:  # a KV pool or cache the resizer does not support
-        raise MorphPluginError(f"sglang-morph: error: --enable-morph does not support this "
-                               f"configuration: {e}") from e
-    scheduler._request_dispatcher += TypeBasedDispatcher(
-        [(req_type, runtime.handle_control) for req_type in MORPH_REQUESTS]
-        + [(MorphActionReq, runtime.handle_action)])  # the leader's controller, to every rank
-    scheduler.morph_runtime = runtime
-    logger.info(
-        "sglang-morph enabled in scheduler: %s, %d decoder layers, kv_capacity_tokens=%d, "
-        "memory budget %d bytes, mode %s, controller %s",
-        model_config.hf_config.architectures[0],
-        model_config.num_hidden_layers,
-        scheduler.max_total_num_tokens,
-        runtime.budget.total_bytes,
-        runtime.mode,
-        "on" if runtime.controller is not None else "off",
-    )
+    elastic = host(scheduler)
+    for mechanism in enabled:
+        step, state = mechanism.attach(scheduler)
+        elastic.add(mechanism.name, step, state)
 
 
 def _before_get_next_batch(scheduler: Any, *args: Any, **kwargs: Any) -> None:
-    runtime = getattr(scheduler, "morph_runtime", None)
-    if runtime is not None:
-        runtime.on_step()
-    kunserve = scheduler.__dict__.get("kunserve")  # --enable-kunserve --kunserve-auto
-    if kunserve is not None and kunserve.auto is not None:
-        kunserve.auto.on_step()
+    elastic = scheduler.__dict__.get("elastic")
+    if elastic is not None:
+        elastic.on_step()
 
 
-def _after_poll_timeout_aborts(result: list, scheduler: Any) -> list:
-    """TP rank 0 / pipeline stage 0 (the only callers): its controller's action joins the
-    inputs that SGLang hands every rank this step (parallel/relay.py)."""
-    runtime = getattr(scheduler, "morph_runtime", None)
-    relay = getattr(runtime, "relay", None)
-    return result + relay.outgoing() if relay is not None else result
-
-
-def _after_get_output_streamer_class(result: type, scheduler: Any) -> type | None:
-    from sglang_morph.morph.provenance import after_get_output_streamer_class
-
-    return after_get_output_streamer_class(result, scheduler)
-
-
-def _after_retract_decode(result: Any, *args: Any, **kwargs: Any) -> None:
-    from sglang_morph.morph.executor.runtime import count_retractions
-
-    count_retractions(result)
-
-
-# Kernels are run at up to this many tokens at startup: enough for decode and short prefills.
-WARMUP_MAX_TOKENS = 256
-
-HOOKS: tuple[Hook, ...] = (
+CORE_HOOKS: tuple[Hook, ...] = (
     Hook(sym.HOOK_ADD_CLI_ARGS, _after_add_cli_args, "AFTER"),
     Hook(sym.HOOK_FROM_CLI_ARGS, _after_from_cli_args, "AFTER"),
-    Hook(sym.HOOK_SCHEDULER_INIT, _after_scheduler_init, "AFTER", only_if_imported=_IN_SCHEDULER),
-    Hook(sym.HOOK_LOAD_MODEL, _after_load_model, "AFTER", only_if_imported=_IN_SCHEDULER),
-    # Between two forward passes: the morph runtime samples pressure and applies its actions.
-    Hook(sym.HOOK_NEXT_BATCH, _before_get_next_batch, "BEFORE", only_if_imported=_IN_SCHEDULER),
-    Hook(sym.HOOK_RETRACT_DECODE, _after_retract_decode, "AFTER",
-         only_if_imported=_IN_SCHEDULER),
-    # Under TP and PP: the leader's controller actions ride SGLang's inputs to every rank.
-    Hook(sym.HOOK_RANK0_LOCAL_INPUTS, _after_poll_timeout_aborts, "AFTER",
-         only_if_imported=_IN_SCHEDULER),
-    # Precision provenance: the output streamer reports what precisions produced each response.
-    Hook(sym.HOOK_OUTPUT_STREAMER_CLASS, _after_get_output_streamer_class, "AFTER",
-         only_if_imported=_IN_SCHEDULER),
+    Hook(sym.HOOK_SCHEDULER_INIT, _after_scheduler_init, "AFTER", only_if_imported=IN_SCHEDULER),
+    # Between two forward passes: every enabled mechanism's per-step entry.
+    Hook(sym.HOOK_NEXT_BATCH, _before_get_next_batch, "BEFORE", only_if_imported=IN_SCHEDULER),
 )
 
 
-def register_and_verify(hooks: tuple[Hook, ...]) -> list[str]:
-    """Register ``hooks`` with SGLang's HookRegistry, apply them and check each one took.
+def hooks() -> tuple[Hook, ...]:
+    """Every hook this process registers: the core's, multi-rank CPU support, each
+    mechanism's."""
+    from sglang_morph.parallel.hooks import HOOKS as PARALLEL_HOOKS
 
-    Returns the targets that were applied in this process; raises MorphPluginError otherwise.
-    """
-    from sglang.srt.plugins.hook_registry import HookRegistry, HookType
-
-    wanted = [h for h in hooks if h.only_if_imported is None or h.only_if_imported in sys.modules]
-    for hook in wanted:
-        HookRegistry.register(hook.target, hook.fn, HookType[hook.kind])
-    # apply_hooks() is idempotent: targets already patched are skipped, so SGLang's own call
-    # right after the plugins ran changes nothing.
-    HookRegistry.apply_hooks()
-    missing = [h.target for h in wanted if h.target not in HookRegistry._patched]
-    if missing:
-        raise MorphPluginError(sym.mismatch_message(missing, "hook"))
-    return [h.target for h in wanted]
+    return CORE_HOOKS + PARALLEL_HOOKS + tuple(h for m in mechanisms() for h in m.hooks())
 
 
 def load() -> None:
     """Entry point called by ``sglang.srt.plugins.load_plugins()``."""
-    # Registers the /morph IPC message types with SGLang's msgpack decoder in this process.
-    from sglang_morph.kunserve.live import messages as kunserve_messages
-    from sglang_morph.morph import messages
+    # Registers the control IPC message types with SGLang's msgpack decoder in this process
+    # (each mechanism's module imports its own).
+    from sglang_morph.elastic import control, status
 
-    del messages, kunserve_messages
-    # Multi-rank SGLang on CPU (TP, PP, DP, nodes), with or without --enable-morph.
-    from sglang_morph.kunserve.live import forward_timings
-    from sglang_morph.kunserve.live.hooks import HOOKS as KUNSERVE_HOOKS
-    from sglang_morph.parallel.hooks import HOOKS as PARALLEL_HOOKS
-
-    # forward_timings: none unless SGLANG_MORPH_FORWARD_TIMINGS names a file (cost benchmark).
-    applied = register_and_verify(HOOKS + PARALLEL_HOOKS + KUNSERVE_HOOKS
-                                  + forward_timings.hooks())
+    del control, status
+    applied = sym.register_and_verify(hooks())
     logger.debug("sglang-morph hooks applied: %s", applied)

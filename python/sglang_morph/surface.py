@@ -1,4 +1,5 @@
-"""Every SGLang symbol sglang-morph hooks, patches, calls or reads outside SGLang's public API.
+"""Every SGLang symbol sglang-morph hooks, patches, calls or reads outside SGLang's public API,
+and the one way the plugin hooks SGLang (``Hook``, ``register_and_verify``).
 
 SGLang has no stable internal API: a release may rename any of these. The plugin is written
 for one release (``sglang_morph.SGLANG_VERSION``), and ``check_symbols`` verifies at startup
@@ -19,9 +20,55 @@ import functools
 import importlib
 import inspect
 import re
-from typing import Any
+import sys
+from typing import Any, Callable
 
 from sglang_morph import SGLANG_VERSION
+
+
+class PluginError(SystemExit):
+    """Fatal plugin setup error. A SystemExit, because SGLang's plugin loader catches and only
+    logs ``Exception``: startup must stop here instead of serving without the plugin."""
+
+
+# Scheduler processes import the scheduler module before SGLang loads plugins; the launcher,
+# tokenizer and detokenizer never do.
+IN_SCHEDULER = "sglang.srt.managers.scheduler"
+DP_CONTROLLER_MODULE = "sglang.srt.managers.data_parallel_controller"
+
+
+@dataclasses.dataclass(frozen=True)
+class Hook:
+    """One patch of an SGLang attribute through SGLang's ``HookRegistry``."""
+
+    target: str
+    fn: Callable[..., Any]
+    kind: str  # a HookType member name: BEFORE, AFTER, AROUND or REPLACE
+    # Only hook the target in processes that already imported this module (the scheduler
+    # process imports the scheduler before calling load_plugins): importing the model runner
+    # into the launcher or the detokenizer would cost seconds and memory for nothing.
+    # None means "always" (the CLI hooks run in the launcher before anything else is imported).
+    only_if_imported: str | None = None
+
+
+def register_and_verify(hooks: tuple[Hook, ...]) -> list[str]:
+    """Register ``hooks`` with SGLang's HookRegistry, apply them and check each one took.
+
+    SGLang's registry only logs a hook it could not apply, which would leave a half-patched
+    server; this returns the targets applied in this process, or raises PluginError.
+    """
+    from sglang.srt.plugins.hook_registry import HookRegistry, HookType
+
+    wanted = [h for h in hooks if h.only_if_imported is None or h.only_if_imported in sys.modules]
+    for hook in wanted:
+        HookRegistry.register(hook.target, hook.fn, HookType[hook.kind])
+    # apply_hooks() is idempotent: targets already patched are skipped, so SGLang's own call
+    # right after the plugins ran changes nothing.
+    HookRegistry.apply_hooks()
+    missing = [h.target for h in wanted if h.target not in HookRegistry._patched]
+    if missing:
+        raise PluginError(mismatch_message(missing, "hook"))
+    return [h.target for h in wanted]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -53,6 +100,16 @@ HOOK_RETRACT_DECODE = f"{_BATCH}.ScheduleBatch.retract_decode"
 HOOK_TOKENIZER_MANAGER_INIT = f"{_TOKENIZER_MANAGER}.__init__"
 # TP rank 0's local inputs (SGLang's timeout aborts), broadcast to every rank with the step's.
 HOOK_RANK0_LOCAL_INPUTS = f"{_SCHEDULER}._poll_timeout_aborts"
+# The forward passes KunServe routes through a merged group (and the cost benchmark times).
+HOOK_RUNNER_FORWARD = f"{_RUNNER}.forward"
+HOOK_LLAMA_FORWARD = "sglang.srt.models.llama.LlamaModel.forward"
+# Multi-rank SGLang on CPU (parallel/): process groups, thread binding, the DP controller's
+# loop, the last pipeline stage's own head for tied embeddings.
+HOOK_INIT_GROUP = "sglang.srt.distributed.parallel_state.init_model_parallel_group"
+HOOK_THREADS_BINDING = "sglang.srt.utils.numa_utils.init_threads_binding"
+HOOK_DP_EVENT_LOOP = f"{DP_CONTROLLER_MODULE}.DataParallelController.event_loop"
+HOOK_LLAMA_INIT = "sglang.srt.models.llama.LlamaForCausalLM.__init__"
+HOOK_LLAMA_LOAD_WEIGHTS = "sglang.srt.models.llama.LlamaForCausalLM.load_weights"
 
 # Used in the launcher / HTTP process (checked there, before any process is spawned).
 HTTP_SYMBOLS: tuple[Symbol, ...] = (
@@ -199,7 +256,44 @@ PROVENANCE_SYMBOLS: tuple[Symbol, ...] = (
       for cls in ("ChatCompletionResponse", "CompletionResponse")),
 )
 
-ALL_SYMBOLS = HTTP_SYMBOLS + SCHEDULER_SYMBOLS + PROVENANCE_SYMBOLS
+# ----- KunServe (kunserve/live/): the replica reads the pools, batches and the Llama model -----
+_FB = "sglang.srt.model_executor.forward_batch_info.ForwardBatch"
+KUNSERVE_SYMBOLS: tuple[Symbol, ...] = (
+    *(Symbol(t, "hook") for t in (HOOK_RUNNER_FORWARD, HOOK_LLAMA_FORWARD)),
+    *_group(_SCHEDULER, "read", "server_args tp_worker token_to_kv_pool_allocator "
+            "req_to_token_pool tree_cache waiting_queue running_batch last_batch chunked_req "
+            "metrics_reporter"),
+    Symbol(f"{_SCHEDULER}._request_dispatcher", "write", True),
+    *_group(_RUNNER, "read", "model device is_draft_worker"),
+    *_group(f"{_MEM}.memory_pool.MHATokenToKVPool", "read",
+            "k_buffer v_buffer size start_layer end_layer layer_num"),
+    Symbol(f"{_MEM}.memory_pool.MHATokenToKVPool.get_kv_size_bytes", "call"),
+    *_group("sglang.srt.models.llama.LlamaModel", "read", "layers embed_tokens norm"),
+    *_group(_FB, "read", "forward_mode input_ids positions seq_lens out_cache_loc "
+            "req_pool_indices extend_seq_lens extend_prefix_lens extend_seq_lens_cpu"),
+    Symbol("sglang.srt.layers.attention.torch_native_backend.TorchNativeAttnBackend", "call"),
+)
+
+# ----- the elastic core (plugin.py, elastic/): what every enabled server uses -----
+CORE_SYMBOLS: tuple[Symbol, ...] = (
+    *HTTP_SYMBOLS,
+    *(Symbol(t, "hook") for t in (HOOK_SCHEDULER_INIT, HOOK_NEXT_BATCH)),
+    *_group(_SCHEDULER, "read", "server_args metrics_reporter"),
+    Symbol(f"{_SCHEDULER}._request_dispatcher", "write", True),
+    Symbol(f"{_COMPONENTS}.metrics_reporter.SchedulerMetricsReporter.enable_metrics", "read",
+           True),
+    Symbol("sglang.srt.runtime_context.get_parallel", "call"),
+)
+
+MORPH_SYMBOLS: tuple[Symbol, ...] = SCHEDULER_SYMBOLS + PROVENANCE_SYMBOLS
+
+# ----- multi-rank SGLang on CPU (parallel/): hooked in every process -----
+PARALLEL_SYMBOLS: tuple[Symbol, ...] = tuple(
+    Symbol(t, "hook") for t in (HOOK_INIT_GROUP, HOOK_THREADS_BINDING, HOOK_DP_EVENT_LOOP,
+                                HOOK_LLAMA_INIT, HOOK_LLAMA_LOAD_WEIGHTS))
+
+ALL_SYMBOLS: tuple[Symbol, ...] = tuple(dict.fromkeys(
+    CORE_SYMBOLS + MORPH_SYMBOLS + KUNSERVE_SYMBOLS + PARALLEL_SYMBOLS))
 
 
 def _resolve(path: str) -> Any:

@@ -1,11 +1,9 @@
-"""``/morph/*`` routes in SGLang's HTTP server and the client that forwards them to the scheduler.
+"""``/morph/*`` routes in SGLang's HTTP server.
 
 The morphing state lives in the scheduler process; a route sends a typed request
-(``messages.MorphStatusReq``, ``MorphSwapReq``, ``MorphModeReq``) through the TokenizerManager's
-scheduler socket and awaits the ``MorphControlOutput`` that the scheduler sends back on its
-control-output channel (dispatched by the TokenizerManager's result dispatcher, the same path
-SGLang's own control requests take). The scheduler applies a swap between two batches and
-answers with the new status.
+(``messages.MorphStatusReq``, ``MorphSwapReq``, ``MorphModeReq``) through the elastic core's
+control client (``sglang_morph.elastic.control``) and returns the scheduler's answer. The
+scheduler applies a swap between two batches and answers with the new status.
 
 Auth: the control routes are ``ADMIN_OPTIONAL`` in SGLang's auth model (``--api-key`` protects
 them; with ``--admin-api-key`` set only the admin key opens them); ``GET /morph/status`` is a
@@ -14,86 +12,20 @@ normal endpoint (``--api-key`` protects it).
 
 from __future__ import annotations
 
-import asyncio
 import logging
-import uuid
 from typing import Any
 
 from fastapi import Request
 from fastapi.responses import JSONResponse
 
-from sglang_morph.morph.parallel.replicas import SKIPPED, replica_count
-from sglang_morph.morph.messages import (
-    MorphControlOutput,
-    MorphModeReq,
-    MorphStatusReq,
-    MorphSwapReq,
-)
+from sglang_morph.elastic.control import control_client, json_object
+from sglang_morph.morph.messages import MorphModeReq, MorphStatusReq, MorphSwapReq
 
 logger = logging.getLogger("sglang_morph")
-
-# A swap of every layer with a KV move takes seconds on CPU; past this the route gives up (the
-# scheduler still finishes the transition, and /morph/status shows it).
-CONTROL_TIMEOUT_S = 300.0
-
-
-class MorphControlClient:
-    """Pending control requests of one TokenizerManager, keyed by request id. Under
-    ``--dp-size N`` every replica answers each request (``parallel/replicas.py``): a request is
-    done when all ``replicas`` have."""
-
-    def __init__(self, tokenizer_manager: Any, replicas: int = 1):
-        self.tokenizer_manager = tokenizer_manager
-        self.replicas = replicas
-        self._pending: dict[str, tuple[asyncio.Future, list[MorphControlOutput]]] = {}
-
-    async def call(self, req: MorphStatusReq | MorphSwapReq | MorphModeReq
-                   ) -> list[MorphControlOutput]:
-        """Send ``req`` (its ``rid`` is set here) and return the answers of the replicas it
-        concerned (one on a server without data parallelism), in replica order."""
-        req.rid = f"morph-{uuid.uuid4().hex}"
-        future = asyncio.get_running_loop().create_future()
-        self._pending[req.rid] = (future, [])
-        tm = self.tokenizer_manager
-        tm.auto_create_handle_loop()  # the loop that receives scheduler outputs
-        try:
-            await tm._async_dispatch_to_scheduler(req)
-            outs: list[MorphControlOutput] = await asyncio.wait_for(future, CONTROL_TIMEOUT_S)
-        finally:
-            self._pending.pop(req.rid, None)
-        return sorted((o for o in outs if o.status_code != SKIPPED), key=lambda o: o.replica)
-
-    def on_output(self, out: MorphControlOutput) -> None:
-        future, outs = self._pending.get(out.rid, (None, None))
-        if future is None or future.done():
-            return
-        outs.append(out)
-        if len(outs) == self.replicas:
-            future.set_result(outs)
-
-
-def attach_to_tokenizer_manager(tokenizer_manager: Any) -> None:
-    """Give ``tokenizer_manager`` a control client and route scheduler answers to it."""
-    from sglang.utils import TypeBasedDispatcher
-
-    client = MorphControlClient(tokenizer_manager,
-                                replica_count(getattr(tokenizer_manager, "server_args", None)))
-    tokenizer_manager._result_dispatcher += TypeBasedDispatcher(
-        [(MorphControlOutput, client.on_output)]
-    )
-    tokenizer_manager.morph_control = client
 
 
 def _bad_request(message: str):
     return JSONResponse({"error": message}, status_code=400)
-
-
-def control_client() -> Any:
-    """The TokenizerManager's control client (``attach_to_tokenizer_manager``), or None where
-    no control routes were installed. The /morph and /kunserve routes both go through it."""
-    from sglang.srt.entrypoints.http_server import get_global_state
-
-    return getattr(get_global_state().tokenizer_manager, "morph_control", None)
 
 
 async def _forward(req: MorphStatusReq | MorphSwapReq | MorphModeReq):
@@ -130,15 +62,6 @@ def _replica_field(body: dict[str, Any], replicas: int, required: bool):
 def _replicas() -> int:
     client = control_client()
     return 1 if client is None else client.replicas
-
-
-async def json_object(request) -> dict[str, Any] | None:
-    """The request's JSON body if it is an object, else None (not JSON, or not an object)."""
-    try:
-        body = await request.json()
-    except (ValueError, UnicodeDecodeError):
-        return None
-    return body if isinstance(body, dict) else None
 
 
 def add_routes(app: Any) -> None:

@@ -1,7 +1,7 @@
 """IPC messages between the HTTP process (TokenizerManager) and the scheduler process.
 
 One typed msgspec message per command; the scheduler answers every one with a
-``MorphControlOutput`` (the HTTP status and the JSON body the route returns unchanged). SGLang's
+``elastic.control.ControlOutput`` (the HTTP status and the JSON body the route returns unchanged). SGLang's
 IPC encodes msgspec structs with msgpack and only decodes types it was told about, so both
 processes register these with ``hook_custom_types`` when this module is imported (the plugin
 imports it in every process).
@@ -55,12 +55,6 @@ class MorphActionReq(_MorphReq, kw_only=True):
     reason: str
 
 
-class MorphControlOutput(BaseReq, kw_only=True):
-    status_code: int
-    body: dict[str, Any]
-    replica: int = 0  # the data-parallel replica that answers
-
-
 MORPH_REQUESTS = (MorphStatusReq, MorphSwapReq, MorphModeReq)
 
-hook_custom_types(*MORPH_REQUESTS, MorphActionReq, MorphControlOutput)
+hook_custom_types(*MORPH_REQUESTS, MorphActionReq)

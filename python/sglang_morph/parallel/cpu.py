@@ -34,10 +34,6 @@ from sglang_morph.parallel.binding import parse_core_list
 
 logger = logging.getLogger("sglang_morph.parallel")
 
-HOOK_INIT_GROUP = "sglang.srt.distributed.parallel_state.init_model_parallel_group"
-HOOK_THREADS_BINDING = "sglang.srt.utils.numa_utils.init_threads_binding"
-DP_CONTROLLER_MODULE = "sglang.srt.managers.data_parallel_controller"
-HOOK_DP_EVENT_LOOP = f"{DP_CONTROLLER_MODULE}.DataParallelController.event_loop"
 DP_POLL_TIMEOUT_MS = 1000  # the watchdog's timeout is minutes; a request wakes the poll at once
 
 # Communicators that need a GPU; each is a keyword of init_model_parallel_group.

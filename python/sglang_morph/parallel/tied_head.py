@@ -21,8 +21,6 @@ from sglang_morph.parallel.cpu import on_cpu
 
 logger = logging.getLogger("sglang_morph.parallel")
 
-HOOK_LLAMA_INIT = "sglang.srt.models.llama.LlamaForCausalLM.__init__"
-HOOK_LLAMA_LOAD_WEIGHTS = "sglang.srt.models.llama.LlamaForCausalLM.load_weights"
 
 EMBEDDING_WEIGHT = "model.embed_tokens.weight"
 # Set on a model whose last stage got its own head; load_weights fills it.

@@ -13,13 +13,14 @@ import dataclasses
 import json
 from typing import Any
 
+from sglang_morph.config import ConfigError
 from sglang_morph.kunserve.controller import ControllerConfig
 from sglang_morph.server.ports import free_late_bind_port
 
 SERVER_ARGS_ATTR = "_kunserve_live_config"
 
 
-class KunServeConfigError(ValueError):
+class KunServeConfigError(ConfigError):
     """A launch KunServe cannot serve; the message names the flag."""
 
 

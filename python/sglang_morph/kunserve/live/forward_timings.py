@@ -20,11 +20,9 @@ import os
 import time
 from typing import Any, Callable
 
-from sglang_morph.plugin import Hook
+from sglang_morph.surface import HOOK_RUNNER_FORWARD, IN_SCHEDULER, Hook
 
 ENV = "SGLANG_MORPH_FORWARD_TIMINGS"
-HOOK_RUNNER_FORWARD = "sglang.srt.model_executor.model_runner.ModelRunner.forward"
-_IN_SCHEDULER = "sglang.srt.managers.scheduler"
 
 
 def batch_chunks(forward_batch: Any) -> tuple[str, list[int], list[int]]:
@@ -67,4 +65,4 @@ def hooks() -> tuple[Hook, ...]:
     if not path:
         return ()
     return (Hook(HOOK_RUNNER_FORWARD, timed_forward(path), "AROUND",
-                 only_if_imported=_IN_SCHEDULER),)
+                 only_if_imported=IN_SCHEDULER),)

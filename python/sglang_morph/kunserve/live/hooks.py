@@ -5,11 +5,8 @@ from __future__ import annotations
 
 from typing import Any, Callable
 
-from sglang_morph.plugin import Hook
+from sglang_morph.surface import HOOK_LLAMA_FORWARD, HOOK_RUNNER_FORWARD, IN_SCHEDULER, Hook
 
-HOOK_RUNNER_FORWARD = "sglang.srt.model_executor.model_runner.ModelRunner.forward"
-HOOK_LLAMA_FORWARD = "sglang.srt.models.llama.LlamaModel.forward"
-_IN_SCHEDULER = "sglang.srt.managers.scheduler"
 
 
 def around_runner_forward(original: Callable[..., Any], runner: Any, *args: Any,
@@ -36,8 +33,8 @@ def around_llama_forward(original: Callable[..., Any], model: Any, *args: Any,
 
 
 HOOKS: tuple[Hook, ...] = (
-    Hook(HOOK_RUNNER_FORWARD, around_runner_forward, "AROUND", only_if_imported=_IN_SCHEDULER),
-    Hook(HOOK_LLAMA_FORWARD, around_llama_forward, "AROUND", only_if_imported=_IN_SCHEDULER),
+    Hook(HOOK_RUNNER_FORWARD, around_runner_forward, "AROUND", only_if_imported=IN_SCHEDULER),
+    Hook(HOOK_LLAMA_FORWARD, around_llama_forward, "AROUND", only_if_imported=IN_SCHEDULER),
 )
 
 

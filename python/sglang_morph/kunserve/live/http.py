@@ -1,5 +1,5 @@
 """``/kunserve/*`` routes in SGLang's HTTP server. Both replicas answer every request through
-the morph routes' control client (``server/http.py``), which waits for both.
+the elastic core's control client (``elastic/control.py``), which waits for both.
 
 Auth as ``/morph``: ``GET /kunserve/status`` is a normal endpoint (``--api-key``), the
 transitions are ``ADMIN_OPTIONAL`` (``--admin-api-key`` when set)."""
@@ -16,7 +16,7 @@ from sglang_morph.kunserve.live.messages import (
     KunServeRestoreReq,
     KunServeStatusReq,
 )
-from sglang_morph.morph.http import control_client, json_object
+from sglang_morph.elastic.control import control_client, json_object
 
 
 async def _forward(req: Any) -> JSONResponse:

@@ -1,7 +1,7 @@
 """IPC messages of the ``/kunserve`` routes (HTTP process -> every replica's scheduler).
 
-Each replica answers with the morph routes' ``MorphControlOutput`` (status code, JSON body,
-replica), so the morph control client collects the answers of both replicas unchanged.
+Each replica answers with the elastic core's ``ControlOutput`` (status code, JSON body,
+replica), so its control client collects the answers of both replicas.
 Registered with SGLang's msgpack decoder in every process that imports this module (the plugin
 imports it in every process).
 """

@@ -60,7 +60,10 @@ from sglang_morph.morph.executor.kv_resizer import KVResizer, set_pool_buffers
 from sglang_morph.kunserve.live.attention import new_rows_backend
 from sglang_morph.kunserve.live.link import PeerLink
 from sglang_morph.kunserve.planner import DropPlannerConfig, MemberLayout, make_group
-from sglang_morph.morph.parallel.replicas import replica_index
+from sglang_morph.elastic.contract import Outcome
+from sglang_morph.elastic.contract import Transition as ElasticTransition
+from sglang_morph.elastic.control import replica_index
+from sglang_morph.elastic.record import recorder
 
 logger = logging.getLogger("sglang_morph.kunserve")
 
@@ -147,6 +150,7 @@ class KunServeReplica:
         self._metrics = (_Metrics(self.rank) if getattr(reporter, "enable_metrics", False)
                          else None)
         self._publish_metrics()
+        self.elastic = recorder(scheduler)
         self.link = PeerLink(self.rank, link_port)
         self.auto = None  # --kunserve-auto: the controller's side (auto.py)
         if auto is not None:
@@ -251,16 +255,40 @@ class KunServeReplica:
 
     def handle_control(self, req: Any) -> Any:
         from sglang_morph.kunserve.live.messages import KunServeDropReq, KunServeRestoreReq
-        from sglang_morph.morph.messages import MorphControlOutput
+        from sglang_morph.elastic.control import ControlOutput
 
         if isinstance(req, (KunServeDropReq, KunServeRestoreReq)):
             code, body = self.transition(merge=isinstance(req, KunServeDropReq))
         else:
             code, body = _OK, self.status()
-        return MorphControlOutput(rid=req.rid, status_code=code, body=body, replica=self.rank)
+        return ControlOutput(rid=req.rid, status_code=code, body=body, replica=self.rank)
 
     def transition(self, merge: bool, trigger: str = "operator",
                    reason: str | None = None) -> tuple[int, dict[str, Any]]:
+        """``_transition``, recorded in the elastic core's log whatever its outcome."""
+        started = time.perf_counter()
+        before = int(self.pool.size)
+        code, body = self._transition(merge, trigger, reason)
+        outcome = {_OK: Outcome.APPLIED, _REFUSED: Outcome.REFUSED}.get(code, Outcome.FAILED)
+        self.elastic.record(ElasticTransition(
+            mechanism="kunserve", replica=self.rank, action="drop" if merge else "restore",
+            reason=reason or trigger, outcome=outcome,
+            duration_s=time.perf_counter() - started, capacity_before_tokens=before,
+            capacity_after_tokens=int(self.pool.size),
+            error="" if code == _OK else str(body.get("error", "")),
+            detail=self.transitions[-1] if code == _OK else {"trigger": trigger}))
+        return code, body
+
+    def elastic_state(self) -> dict[str, Any]:
+        """What ``/elastic/status`` shows of this replica (``/kunserve/status`` has the rest)."""
+        layers = self.member.layers if self.merged else range(self.num_layers)
+        return {"group": [0, 1] if self.merged else [self.rank],
+                "layers": [layers.start, layers.stop], "kv_capacity_tokens": int(self.pool.size),
+                "peer_kv_capacity_tokens": int(self.mirror.size) if self.mirror is not None
+                else 0, "auto": self.auto is not None}
+
+    def _transition(self, merge: bool, trigger: str,
+                    reason: str | None) -> tuple[int, dict[str, Any]]:
         """Both replicas, in their schedulers' handlers of the same request (a POST, or the
         automatic control's proposal: ``trigger`` "auto" and the controller's ``reason``, both
         logged), between batches.

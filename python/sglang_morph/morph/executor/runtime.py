@@ -40,7 +40,10 @@ from sglang_morph.morph.control.policy import get_mode
 from sglang_morph.morph.control.signals import PressureMonitor, PressureSignals, PressureSnapshot
 from sglang_morph.morph.executor.faults import FaultInjector, InjectedFault
 from sglang_morph.morph.executor.kv_resizer import KVResizer, KVResizeRefused
-from sglang_morph.morph.parallel.replicas import SKIPPED, replica_index
+from sglang_morph.elastic.contract import ElasticError, Outcome
+from sglang_morph.elastic.contract import Transition as ElasticTransition
+from sglang_morph.elastic.control import SKIPPED, replica_index
+from sglang_morph.elastic.record import recorder
 
 logger = logging.getLogger("sglang_morph")
 
@@ -75,12 +78,9 @@ def _future_tokens(req: Any, new_token_ratio: float) -> float:
     return max(0, left) * (1.0 if params.ignore_eos else new_token_ratio)
 
 
-class MorphRequestError(ValueError):
-    """A control request that cannot be applied; ``status_code`` is its HTTP status."""
-
-    def __init__(self, message: str, status_code: int = 400):
-        super().__init__(message)
-        self.status_code = status_code
+class MorphRequestError(ElasticError):
+    """A /morph request or transition that cannot be applied; ``status_code`` is its HTTP
+    status (the elastic core's error type)."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -142,7 +142,7 @@ class MorphRuntime:
             self.installer.faults = self.faults
         # Layers an operator placed with POST /morph/swap: the controller does not move them.
         self.pinned: set[int] = set()
-        # Under --dp-size each replica runs its own runtime (parallel/replicas.py).
+        # Under --dp-size each replica runs its own runtime (morph/parallel/__init__.py).
         self.replica = replica_index()
         # Precision provenance of every response (server/provenance.py), told of each applied
         # transition by _record.
@@ -189,6 +189,8 @@ class MorphRuntime:
         self.last_signals: PressureSignals | None = None
         self.controller: MorphController | None = None  # made once the ranks agreed (below)
         # (TP ranks apply the same transitions: rank 0 writes them for all)
+        # Every mechanism's transitions, one log and one metrics family (the elastic core).
+        self.elastic = recorder(scheduler)
         self._log = (open(cfg.log_path, "a", buffering=1)
                      if cfg.log_path and (self.tensor is None or self.tensor.rank == 0) else None)
         reporter = getattr(scheduler, "metrics_reporter", None)
@@ -426,10 +428,11 @@ class MorphRuntime:
 
     def handle_control(self, req: Any) -> Any:
         """The scheduler's dispatcher entry for the /morph requests (between batches)."""
-        from sglang_morph.morph.messages import MorphControlOutput, MorphModeReq, MorphSwapReq
+        from sglang_morph.elastic.control import ControlOutput
+        from sglang_morph.morph.messages import MorphModeReq, MorphSwapReq
 
         if getattr(req, "replica", None) not in (None, self.replica):
-            return MorphControlOutput(rid=req.rid, status_code=SKIPPED, body={},
+            return ControlOutput(rid=req.rid, status_code=SKIPPED, body={},
                                       replica=self.replica)
         if self.pipeline is not None:  # every stage in turn; the last one answers
             return self.pipeline.handle(req)
@@ -444,7 +447,7 @@ class MorphRuntime:
         except Exception as e:  # the scheduler must keep serving; the caller gets the reason
             logger.exception("sglang-morph: control request %s failed", type(req).__name__)
             code, body = 500, {"error": f"{type(e).__name__}: {e}"}
-        out = MorphControlOutput(rid=req.rid, status_code=code, body=body, replica=self.replica)
+        out = ControlOutput(rid=req.rid, status_code=code, body=body, replica=self.replica)
         # (every TP rank handles the request here, at the same step; rank 0 answers for all)
         return self.tensor.gather(out) if self.tensor is not None else out
 
@@ -660,8 +663,36 @@ class MorphRuntime:
             self._log.write(json.dumps({**t.to_json(), **where}) + "\n")
         if self._metrics is not None:
             self._metrics.transitions(t.action).inc()
+        if self.tensor is None or self.tensor.rank == 0:  # TP ranks apply the same ones
+            self.elastic.record(self._as_elastic(t))
         self._publish_metrics()
         return t
+
+    def _as_elastic(self, t: Transition) -> ElasticTransition:
+        outcome = {"refused": Outcome.REFUSED, "failed": Outcome.FAILED}.get(t.action,
+                                                                             Outcome.APPLIED)
+        action = t.action if outcome is Outcome.APPLIED else (
+            "restore" if t.to_bits == FULL_PRECISION_BITS else "swap")
+        detail = {"source": t.source, "layers": list(t.layers), "from_bits": list(t.from_bits),
+                  "to_bits": t.to_bits, "freed_bytes": t.freed_bytes,
+                  "kv_moved_tokens": t.kv_moved_tokens, "kv_evicted_tokens": t.kv_evicted_tokens}
+        if self.pipeline is not None:
+            detail["pp_stage"] = self.pipeline.rank
+        return ElasticTransition(
+            mechanism="morph", replica=self.replica, action=action, reason=t.reason,
+            outcome=outcome, duration_s=t.duration_s,
+            capacity_before_tokens=t.kv_capacity_tokens_before,
+            capacity_after_tokens=t.kv_capacity_tokens_after, time_unix_s=t.time_unix_s,
+            error=t.error, detail=detail)
+
+    def elastic_state(self) -> dict[str, Any]:
+        """What ``/elastic/status`` shows of this runtime (``/morph/status`` has the rest)."""
+        return {"mode": self.mode, "controller": self.controller is not None,
+                "layer_bits": list(self.layer_bits),
+                "quantized_layers": sum(b != FULL_PRECISION_BITS for b in self.layer_bits),
+                "kv_capacity_tokens": self.resizer.capacity_tokens,
+                "kv_used_tokens": self.resizer.held_tokens,
+                "memory_budget_bytes": self.budget.total_bytes}
 
     def _live_requests(self) -> set[Any]:
         from sglang_morph.morph.provenance import live_requests

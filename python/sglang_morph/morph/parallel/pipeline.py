@@ -444,16 +444,16 @@ class PipelineStage:
 
 def answer(req: Any) -> Any:
     """The last stage's answer for the whole pipeline, from what every stage added to ``req``."""
-    from sglang_morph.morph.messages import MorphControlOutput
+    from sglang_morph.elastic.control import ControlOutput
 
     stages = req.pipeline_stages
     failed = [s for s in stages if s["status_code"] != 200]
     if not failed:
-        return MorphControlOutput(rid=req.rid, status_code=200,
+        return ControlOutput(rid=req.rid, status_code=200,
                                   body=merge_status([s["status"] for s in stages]))
     code = max(s["status_code"] for s in failed)
     if code < 500:  # every stage refused alike (each decides from the same state)
-        return MorphControlOutput(rid=req.rid, status_code=code, body={"error": (
+        return ControlOutput(rid=req.rid, status_code=code, body={"error": (
             f"changed nothing on any pipeline stage: {failed[0]['error']}")})
     first = min(s["stage"] for s in failed)
     applied = [s["stage"] for s in stages if s["stage"] < first]
@@ -464,7 +464,7 @@ def answer(req: Any) -> Any:
                         "pipeline's stages now disagree: %s", first, applied, error)
         error += (f"; stages {applied} had applied it: the stages now disagree, restart "
                   f"the server")
-    return MorphControlOutput(rid=req.rid, status_code=code, body={"error": error})
+    return ControlOutput(rid=req.rid, status_code=code, body={"error": error})
 
 
 def merge_status(stages: list[dict[str, Any]]) -> dict[str, Any]:
