@@ -6,7 +6,7 @@ controller). We register hooks, apply them at once and verify that each one took
 that silently ignores ``--enable-morph``. A hook that did not apply ends the process with a
 message naming the SGLang release the plugin was written for. With ``--enable-morph`` the
 launcher also checks, before spawning anything, every other SGLang symbol the plugin uses
-(``sglang_symbols``), refuses configurations the runtime does not support, and turns CUDA
+(``surface``), refuses configurations the runtime does not support, and turns CUDA
 graphs and torch.compile off; each of these stops with one line.
 
 Without ``--enable-morph`` the hooks only add our CLI flags and carry a disabled ``MorphConfig``;

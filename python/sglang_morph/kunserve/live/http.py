@@ -1,5 +1,5 @@
 """``/kunserve/*`` routes in SGLang's HTTP server. Both replicas answer every request through
-the morph routes' control client (``server/http.py``), which waits for both.
+the morph routes' control client (``morph/http.py``), which waits for both.
 
 Auth as ``/morph``: ``GET /kunserve/status`` is a normal endpoint (``--api-key``), the
 transitions are ``ADMIN_OPTIONAL`` (``--admin-api-key`` when set)."""

@@ -10,7 +10,7 @@ replica's load reports and sends it more.
 The ``/morph`` requests reach every replica: SGLang's ``DataParallelController`` sends a
 message type it does not know (ours) to every active worker (``send_control_message``), and
 each replica's scheduler answers the TokenizerManager directly, so one request gets one answer
-per replica (``server/http.py`` waits for them all). A swap names its ``replica``: the others
+per replica (``morph/http.py`` waits for them all). A swap names its ``replica``: the others
 answer that it was not for them (``SKIPPED``) and change nothing, so a swap is one replica's
 transaction, applied completely or not at all like on one rank; there is no swap across
 replicas that could half-happen.
