@@ -1,7 +1,7 @@
-"""iServe's estimates against measured full configurations (issue 14).
+"""iServe's estimates against measured full configurations.
 
     python -m sglang_morph.iserve profile --out P.json --bits 16            # fingerprints
-    python -m sglang_morph.iserve profile --out P.json --bits 8 --append    # ... per session
+    python -m sglang_morph.iserve profile --out P.json --bits 8 --append    # one run each
     python -m sglang_morph.iserve profile --out P.json --bits 16 --tp 1 --append \
         --full W16-TP1-PP1,W8-TP1-PP2 ...                                  # full configurations
     python -m benchmark.iserve --profile P.json --out-dir benchmark/results/iserve

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
-# Measures issue 14's whole grid in one quiet window: the shared-layout fingerprints
+# Measures iServe's whole grid in one quiet window: the shared-layout fingerprints
 # (profile --layouts-at 16: 10 servers) and then every servable full configuration (14), each
-# as its own `deploy profile --append` session so that a crash or the deadline loses one record,
+# as its own `iserve profile --append` run so that a crash or the deadline loses one record,
 # not the file. Usage: benchmark/iserve_grid.sh OUT_DIR [DEADLINE_UNIX_S]
 # Runs the code of $MORPH_SRC (default: this checkout), e.g. a clean worktree of a commit.
 # LAYERS=A,B: the two fingerprint depths (default 4,8; PP 2 runs A+1 and B+1);

@@ -1,4 +1,4 @@
-"""How much one server launch differs from the next, and what that does to L2's error (issue 14).
+"""How much one server launch differs from the next, and what that does to L2's error.
 
     python -m benchmark.iserve_noise measure --launches 5 --out DIR \
         --runs W16-TP1-PP1,W16-TP1-PP1@16,W16-TP1-PP1@8,W16-TP3-PP1      (~20 min)
@@ -8,7 +8,7 @@
 
 ``measure`` serves each run (a full configuration, or ``CONFIG@N`` for the N-layer fingerprint)
 ``--launches`` times, interleaved (run A, run B, ..., then A again), every launch measured
-exactly as ``deploy profile`` measures (``measure.measure_server``, the grid's streamed
+exactly as ``iserve profile`` measures (``measure.measure_server``, the grid's streamed
 workload) and scored as ``estimate`` scores it (the fastest of the repetitions). Per run,
 batch and phase: the values across launches, their coefficient of variation and their mean
 absolute deviation from their mean (what an exact estimate would be off by, on average,
@@ -21,7 +21,7 @@ that the error L2 makes is seen without any model of the noise.
 profile's own fit as the truth, draws every fingerprint record's and every full
 configuration's measurement as the truth times one factor per launch and phase (normal, the
 coefficient of variation ``measure`` found for fingerprints and for full configurations), refits
-L2 on the drawn fingerprints exactly as ``deploy`` does, and scores the estimates against the
+L2 on the drawn fingerprints exactly as ``iserve`` does, and scores the estimates against the
 drawn full measurements as ``benchmark.iserve`` does. Reported per phase: the mean error's
 median and 5-95% range over the trials, with noise on both sides, on the references only (an
 exact estimate against one launch) and on the fingerprints only (what the extrapolation does to
@@ -95,7 +95,7 @@ def spread(runs: dict[str, list[dict]]) -> list[dict]:
 def paired(runs: dict[str, list[dict]]) -> list[dict]:
     """L2 launch by launch: for every full PP 1 run measured beside two fingerprint depths of
     its configuration, the estimate fitted on launch i's fingerprints alone (``estimate``'s
-    TP 1 line, exactly as ``deploy`` fits it) against launch i's full measurement."""
+    TP 1 line, exactly as ``iserve`` fits it) against launch i's full measurement."""
     rows = []
     for name, full in runs.items():
         if full[0]["kind"] != "full" or full[0]["pp"] != 1:
@@ -235,7 +235,7 @@ def _hf_config(raw: dict) -> dict:
     return json.loads(path.read_text())
 
 
-INTENT_GAP = 0.05  # issue 14: the chosen configuration within 5% of the measured best
+INTENT_GAP = 0.05  # iServe's target: the chosen configuration within 5% of the measured best
 
 
 def mean_errors(raw: dict, fp_cv: dict[str, float], full_cv: dict[str, float], trials: int,

@@ -688,7 +688,7 @@ def _s(v: float | None) -> str:
 def markdown(meta: dict, rows: list[dict]) -> str:
     prof = meta["profile"]
     lines = [
-        "# iServe vs max-TP, max-PP, AlpaServe-like on a SIMULATED 8-device cluster (issue 14)",
+        "# iServe vs max-TP, max-PP, AlpaServe-like on a SIMULATED 8-device cluster",
         "", "**Every latency and SLO number below is SIMULATED** (SimPy, `benchmark/iserve_sim.py`"
         "); the inputs are iServe's estimates (M2/L2 from the fingerprints of the profile) and "
         "the Azure LLM 2023 traces. No cluster ran. The tables are only as good as the "

@@ -2,7 +2,8 @@
 
 Every number this writes is SIMULATED: no cluster runs. What is real: the drop planner and the
 controller (``sglang_morph.kunserve``, the objects the live system will use, unchanged), the
-model's exact per-layer bytes (``plan.model``/``plan.memory``, the default model SmolLM2-135M),
+model's exact per-layer bytes (``splitquant.model``/``splitquant.memory``, the default model
+SmolLM2-135M),
 the arrival traces (``data/traces``), and the calibration, measured on this machine: the chunk
 cost model (``benchmark/kunserve_costs.py``: forward times by phase), the gloo transfer time and
 the host copy bandwidth (``benchmark/kunserve_transfer.py``).

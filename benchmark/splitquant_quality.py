@@ -9,7 +9,7 @@ effective weights the CPU kernels are tested against):
   bit-width together), on windows of a split: the mean per-token KL(full precision || quantized)
   and the mean NLL increase, with a standard error over windows. On the TRAIN split (default)
   this is calibration data; on the test split it is a diagnosis only.
-- ``compare``: every indicator of an omega file (``plan indicator``) against the measured KL:
+- ``compare``: every indicator of an omega file (``splitquant indicator``) against the measured KL:
   rank correlation, how W8 compares with W4, compute cost.
 - ``plans``: given precision maps (``layer:bits`` lists or plan JSONs), the per-token NLL of each
   on the same windows, the perplexity, and for every pair the paired NLL difference with its

@@ -3,8 +3,8 @@
 For each of 10 clusters (the paper's kinds of mixes: T4/V100/A100 and L4/H100, 2 to 6 GPUs,
 OPT and Llama-2 models sized so that full precision is tight or does not fit), the planner and
 the baselines (Uniform, PipeEdge-like, adabits) plan an offline batch on the fitted cost model
-(``plan.devices.gpu_latency_model``); every plan is then *simulated* on the roofline model
-itself (``plan.devices.Roofline``, not the fitted one) with the same pipeline formulas, which
+(``splitquant.devices.gpu_latency_model``); every plan is then *simulated* on the roofline model
+itself (``splitquant.devices.Roofline``, not the fitted one) with the same pipeline formulas, which
 gives the throughput in the table. The quality bound: SplitQuant's sum of omega may not exceed
 Uniform's (so it never trades more quality than the baseline it is compared with).
 

@@ -7,7 +7,7 @@
 # The local CPU-only torch 2.13.0 breaks next to any torchvision on PyPI ("operator
 # torchvision::nms does not exist"; PyPI has no CPU torchvision), and an unpinned torchvision
 # drags in the newest torch. PyPI's torch 2.14.1 is a CUDA build that runs on a CPU, so we pin
-# torch 2.14.1 + torchvision 0.29.1 together (measured: see README, "Why torch 2.14.1").
+# torch 2.14.1 + torchvision 0.29.1 together (measured: see docs/measurement-notes.md).
 set -euo pipefail
 
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"

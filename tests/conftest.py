@@ -63,7 +63,7 @@ def server_factory(tmp_path_factory):
 
 @pytest.fixture(scope="session")
 def default_server(tmp_path_factory) -> ServerProcess:
-    """The server exactly as the README's first command starts it (plugin loaded, morph off)."""
+    """The server exactly as the README's serve command starts it (plugin loaded, morph off)."""
     server = start_server([], tmp_path_factory.mktemp("default_server"))
     yield server
     server.stop()

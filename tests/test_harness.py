@@ -1,5 +1,5 @@
 """The test and benchmark harness itself: where server ports come from, and what happens when a
-server loses its port before binding it (CI of stop 24 lost 10 minutes to that: SGLang logs
+server loses its port before binding it (a CI run lost 10 minutes to that: SGLang logs
 uvicorn's "address already in use" and then hangs in its shutdown instead of exiting)."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""KunServe's engine-agnostic pieces (issue 13): drop planner, chunk cost model, lookahead
+"""KunServe's engine-agnostic pieces: drop planner, chunk cost model, lookahead
 micro-batching, controller policy and the cluster simulation. Pure Python, no server."""
 
 from __future__ import annotations
@@ -75,7 +75,7 @@ def planner(spec) -> DropPlannerConfig:
 
 @pytest.mark.parametrize("k", [1, 7, 15, 29])
 def test_two_member_group_frees_exactly_what_the_memory_model_says(spec, planner, k):
-    """A keeps [0, k), B keeps [k, L): freed bytes equal plan/memory.py's stage bytes, and
+    """A keeps [0, k), B keeps [k, L): freed bytes equal splitquant/memory.py's stage bytes, and
     the same bytes derived by hand from the layer shapes (tied head: neither drops it)."""
     memory, layers = planner.memory, spec.num_layers
     whole = memory.model_weight_bytes(full_precision_layers(layers))

@@ -1,4 +1,4 @@
-"""KunServe's automatic control on live SGLang DP 2 replicas (``--kunserve-auto``, issue 13).
+"""KunServe's automatic control on live SGLang DP 2 replicas (``--kunserve-auto``).
 
 - bad ``--kunserve-auto`` / ``--kunserve-auto-config`` values are a CLI error naming the flag
   and the problem, and attach nothing;

@@ -1,4 +1,4 @@
-"""KunServe on live SGLang data-parallel replicas (issue 13): ``--enable-kunserve --dp-size 2``.
+"""KunServe on live SGLang data-parallel replicas: ``--enable-kunserve --dp-size 2``.
 
 One DP 2 server (float32, greedy, CPU): the reference outputs are the same replicas' outputs
 before the drop (an undropped server) and are checked on both replicas.

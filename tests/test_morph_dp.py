@@ -1,4 +1,4 @@
-"""MorphServe under SGLang data parallelism (issue 11, DP): ``--enable-morph --dp-size 2``.
+"""MorphServe under SGLang data parallelism: ``--enable-morph --dp-size 2``.
 
 One DP 2 server (float32, greedy, the controller off so that only the test moves layers): each
 replica is its own scheduler with its own runtime, budget and KV pool (parallel/replicas.py).

@@ -199,7 +199,7 @@ def test_staging_verifies_checksums_and_never_reads_the_directory_again(engines,
 
 
 def test_a_failure_preparing_the_third_linear_changes_nothing(staged, monkeypatch):
-    """The issue's case: a failure on the 3rd of 4 linears used to lose the first two's
+    """The case this guards: a failure on the 3rd of 4 linears used to lose the first two's
     full-precision weights. Now every linear is prepared before any is touched."""
     model = TinyModel()
     installer = LayerVariantInstaller(model, staged, torch.float32)

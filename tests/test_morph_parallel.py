@@ -1,4 +1,4 @@
-"""MorphServe under SGLang pipeline parallelism (issue 11, PP): ``--enable-morph --pp-size 2``.
+"""MorphServe under SGLang pipeline parallelism: ``--enable-morph --pp-size 2``.
 
 One PP 2 server (float32, greedy, even split: layers 0-14 and 15-29) with a precision map that
 quantizes layers on both stages, unequal stage budgets (``--morph-stage-budgets``) and the
@@ -7,7 +7,7 @@ same map. Each PP rank runs one torch thread here, so the reference does too
 (``OMP_NUM_THREADS=1``): then PP 2 is bit-identical to PP 1 (tests/test_parallel.py).
 
 - greedy tokens equal PP 1 token for token; ``/morph/status`` reports both stages;
-- each stage's ``weight_bytes`` equals the SplitQuant memory model (``plan/memory.py``) to the
+- each stage's ``weight_bytes`` equals the SplitQuant memory model (``splitquant/memory.py``) to the
   byte, and the common KV capacity is the tightest stage's budget in whole tokens;
 - a swap of 8 layers (3 on stage 0, 5 on stage 1) to W4 while a request streams grows the KV
   capacity on both stages alike, the stream finishes, the restore gives the exact capacity back

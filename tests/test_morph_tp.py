@@ -1,4 +1,4 @@
-"""MorphServe under SGLang tensor parallelism (issue 11, TP): ``--enable-morph --tp-size 3``.
+"""MorphServe under SGLang tensor parallelism: ``--enable-morph --tp-size 3``.
 
 One TP 3 server on the default model (9 query / 3 KV heads: 3 + 1 per rank; float32, greedy,
 a precision map with W4 and W8 layers, a 184 MB budget per rank, the controller on) against a

@@ -1,4 +1,4 @@
-"""SGLang's own multi-node launch on loopback (issue 11): two processes as two "nodes".
+"""SGLang's own multi-node launch on loopback: two processes as two "nodes".
 
 ``scripts/serve.sh --pp-size 2 --nnodes 2 --node-rank {0,1} --dist-init-addr 127.0.0.1:PORT
 --enable-morph``: node 0 runs pipeline stage 0 plus SGLang's HTTP server, tokenizer and

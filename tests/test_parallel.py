@@ -1,4 +1,4 @@
-"""Multi-rank SGLang on CPU (issue 11): tensor, pipeline and data parallelism through serve.sh.
+"""Multi-rank SGLang on CPU: tensor, pipeline and data parallelism through serve.sh.
 
 Every configuration is compared with one rank of the same model, in float32 and greedy, on the
 same prompts sent one at a time (so every server runs the same batch shapes):

@@ -1,5 +1,6 @@
-"""The planner's measured quality indicators (``plan.measured``, ``plan.indicator``) against a
-direct reference: transformers' own model with the variants' dequantized weights loaded in."""
+"""The planner's measured quality indicators (``splitquant.measured``,
+``splitquant.indicator``) against a direct reference: transformers' own model with the
+variants' dequantized weights loaded in."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Precision provenance (server/provenance.py): the segment bookkeeping, and on a live float32
+"""Precision provenance (morph/provenance.py): the segment bookkeeping, and on a live float32
 morph server, what responses say about the precisions that produced their tokens while
 ``POST /morph/swap`` moves layers to W4 and back mid-stream."""
 

@@ -1,4 +1,4 @@
-"""A cluster from SGLang's own parts (issue 11): the SGLang router in front of two morph servers.
+"""A cluster from SGLang's own parts: the SGLang router in front of two morph servers.
 
 Two single-rank ``--enable-morph`` servers (float32, 650 MB budget, controller off so only the
 test moves layers, ``--enable-metrics``) and ``python -m sglang_router.launch_router`` with the

@@ -1,4 +1,4 @@
-"""The README's first command (scripts/serve.sh) serves SGLang's HTTP and OpenAI APIs on CPU."""
+"""The README's serve command (scripts/serve.sh) serves SGLang's HTTP and OpenAI APIs on CPU."""
 
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Everything the GPU issue measures, in one device call (the device keeps nothing between calls):
+# Every GPU measurement, in one device call (the device keeps nothing between calls):
 #   bash benchmark/gpu/run_all.sh [tests] [kernels] [kv_vmm] [transition] [probe] [w4_variants]
 #   (default: all but w4_variants, the W4 roofline investigation)
 # Results: $OUT/{kernels,transition,kv_vmm,w4_variants}.json and $OUT/run.log (plus the probe's two logs);

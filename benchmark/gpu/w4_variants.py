@@ -18,7 +18,7 @@ L2, as ``benchmark.gpu.kernels`` times the served kernel:
   (BLOCK_N x BLOCK_K/2)-byte tile is one contiguous block (suspect: short strided row loads,
   32-64 bytes per row and step).
 
-Not used by the server; kept as the measurement behind the README's W4 roofline note.
+Not used by the server; kept as the measurement behind the W4 roofline note in docs/gpu.md.
 """
 import math
 

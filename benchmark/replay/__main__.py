@@ -220,7 +220,7 @@ def add_agreement(report: dict[str, Any]) -> None:
 
 
 def targets(report: dict[str, Any]) -> dict[str, Any]:
-    """The issue's targets for morph default, computed, never asserted."""
+    """The targets for morph default, computed, never asserted."""
     cfg = report["configs"]
     if not {"fp", "default"} <= set(cfg):
         return {}

@@ -1,4 +1,4 @@
-"""The replay's two-replica arms (issue 13): KunServe against plain DP 2, morph default on each
+"""The replay's two-replica arms: KunServe against plain DP 2, morph default on each
 replica and static W4, under the same memory budget.
 
     python -m benchmark.replay --dp2                     # the four arms (see benchmark/README.md)
@@ -207,7 +207,7 @@ def add_agreement(arms: dict[str, Any]) -> None:
 
 
 def targets(arms: dict[str, Any]) -> dict[str, Any]:
-    """The issue's targets for KunServe against plain DP 2, computed, never asserted."""
+    """The targets for KunServe against plain DP 2, computed, never asserted."""
     if not all("metrics" in arms.get(name, {}) for name in ("dp2", "kunserve")):
         return {}
     dp, ks = arms["dp2"]["metrics"], arms["kunserve"]["metrics"]

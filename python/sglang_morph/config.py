@@ -1,8 +1,8 @@
 """Configuration primitives every mechanism shares: precision names and byte sizes.
 
 Mechanism configurations (``morph.config``, ``kunserve.live.config``) are frozen dataclasses
-parsed once at the CLI edge; what they have in common lives here so that a flag such as
-``--morph-memory-budget`` and ``--kunserve-replica-budget`` accept the same syntax.
+parsed once at the CLI edge; what they have in common lives here so that every byte-size flag
+(``--morph-memory-budget``, ``--morph-stage-budgets``) accepts the same syntax.
 """
 
 from __future__ import annotations

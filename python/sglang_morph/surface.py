@@ -230,7 +230,7 @@ SCHEDULER_SYMBOLS: tuple[Symbol, ...] = (
     *_group(_SERVER_ARGS, "read", "nnodes dist_init_addr"),
 )
 
-# ----- precision provenance (server/provenance.py) -----
+# ----- precision provenance (morph/provenance.py) -----
 _CHAT = "sglang.srt.entrypoints.openai.serving_chat.OpenAIServingChat"
 _COMPLETION = "sglang.srt.entrypoints.openai.serving_completions.OpenAIServingCompletion"
 _PROTOCOL = "sglang.srt.entrypoints.openai.protocol"

@@ -1,4 +1,4 @@
-"""``python -m sglang_morph.iserve``: iServe's intent-driven deployment (issue 14).
+"""``python -m sglang_morph.iserve``: iServe's intent-driven deployment.
 
     python -m sglang_morph.iserve fingerprint                      # build the 1- and 2-layer ones
     python -m sglang_morph.iserve profile --out profile.json [--bits 16] [--append]

@@ -14,8 +14,8 @@ the LM head, the logits), ``per_layer`` the weights, KV pool share and transient
 (the activation peak has none: it is one layer's at any depth), and the deltas the pipeline
 overhead of a stage: what a first stage lacks (LM head, final norm, logits) and what a last
 stage lacks or adds (the embedding; its own LM head copy when the embedding is tied). A middle stage has neither end's tensors: both deltas, less the embedding
-``E`` counted in both (its bytes are exact from the shapes, ``plan.model``; zero for the KV and
-activation figures, which hold no embedding). They are solved by least squares from the
+``E`` counted in both (its bytes are exact from the shapes, ``splitquant.model``; zero for the
+KV and activation figures, which hold no embedding). They are solved by least squares from the
 fingerprints: TP1/PP1 at 1 and 2 layers (fixed[1], per_layer[1]), TP1/PP2 at 2 and 3 layers
 (stages of 1 + 1 and 1 + 2 layers: both deltas, and a check of per_layer[1] on a stage), TP t/PP1
 at 1 and 2 layers (fixed[t], per_layer[t]). A 1-layer fingerprint cannot run PP 2 (each stage
@@ -217,7 +217,7 @@ def _fit_phase(points: Sequence[LatencyPoint], phase: str) -> tuple[float, ...]:
     x = np.array([_latency_row(p.layers, p.batch)[keep] for p in points])
     y = np.array([p.ttft_s if phase == "ttft" else p.tpot_s for p in points])
     lstsq(x, y)  # refuses points that cannot determine the line
-    # Non-negative, as plan/cost.py: no term may make a deeper model or a larger batch faster.
+    # Non-negative, as splitquant/cost.py: no term may make a deeper model or a larger batch faster.
     # Noise on a shared CPU can make a 2-layer fingerprint time below its 1-layer one; an
     # unconstrained solve would then extrapolate that to 30 layers as a negative time.
     full = np.zeros(4)

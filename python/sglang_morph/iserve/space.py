@@ -1,6 +1,6 @@
 """The configuration space iServe chooses from, what of it is servable here, and how to serve it.
 
-A configuration is (weight bits, tensor-parallel size, pipeline-parallel size); the issue's space
+A configuration is (weight bits, tensor-parallel size, pipeline-parallel size); iServe's space
 is {16, 8, 4} x {TP 1, 3} x {PP 1, 2, 3} (TP 3: the default model has 9 query / 3 KV heads, so
 SGLang shards it over 1 or 3 ranks only). What serves each one:
 

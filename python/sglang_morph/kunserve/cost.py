@@ -21,7 +21,7 @@ KunServe's model exactly (``KUNSERVE_TERMS``), ``TORCH_NATIVE_TERMS`` fits all f
 Prefill and decode are fitted apart (``PhaseCosts``): a decode step is bound by reading the
 weights and the KV, a prefill chunk by arithmetic, so one ``(alpha, beta, gamma)`` for both
 would fit neither. Fitting is least squares on relative error with non-negative coefficients
-(``scipy.optimize.nnls``, as ``plan/cost.py``): times span orders of magnitude, and a negative
+(``scipy.optimize.nnls``, as ``splitquant/cost.py``): times span orders of magnitude, and a negative
 coefficient would make a longer chunk cheaper, which a micro-batch balancer must never believe.
 """
 

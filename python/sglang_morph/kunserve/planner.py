@@ -17,7 +17,7 @@ cannot hold the demand, there is no drop plan and the caller falls back to KV-ce
 (queue, retract, swap KV out), which ``KvCentricFallback`` says with the shortfall.
 
 Bytes are exact and in the morph runtime's accounting (``control.budget.MemoryBudget``: weights
-+ KV within a per-replica budget): a member's weights are ``plan.memory.MemoryModel.
++ KV within a per-replica budget): a member's weights are ``splitquant.memory.MemoryModel.
 stage_memory`` of the layers it keeps (the embedding only on the first stage, LM head and final
 norm on the last, a tied head copied when they differ, the rotary table on every stage), its
 KV per token is its kept layers times ``ModelSpec.kv_bytes_per_token_per_layer``, and its KV
@@ -287,7 +287,7 @@ def plan_drop(cfg: DropPlannerConfig, view: Sequence[ReplicaDemand]) -> DropPlan
     Per group, not in total: a request stays with the replica (the scheduler) it was sent to,
     so a replica whose queue outgrows its pool is not helped by another replica's free KV,
     only by merging (under SGLang's round-robin DP dispatch one replica may queue while the
-    pair holds the total; stop 24's replay queued 2.4 s before an aggregate trigger fired).
+    pair holds the total; a replay at 19605d6 queued 2.4 s before an aggregate trigger fired).
     KunServe's greedy merges the two smallest groups; here an over-demand group is always one
     of the two (otherwise the merge would not help it): see ``_next_merge``. Like the paper's,
     the greedy is not exhaustive: it may merge deeper than a best partition would, or fall

@@ -1,1 +1,1 @@
-"""The HTTP side of sglang-morph: /morph/* routes in SGLang's server and their IPC messages."""
+"""Server plumbing the mechanisms share: ports for child processes that bind them later."""

@@ -2,8 +2,8 @@
 
 ``bind(("127.0.0.1", 0))`` hands out a port from the kernel's ephemeral range and releases it
 at once; the child binds it seconds later (a server start takes ~10 s here), and in that window
-any outgoing connection or gloo pair of any process may be given the same port: the CI run of
-stop 24 lost a server that way ("address already in use", then a hang in uvicorn's shutdown).
+any outgoing connection or gloo pair of any process may be given the same port: a CI run
+lost a server that way ("address already in use", then a hang in uvicorn's shutdown).
 So the ports picked here come from below the ephemeral range, which the kernel never hands out
 on its own, and from a band SGLang does not use: SGLang picks its own late-bound ports (the
 torch.distributed store) from 22000-29999, so two picks of ours and SGLang's cannot meet there.

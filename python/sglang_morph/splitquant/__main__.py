@@ -248,7 +248,7 @@ def build_problem(args):
 
 def _default_indicator(path: Path) -> str:
     """measured-kl where the file has it: the variance indicator misranks layers within a
-    bit-width and underrates W4 against W8 on the served model (README, SplitQuant)."""
+    bit-width and underrates W4 against W8 on the served model (docs/splitquant.md)."""
     names = [r["name"] for r in json.loads(Path(path).read_text())["indicators"]]
     return "measured-kl" if "measured-kl" in names else "variance"
 
@@ -350,7 +350,7 @@ def main(argv=None) -> int:
     p.add_argument("--engines")
     p.add_argument("--cpu-profile", default=str(REPO / "benchmark/results/splitquant/"
                                                 "cpu_profile.json"))
-    p.add_argument("--omega", help="indicator file from `plan indicator` (default for the "
+    p.add_argument("--omega", help="indicator file from `splitquant indicator` (default for the "
                    "served model: benchmark/results/splitquant/omega.json)")
     p.add_argument("--indicator", help="which indicator of the --omega file (default: "
                    "measured-kl where it has one, else variance)")

@@ -1,5 +1,5 @@
 """Device profiles: GPUs from public specifications through a roofline model, and this machine
-from measurements (``plan.profile``).
+from measurements (``splitquant.profile``).
 
 A GPU layer time is a roofline: each part of the layer takes the longer of its FLOPs at the
 device's dense FP16/BF16 tensor-core peak and its bytes at the device's memory bandwidth, each
@@ -8,10 +8,10 @@ peak measured on an H100 (README "GPU path", ``benchmark/results/gpu/kernels.md`
 (weight streaming) bf16 cuBLAS 65-92%, Triton W8 53-81%, W4 21-32% of the measured 3.02 TB/s
 copy bandwidth (x 0.90 to refer them to the 3.35 TB/s specification); prefill bf16 680-820,
 W8 340-500, W4 190-245 TFLOP/s of 989. The mid-range is used and assumed to carry over to the
-other GPUs (same kernels; an assumption, stated in the README). Attention, norms and the
+other GPUs (same kernels; an assumption, stated in docs/splitquant.md). Attention, norms and the
 per-layer launch overhead are modelled with fixed efficiencies and times (below).
 
-The planner does not use the roofline directly: it fits ``cost.LatencyModel`` (the issue's
+The planner does not use the roofline directly: it fits ``cost.LatencyModel`` (SplitQuant's
 features) to roofline points on a grid, as it would to measurements, and the pipeline
 simulator runs on the roofline itself, so the plans are judged on a model they were not
 fitted to exactly.
@@ -148,7 +148,7 @@ class Roofline:
 
 @functools.lru_cache(maxsize=64)
 def gpu_latency_model(name: str, model: ModelSpec) -> LatencyModel:
-    """The cost model the planner uses for GPU ``name``: the issue's features fitted to the
+    """The cost model the planner uses for GPU ``name``: SplitQuant's features fitted to the
     roofline's points."""
     return fit(name, Roofline(gpu(name), model).points(),
                source=f"roofline of the {name} specification (sglang_morph.splitquant.devices)")

@@ -12,7 +12,7 @@
 - ``random``: independent uniform values (W4 >= W8 per layer), the control.
 - ``measured-kl``: no model of the error at all: the mean per-token KL(full precision ||
   quantized) of the float32 model's next-token distribution with layer l alone at b, on the
-  calibration windows (``plan.measured``): one model run from layer l per (layer, bit-width).
+  calibration windows (``splitquant.measured``): one model run from layer l per (layer, bit-width).
   The expected NLL increase under the model's own distribution; the reference the others are
   judged by, and the most expensive.
 - ``measured-nll``: from the same runs, the mean NLL increase of the calibration text itself

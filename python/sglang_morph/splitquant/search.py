@@ -1,8 +1,8 @@
 """The outer loop: device orders x micro-batch sizes (eta, xi), an inner solver for each, and
 the plan that comes out (its predicted times, throughput, memory per stage and quality).
 
-Inner solvers (``SOLVERS``): ``ilp`` (``plan.ilp``, exact) and ``heuristic``
-(``plan.heuristic``, bit-width transfer from a greedy quality-first start).
+Inner solvers (``SOLVERS``): ``ilp`` (``splitquant.ilp``, exact) and ``heuristic``
+(``splitquant.heuristic``, bit-width transfer from a greedy quality-first start).
 """
 
 from __future__ import annotations

@@ -5,8 +5,9 @@ whole sequence (prefix rows left uninitialised), causal, then keeps the new rows
 into micro-batches (``replica.KunServeReplica._micro_batches``) would pay that square once per
 micro-batch: a 384-token prompt in four ranges of 96 did 1.9x the attention work of the uncut
 prefill, and its last two ranges' front layers took ~240 ms against ~130 ms for the first two
-(stop 26's trace). Here a request's query is its new rows only, against the prefix + new keys,
-with the causal mask shifted by the prefix (a plain ``is_causal`` when there is none).
+(a trace of a fresh 384-token prompt). Here a request's query is its new rows only, against
+the prefix + new keys, with the causal mask shifted by the prefix (a plain ``is_causal`` when
+there is none).
 
 Equal to the square's rows up to float rounding, not always bit for bit
 (``tests/test_kunserve_attention.py``: identical with no prefix and for 96-token ranges of a

@@ -66,7 +66,7 @@ class PeerLink:
         header) and every tensor's bytes packed in one payload (at 16-byte offsets, so the
         receiver's views of it are aligned for any dtype). One message per tensor cost ~1 ms
         each on this machine's gloo: 10-14 ms per pipeline call of ~10 tensors, as much as a
-        stage's layers (stop 25's trace)."""
+        stage's layers (a trace of decode at batch 1)."""
         layout, parts, offset = [], [], 0
         for name, t in tensors.items():
             raw = t.contiguous().reshape(-1).view(torch.uint8)

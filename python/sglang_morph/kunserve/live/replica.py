@@ -553,7 +553,7 @@ class KunServeReplica:
         """Before ``ModelRunner.forward`` takes the compute lock (scheduler thread): the back
         member sends its batch to the front's layers at once. Its forward would otherwise wait
         for the lock while this replica's service thread runs the peer's batch, and only then
-        ask the peer, whose core idles meanwhile: stop 25's trace of decode at batch 1 showed
+        ask the peer, whose core idles meanwhile: a trace of decode at batch 1 showed
         the two steps in series, ~35 ms of each ~85 ms step idle on each core. Only the
         embedding runs here (a read of its weights; SGLang's forward context is not touched);
         ``forward_merged`` takes the answer and checks it was this batch's."""
@@ -588,7 +588,7 @@ class KunServeReplica:
     # A long prefill runs as a pipeline of micro-batches (KunServe's micro-batching, within one
     # forward): while the back member runs micro-batch j's layers, the front runs j + 1's, so
     # one replica's prefill keeps both cores busy instead of one core idling through each half.
-    # Measured (stop 26, a fresh 384-token prompt, the other replica idle): TTFT 1.03 s uncut,
+    # Measured (a fresh 384-token prompt, the other replica idle): TTFT 1.03 s uncut,
     # 0.71 s in four (whole replica: 0.97 s); with SGLang's square extend attention four cuts
     # only reached 0.85-0.94 s, hence the new-rows attention (attention.py).
     # Micro-batches are contiguous token ranges of the batch; a request cut between two keeps

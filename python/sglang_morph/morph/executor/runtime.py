@@ -144,7 +144,7 @@ class MorphRuntime:
         self.pinned: set[int] = set()
         # Under --dp-size each replica runs its own runtime (morph/parallel/__init__.py).
         self.replica = replica_index()
-        # Precision provenance of every response (server/provenance.py), told of each applied
+        # Precision provenance of every response (morph/provenance.py), told of each applied
         # transition by _record.
         from sglang_morph.morph.provenance import ProvenanceTracker
 
