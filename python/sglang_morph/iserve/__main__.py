@@ -3,7 +3,7 @@
     python -m sglang_morph.iserve fingerprint                      # build the 1- and 2-layer ones
     python -m sglang_morph.iserve profile --out profile.json [--bits 16] [--append]
     python -m sglang_morph.iserve estimate --profile profile.json --batch 1
-    python -m sglang_morph.iserve select --profile profile.json --intent min-latency \
+    python -m sglang_morph.iserve select --profile profile.json --intent min-latency \\
         --device node0:24GB:2:0.1 --device node1:8GB:2:0.5 --placement hybrid [--launch]
 
 ``profile`` serves the fingerprints (TP1/PP1 and TP t/PP1 at 1 and 2 layers, TP1/PP2 at 2
@@ -374,7 +374,7 @@ def cmd_select(args) -> dict:
 # ---- main ---------------------------------------------------------------------------------
 
 
-def main(argv=None) -> int:
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m sglang_morph.iserve", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -437,7 +437,11 @@ def main(argv=None) -> int:
     p.add_argument("--load-threshold", type=float, default=0.75)
     p.add_argument("--port", type=int, default=30000, help="first model's port (+1 each)")
     p.add_argument("--launch", action="store_true", help="exec the serve command")
-    args = parser.parse_args(argv)
+    return parser
+
+
+def main(argv=None) -> int:
+    args = build_parser().parse_args(argv)
     return run_command({"fingerprint": cmd_fingerprint, "profile": cmd_profile,
                         "estimate": cmd_estimate, "select": cmd_select}, args)
 

@@ -30,6 +30,7 @@ from sglang_morph.morph.engines.build import (
     plan_build,
 )
 from sglang_morph.models import DefaultModelUnavailableError, default_model_path
+from sglang_morph.repo_data import REPO_ROOT
 
 
 def _parse_bits(value: str) -> tuple[int, ...]:
@@ -41,7 +42,7 @@ def _parse_bits(value: str) -> tuple[int, ...]:
         ) from None
 
 
-def _parser() -> argparse.ArgumentParser:
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="python -m sglang_morph.morph.build_engines",
         description="Build W8/W4 variants of every decoder layer (AWQ-style W4 scales).",
@@ -53,7 +54,7 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--out", type=Path, metavar="DIR",
                         help="engines directory (default: <cache>/engines/<model>-<recipe hash>)")
     parser.add_argument("--recipe", type=Path, default=DEFAULT_RECIPE_FILE, metavar="JSON",
-                        help=f"recipe JSON (default: {DEFAULT_RECIPE_FILE})")
+                        help=f"recipe JSON (default: {DEFAULT_RECIPE_FILE.relative_to(REPO_ROOT)})")
     parser.add_argument("--w4-group-size", metavar="auto|128|64|32",
                         help="W4 group size for every linear, or 'auto' for the per-linear rule")
     parser.add_argument("--no-awq", action="store_true",
@@ -88,7 +89,7 @@ def _recipe(args: argparse.Namespace) -> BuildRecipe:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = _parser()
+    parser = build_parser()
     args = parser.parse_args(argv)
     logging.basicConfig(
         stream=sys.stderr, level=logging.INFO, format="%(levelname)s %(name)s: %(message)s"

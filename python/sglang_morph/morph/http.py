@@ -69,15 +69,33 @@ def add_routes(app: Any) -> None:
     from sglang.srt.utils.auth import AuthLevel, auth_level
 
     async def morph_status():
-        """Layer precisions, KV capacity and usage, the memory budget, recent transitions."""
+        """Layer precisions, KV capacity and usage, the memory budget, recent transitions.
+
+        Answers: 200 with the status object (under ``--dp-size N``: ``{"replicas": [...]}``,
+        one status per replica); 500 with ``{"error": ...}`` when the scheduler could not build
+        it; 503 when sglang-morph is not running in this server.
+        """
         return await _forward(MorphStatusReq())
 
     @auth_level(AuthLevel.ADMIN_OPTIONAL)
     async def morph_swap(request: Request):
-        """``{"layers": [0, 3], "bits": 4}``; bits 16 restores full precision. The layers stay
-        pinned where the operator put them (the controller does not move them) unless
-        ``"pin": false``, which hands them back to the controller. Under ``--dp-size N`` the
-        body names the ``"replica"`` that swaps."""
+        """Move layers to another precision in one transition, between two batches: a swap
+        down grows the KV cache into the freed weight memory, a restore first shrinks it by
+        what the returning weights need.
+
+        Body: a JSON object ``{"layers": [0, 3], "bits": 4}``; bits 16 restores full
+        precision. The layers stay pinned where the operator put them (the controller does not
+        move them) unless ``"pin": false``, which hands them back to the controller. Under
+        ``--dp-size N`` the body names the ``"replica"`` (0 to N-1) that swaps.
+
+        Answers: 200 with the new status (as ``GET /morph/status``; nothing moves when every
+        layer is already at ``bits``); 400 with ``{"error": ...}`` for a malformed body (or no
+        ``"replica"`` under ``--dp-size N``) or a swap that cannot be (unknown or repeated
+        layers, no variant of ``bits``, no ``--morph-engines``, a layer asked to go up to fewer
+        than 16 bits, layers that would move both up and down); 409 when a restore is refused
+        because live requests hold the KV tokens it must give back; 500 when the transition
+        failed and was undone; 503 when sglang-morph is not running in this server.
+        """
         body = await json_object(request)
         if body is None:
             return _bad_request('expected a JSON object like {"layers": [0, 1], "bits": 4}')
@@ -101,8 +119,15 @@ def add_routes(app: Any) -> None:
 
     @auth_level(AuthLevel.ADMIN_OPTIONAL)
     async def morph_mode(request: Request):
-        """``{"mode": "performance"}``: change the controller's policy at runtime (every
-        replica's, or one's with ``"replica"``)."""
+        """Change the controller's policy at runtime (every replica's, or one's).
+
+        Body: a JSON object ``{"mode": "performance"}`` (``accuracy``, ``default`` or
+        ``performance``), with ``"replica"`` under ``--dp-size N`` to change one replica's only.
+
+        Answers: 200 with the new status (as ``GET /morph/status``); 400 with
+        ``{"error": ...}`` for a malformed body or an unknown mode; 503 when sglang-morph is
+        not running in this server.
+        """
         body = await json_object(request)
         if (body is None or not isinstance(body.get("mode"), str)
                 or not set(body) <= {"mode", "replica"}):

@@ -2,7 +2,7 @@
 
     python -m sglang_morph.splitquant profile --out cpu_profile.json      # time W16/W8/W4 layers here
     python -m sglang_morph.splitquant indicator --out omega.json          # omega of every indicator
-    python -m sglang_morph.splitquant plan --devices cpu:0.45GB,cpu:0.3GB --cpu-profile cpu_profile.json \
+    python -m sglang_morph.splitquant plan --devices cpu:0.45GB,cpu:0.3GB --cpu-profile cpu_profile.json \\
         --omega omega.json --batch 8 --prompt 128 --output 32 --out plan.json [--serve]
     python -m sglang_morph.splitquant plan --devices T4,V100,A100-40G --model llama-2-13b ...
 
@@ -323,7 +323,7 @@ def cmd_plan(args) -> dict:
     return out
 
 
-def main(argv=None) -> int:
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m sglang_morph.splitquant", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -370,7 +370,11 @@ def main(argv=None) -> int:
     p.add_argument("--cluster-name", default="cluster")
     p.add_argument("--out")
     p.add_argument("--serve", action="store_true", help="exec the serve command")
-    args = parser.parse_args(argv)
+    return parser
+
+
+def main(argv=None) -> int:
+    args = build_parser().parse_args(argv)
     return run_command({"profile": cmd_profile, "indicator": cmd_indicator, "plan": cmd_plan},
                        args)
 

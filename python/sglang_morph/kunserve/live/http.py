@@ -47,22 +47,58 @@ async def _empty_body(request: Request) -> str | None:
     return None
 
 
+async def _transition(request: Request, req: Any) -> JSONResponse:
+    error = await _empty_body(request)
+    if error is not None:
+        return JSONResponse({"error": error}, status_code=400)
+    return await _forward(req)
+
+
 def add_routes(app: Any) -> None:
+    """Add the /kunserve routes to SGLang's FastAPI ``app`` (launcher process, before serving)."""
     from sglang.srt.utils.auth import AuthLevel, auth_level
 
     async def kunserve_status():
-        """Groups, layers held per replica, KV capacity per replica, transitions."""
+        """Groups, layers held per replica, KV capacity per replica, transitions.
+
+        Answers: 200 with ``{"groups": [[0, 1]], "replicas": [...]}`` (``[[0], [1]]`` while
+        the replicas serve apart), one status per replica; 503 when KunServe is not running
+        in this server.
+        """
         return await _forward(KunServeStatusReq())
 
-    def transition(req_type: type):
-        @auth_level(AuthLevel.ADMIN_OPTIONAL)
-        async def route(request: Request):
-            error = await _empty_body(request)
-            if error is not None:
-                return JSONResponse({"error": error}, status_code=400)
-            return await _forward(req_type())
-        return route
+    @auth_level(AuthLevel.ADMIN_OPTIONAL)
+    async def kunserve_drop(request: Request):
+        """Merge replicas 0 and 1 into one group: replica 0 keeps decoder layers [0, k) and
+        replica 1 layers [k, L) (k from the drop planner), the dropped weights' memory becomes
+        KV capacity, and each batch runs through the pair as a two-stage pipeline. Requests in
+        flight keep running; their KV moves with the layers.
+
+        Body: none, or an empty JSON object (the transition takes no parameters).
+
+        Answers: 200 with the new status (as ``GET /kunserve/status``); 400 with
+        ``{"error": ...}`` for any other body; 409 when a replica refuses (already merged);
+        500 when the drop failed on a replica and was undone on both; 503 when KunServe is not
+        running in this server. A 409 or 500 carries ``{"error": ..., "replicas": [...]}``.
+        """
+        return await _transition(request, KunServeDropReq())
+
+    @auth_level(AuthLevel.ADMIN_OPTIONAL)
+    async def kunserve_restore(request: Request):
+        """Split the group: each replica takes back every layer and its own KV, and serves on
+        its own again. Requests in flight keep running.
+
+        Body: none, or an empty JSON object (the transition takes no parameters).
+
+        Answers: 200 with the new status (as ``GET /kunserve/status``); 400 with
+        ``{"error": ...}`` for any other body; 409 when a replica refuses (not merged, or it
+        holds more KV tokens in flight than a whole replica's pool: retry once fewer are held);
+        500 when the restore failed (undone on both replicas when moving the KV back failed);
+        503 when KunServe is not running in this server. A 409 or 500 carries
+        ``{"error": ..., "replicas": [...]}``.
+        """
+        return await _transition(request, KunServeRestoreReq())
 
     app.add_api_route("/kunserve/status", kunserve_status, methods=["GET"])
-    app.add_api_route("/kunserve/drop", transition(KunServeDropReq), methods=["POST"])
-    app.add_api_route("/kunserve/restore", transition(KunServeRestoreReq), methods=["POST"])
+    app.add_api_route("/kunserve/drop", kunserve_drop, methods=["POST"])
+    app.add_api_route("/kunserve/restore", kunserve_restore, methods=["POST"])
