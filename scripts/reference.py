@@ -39,19 +39,21 @@ class ReferenceDocError(ValueError):
 
 
 def plugin_cli_adders() -> tuple[Callable[[argparse.ArgumentParser], None], ...]:
-    """The functions that add the plugin's server flags, in the order the plugin calls them."""
-    from sglang_morph.kunserve.live.config import add_cli_args as kunserve_flags
-    from sglang_morph.morph.config import add_cli_args as morph_flags
+    """The functions that add the plugin's server flags, in the order the plugin calls them:
+    the elastic core's, then each registered mechanism's."""
+    from sglang_morph import plugin
+    from sglang_morph.elastic import registry
 
-    return (morph_flags, kunserve_flags)
+    return (registry.add_cli_args, *(m.add_cli_args for m in plugin.mechanisms()))
 
 
 def plugin_route_adders() -> tuple[Callable[[Any], None], ...]:
-    """The functions that add the plugin's HTTP routes to SGLang's app."""
-    from sglang_morph.kunserve.live.http import add_routes as kunserve_routes
-    from sglang_morph.morph.http import add_routes as morph_routes
+    """The functions that add the plugin's HTTP routes to SGLang's app: the elastic core's,
+    then each registered mechanism's."""
+    from sglang_morph import plugin
+    from sglang_morph.elastic.status import add_routes as elastic_routes
 
-    return (morph_routes, kunserve_routes)
+    return (elastic_routes, *(m.add_routes for m in plugin.mechanisms()))
 
 
 def offline_parsers() -> tuple[Callable[[], argparse.ArgumentParser], ...]:

@@ -84,9 +84,11 @@ def add_routes(app: Any) -> None:
     async def elastic_status():
         """Every enabled mechanism with its state per replica and its recent transitions.
 
-        Answers 200 ``{"mechanisms": [names], "replicas": [{"replica", "mechanisms": {name:
-        {"state", "transitions": {"totals", "recent"}}}}]}``; 503 when no mechanism is
-        enabled on this server."""
+        Answers: 200 with ``{"mechanisms": [names], "replicas": [{"replica", "mechanisms":
+        {name: {"state", "transitions": {"totals", "recent"}}}}]}``; 500 with ``{"error":
+        ...}`` when a scheduler could not build its part; 503 when no mechanism is enabled on
+        this server.
+        """
         client = control_client()
         if client is None:
             return JSONResponse({"error": "no elastic mechanism is enabled on this server"},
