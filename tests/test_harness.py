@@ -9,7 +9,7 @@ import socket
 import httpx
 import pytest
 
-from benchmark import harness
+from sglang_morph.server import process as harness
 from conftest import SERVER_START_TIMEOUT_S
 from sglang_morph.server import ports
 

@@ -50,7 +50,6 @@ import json
 import os
 import re
 import statistics
-import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -58,7 +57,6 @@ from typing import Any
 import httpx
 
 from sglang_morph.config import FULL_PRECISION_BITS
-from sglang_morph.repo_data import REPO_ROOT as REPO
 from sglang_morph.iserve.space import Configuration, serve_argv
 
 _TITLE = re.compile(r"^sglang::scheduler")
@@ -261,20 +259,12 @@ def stream_seconds(url: str, batch: int, prompt_tokens: int, new_tokens: int,
 # ---- one server ---------------------------------------------------------------------------
 
 
-def _harness():
-    # The servers are the benchmarks' and tests' own (benchmark/harness.py, repo root).
-    if str(REPO) not in sys.path:
-        sys.path.insert(0, str(REPO))
-    from benchmark import harness
-
-    return harness
-
-
 def measure_server(cfg: Configuration, model_dir: Path, engines_dir: Path | None,
                    num_layers: int, workload: Workload, log_path: Path, kind: str,
                    with_latency: bool = True) -> dict[str, Any]:
     """Start ``cfg`` of ``model_dir``, warm it, measure memory and latency, stop it."""
-    harness = _harness()
+    from sglang_morph.server import process as harness
+
     workload.check_integrity()
     extra: tuple[str, ...] = ()
     # 16 bits: --enable-morph with no engines gives /morph/status at the cost of nothing (not
