@@ -35,7 +35,7 @@ from benchmark.throughput import (
     run_sglang,
     summarize,
 )
-from sglang_morph.morph.engines.swap_order import load_swap_order
+from sglang_morph.morph.swap_order import load_swap_order
 from sglang_morph.models import default_model_path
 
 RESULTS = Path(__file__).resolve().parent / "results"

@@ -154,7 +154,7 @@ def cmd_report(args) -> dict:
 def cmd_measure(args) -> dict:
     from sglang_morph.iserve.fingerprint import make_fingerprint
     from sglang_morph.models import default_model_path
-    from sglang_morph.splitquant.__main__ import default_engines
+    from sglang_morph.cli import default_engines
 
     model_dir = default_model_path()
     engines = default_engines(model_dir)

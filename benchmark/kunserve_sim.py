@@ -60,8 +60,8 @@ from sglang_morph.kunserve.lookahead import (
     stage_micro_batches,
 )
 from sglang_morph.kunserve.planner import DropPlannerConfig, LiveRequest, ReplicaGroup
-from sglang_morph.splitquant.memory import MemoryModel
-from sglang_morph.splitquant.model import ModelSpec
+from sglang_morph.models.memory import MemoryModel
+from sglang_morph.models.spec import ModelSpec
 from sglang_morph.repo_data import TRACES_DIR
 
 RESULTS = Path("benchmark/results/kunserve")

@@ -43,7 +43,7 @@ from pathlib import Path
 from tqdm import tqdm
 
 from benchmark.harness import git_state, machine_info
-from sglang_morph.morph.engines.hf_variants import (
+from sglang_morph.engines.hf_variants import (
     LayerRunner,
     LayerVariants,
     PerplexityEvaluator,
@@ -53,7 +53,7 @@ from sglang_morph.morph.engines.hf_variants import (
     open_engines,
     read_token_ids,
 )
-from sglang_morph.morph.engines.swap_order import front_to_back, load_swap_order
+from sglang_morph.morph.swap_order import front_to_back, load_swap_order
 from sglang_morph.repo_data import WIKITEXT2_TEST
 
 REPO_ROOT = Path(__file__).resolve().parents[1]

@@ -23,7 +23,7 @@ from pathlib import Path
 import httpx
 
 from benchmark.harness import build_engines, git_state, load_average, machine_info, running_server
-from sglang_morph.morph.engines.manifest import EngineManifest
+from sglang_morph.engines.manifest import EngineManifest
 
 RESULTS = Path(__file__).resolve().parent / "results"
 SWAP_ORDER = RESULTS / "swap_order.json"

@@ -174,8 +174,8 @@ def main() -> None:
                         help=f"the two stages' devices, NAME:MEMORY (default {DEVICES})")
     args = parser.parse_args()
     from sglang_morph.models import default_model_path
-    from sglang_morph.splitquant.__main__ import default_engines, parse_size
-    from sglang_morph.splitquant.model import ModelSpec
+    from sglang_morph.cli import default_engines, parse_size
+    from sglang_morph.models.spec import ModelSpec
 
     devices = args.devices
     total_bytes = sum(parse_size(d.split(":", 1)[1]) for d in devices.split(","))

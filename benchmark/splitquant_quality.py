@@ -140,7 +140,7 @@ def main(argv=None) -> None:
             print(json.dumps(row))
         return
     from sglang_morph.models import default_model_path
-    from sglang_morph.splitquant.__main__ import default_engines
+    from sglang_morph.cli import default_engines
 
     from benchmark.harness import git_state, load_average, machine_info
 

@@ -26,11 +26,11 @@ import numpy as np
 
 from sglang_morph.splitquant import baselines
 from sglang_morph.splitquant.devices import GPUS, Roofline, gpu_latency_model
-from sglang_morph.splitquant.memory import MemoryModel
-from sglang_morph.splitquant.model import SIMULATED_MODELS
+from sglang_morph.models.memory import MemoryModel
+from sglang_morph.models.spec import SIMULATED_MODELS
 from sglang_morph.splitquant.problem import Cluster, Device, PlanningProblem
 from sglang_morph.splitquant.search import PlanResult, normalized_omega, search
-from sglang_morph.splitquant.workload import Workload
+from sglang_morph.models.workload import Workload
 
 BITS = (16, 8, 4)
 # (name, model, GPUs); heterogeneity = fastest / slowest device's bandwidth.

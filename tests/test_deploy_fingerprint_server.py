@@ -20,8 +20,8 @@ from safetensors import safe_open
 from conftest import running_server
 from sglang_morph.iserve import measure
 from sglang_morph.iserve.fingerprint import make_fingerprint
-from sglang_morph.morph.engines import hf_variants
-from sglang_morph.morph.engines.manifest import EngineManifest, sha256_of_file
+from sglang_morph.engines import hf_variants
+from sglang_morph.engines.manifest import EngineManifest, sha256_of_file
 
 PROMPTS = [("The capital of France is", 16), ("def fibonacci(n):\n", 16),
            ("Once upon a time, in a small village by the sea,", 16)]

@@ -21,8 +21,8 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from sglang_morph.morph import build_engines
-from sglang_morph.morph.engines import awq, formats
-from sglang_morph.morph.engines.build import (
+from sglang_morph.engines import awq, formats
+from sglang_morph.engines.build import (
     AWQ_REPORT_FILE,
     DEFAULT_RECIPE_FILE,
     BuildRecipe,
@@ -30,7 +30,7 @@ from sglang_morph.morph.engines.build import (
     default_out_dir,
     plan_build,
 )
-from sglang_morph.morph.engines.manifest import LINEAR_NAMES, EngineManifest, read_variant
+from sglang_morph.engines.manifest import LINEAR_NAMES, EngineManifest, read_variant
 from sglang_morph.models import default_model_path
 
 SMALL_MODEL_LAYERS = 2

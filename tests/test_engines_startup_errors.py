@@ -14,7 +14,7 @@ import subprocess
 import pytest
 
 from conftest import REPO_ROOT
-from sglang_morph.morph.engines.manifest import (
+from sglang_morph.engines.manifest import (
     EngineManifest,
     VariantInfo,
     model_identity,

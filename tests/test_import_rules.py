@@ -1,5 +1,5 @@
 """The package's import rules (.importlinter): plugin over mechanisms over the elastic core over
-the shared layer, mechanisms independent of each other (known exceptions listed there), and
+the shared layer, mechanisms independent of each other, and
 nothing in the package imports the benchmarks or the tests."""
 
 from __future__ import annotations

@@ -53,9 +53,9 @@ from sglang_morph.kunserve.planner import (
     plan_restore,
     split_layers,
 )
-from sglang_morph.splitquant.memory import MemoryModel, full_precision_layers
-from sglang_morph.splitquant.model import SIMULATED_MODELS, ModelSpec
-from sglang_morph.splitquant.workload import Workload
+from sglang_morph.models.memory import MemoryModel, full_precision_layers
+from sglang_morph.models.spec import SIMULATED_MODELS, ModelSpec
+from sglang_morph.models.workload import Workload
 
 BUDGET_BYTES = 365_000_000  # SmolLM2-135M whole: ~270 MB of weights + ~4k KV tokens
 
@@ -75,7 +75,7 @@ def planner(spec) -> DropPlannerConfig:
 
 @pytest.mark.parametrize("k", [1, 7, 15, 29])
 def test_two_member_group_frees_exactly_what_the_memory_model_says(spec, planner, k):
-    """A keeps [0, k), B keeps [k, L): freed bytes equal splitquant/memory.py's stage bytes, and
+    """A keeps [0, k), B keeps [k, L): freed bytes equal models/memory.py's stage bytes, and
     the same bytes derived by hand from the layer shapes (tied head: neither drops it)."""
     memory, layers = planner.memory, spec.num_layers
     whole = memory.model_weight_bytes(full_precision_layers(layers))

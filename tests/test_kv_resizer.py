@@ -33,8 +33,8 @@ from sglang.srt.mem_cache.radix_cache import RadixCache, RadixKey
 from sglang.srt.mem_cache.unified_cache.component_type import ComponentType
 from sglang.srt.mem_cache.unified_radix_cache import UnifiedRadixCache
 from sglang.srt.model_executor.pool_configurator import MemoryPoolConfig
-from sglang_morph.morph.executor.faults import FaultInjector, InjectedFault
-from sglang_morph.morph.executor.kv_resizer import KVResizer, KVResizeRefused
+from sglang_morph.faults import FaultInjector, InjectedFault
+from sglang_morph.elastic.kv_resizer import KVResizer, KVResizeRefused
 
 LAYERS, KV_HEADS, HEAD_DIM = 3, 3, 8
 CAPACITY_PAGES = 16

@@ -16,7 +16,7 @@ ROW_SHAPE = (4, 64)  # 512 bytes per bf16 row
 
 
 def _arena(max_rows=1 << 16, capacity_rows=5000, buffers=3):
-    from sglang_morph.morph.executor.kv_vmm import VmmBufferSpec, VmmKVArena
+    from sglang_morph.elastic.kv_vmm import VmmBufferSpec, VmmKVArena
 
     specs = [VmmBufferSpec(f"b{i}", ROW_SHAPE, torch.bfloat16) for i in range(buffers)]
     return VmmKVArena(specs, max_rows, capacity_rows, "cuda")

@@ -100,7 +100,7 @@ def test_cli_modes_match_the_policy_registry():
 def test_budget_sizing_from_the_checkpoint(default_model_path):
     import json
 
-    from sglang_morph.morph.engines.startup import size_kv_for_budget
+    from sglang_morph.morph.startup import size_kv_for_budget
 
     hf = json.loads((default_model_path / "config.json").read_text())
     weights = 134_515_008 * 2  # SmolLM2-135M parameters (tied LM head), bf16

@@ -24,16 +24,16 @@ from safetensors.torch import save_file
 from sglang_morph.config import FULL_PRECISION_BITS
 from sglang_morph.morph.config import MorphConfig
 from sglang_morph.morph.control.controller import SwapLayers
-from sglang_morph.morph.engines import formats
-from sglang_morph.morph.engines.manifest import (
+from sglang_morph.engines import formats
+from sglang_morph.engines.manifest import (
     LINEAR_NAMES,
     EngineManifest,
     VariantInfo,
     variant_file_name,
 )
-from sglang_morph.morph.executor import variants
-from sglang_morph.morph.executor.faults import STEPS, FaultInjector, InjectedFault, parse_spec
-from sglang_morph.morph.executor.variants import (
+from sglang_morph.engines import variants
+from sglang_morph.faults import STEPS, FaultInjector, InjectedFault, parse_spec
+from sglang_morph.engines.variants import (
     FUSED_LINEARS,
     LayerVariantInstaller,
     MorphQuantLinearMethod,
@@ -419,7 +419,7 @@ def fault_server(server_factory, engines_awq, tmp_path_factory):
 @pytest.fixture(scope="module")
 def corpus_ids(default_model_path):
     from conftest import DATA_DIR
-    from sglang_morph.morph.engines import hf_variants
+    from sglang_morph.engines import hf_variants
 
     tokenizer = hf_variants.load_tokenizer(default_model_path)
     return tokenizer((DATA_DIR / "text" / "wikitext2_test.txt").read_text())["input_ids"]

@@ -18,7 +18,7 @@ import sys
 import pytest
 import torch
 import torch.nn.functional as F
-from sglang_morph.morph.engines import formats
+from sglang_morph.engines import formats
 
 import morph_kernels
 

@@ -7,7 +7,7 @@ same map. Each PP rank runs one torch thread here, so the reference does too
 (``OMP_NUM_THREADS=1``): then PP 2 is bit-identical to PP 1 (tests/test_parallel.py).
 
 - greedy tokens equal PP 1 token for token; ``/morph/status`` reports both stages;
-- each stage's ``weight_bytes`` equals the SplitQuant memory model (``splitquant/memory.py``) to the
+- each stage's ``weight_bytes`` equals the SplitQuant memory model (``models/memory.py``) to the
   byte, and the common KV capacity is the tightest stage's budget in whole tokens;
 - a swap of 8 layers (3 on stage 0, 5 on stage 1) to W4 while a request streams grows the KV
   capacity on both stages alike, the stream finishes, the restore gives the exact capacity back
@@ -97,9 +97,9 @@ def test_pp2_with_a_precision_map_equals_pp1_token_for_token(pp2, pp1, corpus_id
 
 def test_stage_memory_equals_the_plan_memory_model(pp2, default_model_path):
     from sglang_morph.morph.config import parse_bytes
-    from sglang_morph.splitquant.memory import MemoryModel
-    from sglang_morph.splitquant.model import ModelSpec
-    from sglang_morph.splitquant.workload import Workload
+    from sglang_morph.models.memory import MemoryModel
+    from sglang_morph.models.spec import ModelSpec
+    from sglang_morph.models.workload import Workload
 
     memory = MemoryModel.from_spec(ModelSpec.from_model_dir(default_model_path, dtype_bytes=4),
                                    layout="cpu")

@@ -17,8 +17,8 @@ import requests
 import torch
 
 from conftest import DATA_DIR, running_server
-from sglang_morph.morph.engines import hf_variants
-from sglang_morph.morph.engines.manifest import EngineManifest
+from sglang_morph.engines import hf_variants
+from sglang_morph.engines.manifest import EngineManifest
 
 API_KEY = "test-api-key"
 ADMIN_KEY = "test-admin-key"

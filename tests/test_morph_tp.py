@@ -112,8 +112,8 @@ def _fake_model(rank: int, tp: int, kv_heads: int = 3):
 
 @pytest.mark.parametrize("bits", [8, 4])
 def test_each_rank_holds_sglangs_shard_of_the_variant(engines_awq, bits):
-    from sglang_morph.morph.engines.formats import get_format
-    from sglang_morph.morph.engines.manifest import EngineManifest, read_variant
+    from sglang_morph.engines.formats import get_format
+    from sglang_morph.engines.manifest import EngineManifest, read_variant
     from sglang_morph.morph.parallel.tensor import sharder
 
     whole = read_variant(engines_awq, EngineManifest.load(engines_awq).variant(14, bits))
@@ -304,7 +304,7 @@ def test_unsupported_tensor_parallel_launches_are_refused(parse, flags, line):
 
 
 def test_tensor_parallel_budget_is_per_rank(parse, default_model_path):
-    from sglang_morph.morph.engines.startup import checkpoint_weight_bytes, local_hf_config
+    from sglang_morph.morph.startup import checkpoint_weight_bytes, local_hf_config
 
     args = parse("--tp-size", "3", "--morph-memory-budget", "250MB")
     weights = checkpoint_weight_bytes(default_model_path, local_hf_config(str(default_model_path)),

@@ -15,8 +15,8 @@ import requests
 
 from sglang_morph.morph.config import PrecisionMap
 from sglang_morph.splitquant import cost, indicator
-from sglang_morph.splitquant.memory import MemoryModel
-from sglang_morph.splitquant.model import ModelSpec
+from sglang_morph.models.memory import MemoryModel
+from sglang_morph.models.spec import ModelSpec
 
 REPO = Path(__file__).resolve().parents[1]
 PROFILE = REPO / "benchmark/results/splitquant/cpu_profile.json"
@@ -57,8 +57,8 @@ def test_fit_recovers_known_coefficients():
 
 def test_variance_indicator_ranks_layers_like_the_real_output_error(default_model_path,
                                                                     engines_awq):
-    from sglang_morph.morph.engines import awq, formats
-    from sglang_morph.morph.engines.manifest import EngineManifest, read_variant
+    from sglang_morph.engines import awq, formats
+    from sglang_morph.engines.manifest import EngineManifest, read_variant
     from safetensors import safe_open
 
     stats, _ = indicator.calibration_stats(default_model_path, samples=2,
@@ -157,6 +157,6 @@ def test_single_stage_plan_served_memory_equals_the_model(tmp_path, default_mode
 
 
 def _workload(plan):
-    from sglang_morph.splitquant.workload import Workload
+    from sglang_morph.models.workload import Workload
 
     return Workload(**plan["plan"]["workload"])

@@ -10,11 +10,11 @@ import morph_kernels
 import pytest
 import torch
 
-from sglang_morph.morph.engines.manifest import EngineManifest, read_variant
-from sglang_morph.morph.executor.variants import FUSED_LINEARS, fuse_stored
-from sglang_morph.splitquant.memory import MemoryModel
-from sglang_morph.splitquant.model import SIMULATED_MODELS, ModelSpec
-from sglang_morph.splitquant.workload import Workload
+from sglang_morph.engines.manifest import EngineManifest, read_variant
+from sglang_morph.engines.variants import FUSED_LINEARS, fuse_stored
+from sglang_morph.models.memory import MemoryModel
+from sglang_morph.models.spec import SIMULATED_MODELS, ModelSpec
+from sglang_morph.models.workload import Workload
 
 N_RANDOM_MAPS = 50
 

@@ -9,8 +9,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from sglang_morph.morph.engines.hf_variants import effective_weights, load_model
-from sglang_morph.morph.engines.manifest import EngineManifest
+from sglang_morph.engines.hf_variants import effective_weights, load_model
+from sglang_morph.engines.manifest import EngineManifest
 from sglang_morph.splitquant import indicator
 from sglang_morph.splitquant.measured import QualityProbe, window_mean_se
 

@@ -12,11 +12,11 @@ import pytest
 
 from sglang_morph.splitquant import baselines, brute_force, heuristic, ilp
 from sglang_morph.splitquant.devices import GPUS, gpu_latency_model
-from sglang_morph.splitquant.memory import MemoryModel
-from sglang_morph.splitquant.model import SIMULATED_MODELS
+from sglang_morph.models.memory import MemoryModel
+from sglang_morph.models.spec import SIMULATED_MODELS
 from sglang_morph.splitquant.problem import Cluster, Device, PlanningProblem, StageTables
 from sglang_morph.splitquant.search import search
-from sglang_morph.splitquant.workload import Workload
+from sglang_morph.models.workload import Workload
 
 BITS = (16, 8, 4)
 

@@ -11,8 +11,8 @@ import torch
 
 from benchmark.perplexity import server_perplexity
 from conftest import running_server
-from sglang_morph.morph.engines import hf_variants
-from sglang_morph.morph.engines.manifest import EngineManifest
+from sglang_morph.engines import hf_variants
+from sglang_morph.engines.manifest import EngineManifest
 
 MIXED_MAP = "0-9:8,10-19:4"  # 20-29 stay at full precision
 W8_MAX_PERPLEXITY_INCREASE = 0.01

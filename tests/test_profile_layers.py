@@ -20,8 +20,8 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from benchmark.layer_order import build_tables, layer_sets_needed, orders_for
-from sglang_morph.morph.engines import formats
-from sglang_morph.morph.engines.hf_variants import (
+from sglang_morph.engines import formats
+from sglang_morph.engines.hf_variants import (
     LayerRunner,
     LayerVariants,
     PerplexityEvaluator,
@@ -30,7 +30,7 @@ from sglang_morph.morph.engines.hf_variants import (
     open_engines,
     sampled_windows,
 )
-from sglang_morph.morph.engines.manifest import (
+from sglang_morph.engines.manifest import (
     LINEAR_NAMES,
     EngineManifest,
     VariantInfo,
@@ -38,7 +38,7 @@ from sglang_morph.morph.engines.manifest import (
     sha256_of_file,
     variant_file_name,
 )
-from sglang_morph.morph.engines.swap_order import front_to_back, load_swap_order
+from sglang_morph.morph.swap_order import front_to_back, load_swap_order
 from sglang_morph.models import default_model_path
 from sglang_morph.morph.profile_layers import TRAIN_TEXT_PATH, LisWeights, greedy_profile, main
 

@@ -29,7 +29,7 @@ import morph_kernels
 import torch
 import torch.nn.functional as F
 from morph_kernels import triton_gpu
-from sglang_morph.morph.engines import formats
+from sglang_morph.engines import formats
 
 from benchmark.gpu.common import (device_info, measured_copy_bytes_per_s, spec_hbm_bytes_per_s,
                                   table, write_results)

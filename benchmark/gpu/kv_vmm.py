@@ -22,7 +22,7 @@ from __future__ import annotations
 import time
 
 import torch
-from sglang_morph.morph.executor.kv_vmm import VmmBufferSpec, VmmKVArena
+from sglang_morph.elastic.kv_vmm import VmmBufferSpec, VmmKVArena
 
 from benchmark.gpu.common import device_info, table, write_results
 

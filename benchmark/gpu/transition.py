@@ -27,7 +27,7 @@ import statistics
 import morph_kernels
 import torch
 import torch.nn.functional as F
-from sglang_morph.morph.engines import formats
+from sglang_morph.engines import formats
 
 from benchmark.gpu.common import device_info, table, write_results
 

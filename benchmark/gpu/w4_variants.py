@@ -29,7 +29,7 @@ import triton
 import triton.language as tl
 from morph_kernels import triton_gpu
 from morph_kernels.triton_gpu import _k_range, _store_output
-from sglang_morph.morph.engines import formats
+from sglang_morph.engines import formats
 
 from benchmark.gpu.kernels import LLAMA3_8B_LINEARS, copies_for_cold_l2, graph_ms, make_stored
 from benchmark.gpu.common import (device_info, measured_copy_bytes_per_s, table,

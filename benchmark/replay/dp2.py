@@ -53,7 +53,7 @@ def kv_tokens_for(budget: str) -> int:
     """KV tokens per replica that ``budget`` leaves beside the float32 weights, as
     ``--morph-memory-budget`` sizes them (the plain and KunServe arms get the same pool)."""
     from sglang_morph.morph.config import parse_bytes
-    from sglang_morph.morph.engines.startup import size_kv_for_budget
+    from sglang_morph.morph.startup import size_kv_for_budget
     from sglang_morph.models import default_model_path
 
     model = Path(default_model_path())

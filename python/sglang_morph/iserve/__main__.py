@@ -30,8 +30,7 @@ from pathlib import Path
 from sglang_morph.iserve import estimate, intents, placement, space
 from sglang_morph.iserve.measure import Workload
 from sglang_morph.repo_data import REPO_ROOT
-from sglang_morph.splitquant.__main__ import (  # one CLI convention for both tools
-    CliError, parse_size, run_command)
+from sglang_morph.cli import CliError, parse_size, run_command
 
 FINGERPRINT_LAYERS = (1, 2)  # the paper's; --layers takes others (see fingerprint_runs)
 
@@ -55,7 +54,7 @@ def _size(text: str, flag: str) -> int:
 
 def _model_and_engines(args) -> tuple[Path, Path | None]:
     from sglang_morph.models import default_model_path
-    from sglang_morph.splitquant.__main__ import default_engines
+    from sglang_morph.cli import default_engines
 
     model_dir = Path(args.model_path) if args.model_path else default_model_path()
     if not (model_dir / "config.json").is_file():
@@ -108,7 +107,7 @@ def fingerprint_runs(bits: tuple[int, ...], tp_sizes: tuple[int, ...],
 def cmd_profile(args) -> dict:
     from sglang_morph.iserve.fingerprint import make_fingerprint
     from sglang_morph.iserve.measure import measure_server
-    from sglang_morph.splitquant.model import ModelSpec
+    from sglang_morph.models.spec import ModelSpec
 
     model_dir, engines = _model_and_engines(args)
     hf_config = json.loads((model_dir / "config.json").read_text())

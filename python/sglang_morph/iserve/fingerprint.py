@@ -33,7 +33,7 @@ import shutil
 from pathlib import Path
 from typing import Any
 
-from sglang_morph.morph.engines.manifest import MANIFEST_FILE, EngineManifest, sha256_of_file
+from sglang_morph.engines.manifest import MANIFEST_FILE, EngineManifest, sha256_of_file
 from sglang_morph.models import build_once, cache_dir
 
 WEIGHTS_FILE = "model.safetensors"

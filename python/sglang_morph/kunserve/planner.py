@@ -30,9 +30,9 @@ import dataclasses
 import functools
 from collections.abc import Callable, Sequence
 
-from sglang_morph.morph.control.budget import MemoryBudget
-from sglang_morph.splitquant.memory import MemoryModel, full_precision_layers
-from sglang_morph.splitquant.workload import Workload
+from sglang_morph.elastic.budget import MemoryBudget
+from sglang_morph.models.memory import MemoryModel, full_precision_layers
+from sglang_morph.models.workload import Workload
 
 _NO_WORKLOAD = Workload(1, 1, 1)  # stage_memory's KV and activation terms are not used here
 

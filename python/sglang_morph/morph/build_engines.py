@@ -21,7 +21,7 @@ import logging
 import sys
 from pathlib import Path
 
-from sglang_morph.morph.engines.build import (
+from sglang_morph.engines.build import (
     DEFAULT_RECIPE_FILE,
     BuildError,
     BuildRecipe,

@@ -19,7 +19,7 @@ logger = logging.getLogger("sglang_morph")
 def configure(server_args: Any, args: Any, enabled_before: frozenset[str]) -> bool:
     """In the launcher: parse, check and attach the morph config; size the KV pool for the
     budget. Raises MorphConfigError (one line) having attached nothing."""
-    from sglang_morph.morph.engines.startup import local_hf_config, plan_startup
+    from sglang_morph.morph.startup import local_hf_config, plan_startup
 
     cfg = morph_config.MorphConfig.from_cli_namespace(args)
     if cfg.enabled:
@@ -110,7 +110,7 @@ def check_supported(server_args: Any) -> None:
 def _size_kv_for_budget(server_args: Any, cfg: morph_config.MorphConfig, hf_config: Any) -> None:
     from pathlib import Path
 
-    from sglang_morph.morph.engines.startup import size_kv_for_budget
+    from sglang_morph.morph.startup import size_kv_for_budget
 
     if server_args.max_total_tokens is not None:
         raise morph_config.MorphConfigError(
@@ -186,8 +186,8 @@ def _after_load_model(_result: None, runner: Any) -> None:
     if not cfg.enabled or cfg.engines_dir is None or runner.is_draft_worker:
         return
     from sglang_morph.config import FULL_PRECISION_BITS
-    from sglang_morph.morph.engines.startup import plan_startup
-    from sglang_morph.morph.executor.variants import LayerVariantInstaller, StagedVariants, held_layers
+    from sglang_morph.morph.startup import plan_startup
+    from sglang_morph.engines.variants import LayerVariantInstaller, StagedVariants, held_layers
     from sglang_morph.morph.parallel.tensor import sharder
 
     try:

@@ -38,7 +38,7 @@ fixed seed (never the test split, which the quality benchmarks evaluate on); flo
 The JSON written to ``--out``: ``{"model", "engines", "bits", "calibration", "weights",
 "order", "steps": [{"step", "chosen", "scores": {layer: {"lts", "lrs", "mds", "lis",
 "lis_upper_bound"}}}], ...}`` with every candidate of each step in ``scores``;
-``sglang_morph.morph.engines.swap_order.load_swap_order`` reads its ``"order"``.
+``sglang_morph.morph.swap_order.load_swap_order`` reads its ``"order"``.
 Bad input (no engines directory, engines of another model, no variants of ``--bits``) exits 2.
 """
 
@@ -56,7 +56,7 @@ from pathlib import Path
 import torch
 from tqdm.auto import tqdm
 
-from sglang_morph.morph.engines.hf_variants import (
+from sglang_morph.engines.hf_variants import (
     LayerRunner,
     LayerVariants,
     load_model,
@@ -66,7 +66,7 @@ from sglang_morph.morph.engines.hf_variants import (
     read_token_ids,
     sampled_windows,
 )
-from sglang_morph.morph.engines.manifest import EngineManifest
+from sglang_morph.engines.manifest import EngineManifest
 from sglang_morph.repo_data import WIKITEXT2_TRAIN_HEAD
 
 TRAIN_TEXT_PATH = WIKITEXT2_TRAIN_HEAD

@@ -17,64 +17,23 @@ import dataclasses
 import json
 import os
 import shlex
-import subprocess
 import sys
 from pathlib import Path
 
 import numpy as np
 
 from sglang_morph import models
+from sglang_morph.cli import CliError, default_engines, parse_size, run_command
 from sglang_morph.repo_data import REPO_ROOT as REPO
 
 BITS = (16, 8, 4)
 DEFAULT_OMEGA = REPO / "benchmark/results/splitquant/omega.json"
 
 
-class CliError(Exception):
-    pass
-
-
-def run_command(commands: dict, args) -> int:
-    """Run ``commands[args.command](args)`` and print its JSON result (exit 0), or the
-    CliError it raised as ``error: ...`` on stderr (exit 2): the planner's and the deploy
-    tool's shared convention."""
-    try:
-        result = commands[args.command](args)
-    except CliError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    print(json.dumps(result, indent=1))
-    return 0
-
-
 def _model_and_engines(args) -> tuple[Path, Path]:
     """``--model-dir`` and ``--engines``, or the default model and its W8/W4 variants."""
     model_dir = Path(args.model_dir) if args.model_dir else models.default_model_path()
     return model_dir, Path(args.engines) if args.engines else default_engines(model_dir)
-
-
-def default_engines(model_dir: Path) -> Path:
-    """The W8/W4 layer variants of ``model_dir`` (built once, then found in the cache)."""
-    out = subprocess.run([sys.executable, "-m", "sglang_morph.morph.build_engines", "--bits", "8,4",
-                          "--model-path", str(model_dir)], capture_output=True, text=True)
-    if out.returncode != 0:
-        raise CliError(f"building the W8/W4 variants failed: {out.stderr.strip()[-300:]}")
-    return Path(out.stdout.strip().splitlines()[-1])
-
-
-def parse_size(text: str) -> int:
-    units = {"GB": 10**9, "MB": 10**6, "KB": 10**3, "GIB": 2**30, "MIB": 2**20, "B": 1}
-    t = text.strip().upper()
-    for unit, factor in units.items():
-        if t.endswith(unit):
-            try:
-                value = float(t[:-len(unit)])
-            except ValueError:
-                break
-            if value <= 0:
-                break
-            return int(value * factor)
-    raise CliError(f"bad memory size {text!r} (e.g. 450MB, 0.5GB)")
 
 
 # ---- profile ------------------------------------------------------------------------------
@@ -161,11 +120,11 @@ def cmd_indicator(args) -> dict:
 def build_problem(args):
     from sglang_morph.splitquant import devices as gpus
     from sglang_morph.splitquant import indicator
-    from sglang_morph.splitquant.memory import MemoryModel
-    from sglang_morph.splitquant.model import SIMULATED_MODELS, ModelSpec
+    from sglang_morph.models.memory import MemoryModel
+    from sglang_morph.models.spec import SIMULATED_MODELS, ModelSpec
     from sglang_morph.splitquant.problem import Cluster, Device, PlanningProblem
     from sglang_morph.splitquant.search import normalized_omega
-    from sglang_morph.splitquant.workload import Workload
+    from sglang_morph.models.workload import Workload
 
     try:
         workload = Workload(args.batch, args.prompt, args.output, page_size=args.page_size)
@@ -176,7 +135,7 @@ def build_problem(args):
         model = SIMULATED_MODELS[args.model]
         memory = MemoryModel.from_spec(model, BITS)
     elif args.model == "default":
-        from sglang_morph.morph.engines.manifest import EngineManifest
+        from sglang_morph.engines.manifest import EngineManifest
 
         model_dir, engines = _model_and_engines(args)
         model = ModelSpec.from_model_dir(model_dir)

@@ -38,7 +38,7 @@ import functools
 import numpy as np
 
 from sglang_morph.splitquant.cost import LatencyModel, Measurement, fit
-from sglang_morph.splitquant.model import ModelSpec
+from sglang_morph.models.spec import ModelSpec
 
 GB = 10**9
 # Share of peak our kernels reach (H100 measurements above, mid-range), per weight bit-width.

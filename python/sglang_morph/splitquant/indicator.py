@@ -57,7 +57,7 @@ def calibration_stats(model_dir: Path, samples: int = 8, tokens_per_sample: int 
     """Per layer, per AWQ input group, the calibration input statistics; and the seconds taken."""
     from transformers import AutoModelForCausalLM
 
-    from sglang_morph.morph.engines import awq
+    from sglang_morph.engines import awq
 
     started = time.perf_counter()
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32,
@@ -84,7 +84,7 @@ def calibration_windows(model_dir: Path, samples: int = 8, tokens_per_sample: in
 
 
 def _group_of(linear: str) -> str:
-    from sglang_morph.morph.engines import awq
+    from sglang_morph.engines import awq
 
     for group in awq.INPUT_GROUPS:
         if linear in group.linears:
@@ -108,8 +108,8 @@ def compute(name: str, engines_dir: Path, stats: list[dict], bits: tuple[int, ..
             model_dir: Path | None = None, seed: int = 0) -> IndicatorResult:
     """omega for ``bits`` (highest first; 16 gives 0) from the built variants in
     ``engines_dir`` and the calibration ``stats`` of ``calibration_stats``."""
-    from sglang_morph.morph.engines import formats
-    from sglang_morph.morph.engines.manifest import EngineManifest, read_variant
+    from sglang_morph.engines import formats
+    from sglang_morph.engines.manifest import EngineManifest, read_variant
 
     if name not in INDICATORS:
         raise ValueError(f"unknown indicator {name!r}; choose from {INDICATORS} (measured ones: "

@@ -13,7 +13,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from sglang_morph.morph.engines.hf_variants import (LayerRunner, LayerVariants, first_windows,
+from sglang_morph.engines.hf_variants import (LayerRunner, LayerVariants, first_windows,
                                               load_model, load_tokenizer, open_engines,
                                               read_token_ids, sampled_windows)
 from sglang_morph.repo_data import WIKITEXT2_TEST, WIKITEXT2_TRAIN_HEAD

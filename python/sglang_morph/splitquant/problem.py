@@ -30,9 +30,9 @@ from collections.abc import Sequence
 import numpy as np
 
 from sglang_morph.splitquant.cost import LatencyModel
-from sglang_morph.splitquant.memory import MemoryModel
-from sglang_morph.splitquant.model import ModelSpec
-from sglang_morph.splitquant.workload import Workload
+from sglang_morph.models.memory import MemoryModel
+from sglang_morph.models.spec import ModelSpec
+from sglang_morph.models.workload import Workload
 
 
 @dataclasses.dataclass(frozen=True)

@@ -83,7 +83,7 @@ class LayerBench:
         self.post_norm = tensors["post_attention_layernorm.weight"]
         self.final_norm = tensors["model.norm.weight"]
         self.lm_head = tensors.get("lm_head.weight", tensors["model.embed_tokens.weight"])
-        from sglang_morph.morph.executor.variants import FUSED_LINEARS
+        from sglang_morph.engines.variants import FUSED_LINEARS
 
         if bits == FULL_PRECISION_BITS:
             self.linears = {
@@ -93,8 +93,8 @@ class LayerBench:
         else:
             import morph_kernels
 
-            from sglang_morph.morph.engines.manifest import EngineManifest, read_variant
-            from sglang_morph.morph.executor.variants import fuse_stored
+            from sglang_morph.engines.manifest import EngineManifest, read_variant
+            from sglang_morph.engines.variants import fuse_stored
 
             manifest = EngineManifest.load(engines_dir)
             stored = read_variant(engines_dir, manifest.variant(layer_index, bits))

@@ -16,9 +16,9 @@ from typing import Any
 import numpy as np
 
 from sglang_morph.splitquant import heuristic, ilp
-from sglang_morph.splitquant.memory import StageMemory
+from sglang_morph.models.memory import StageMemory
 from sglang_morph.splitquant.problem import Assignment, PlanningProblem, StageTables
-from sglang_morph.splitquant.workload import Workload
+from sglang_morph.models.workload import Workload
 
 SOLVERS = ("ilp", "heuristic")
 PREFILL_MICRO_BATCHES = (1, 2, 4, 8)

@@ -19,7 +19,7 @@ import statistics
 import torch
 import torch.nn.functional as F
 import torch.utils.benchmark as tb
-from sglang_morph.morph.engines import formats
+from sglang_morph.engines import formats
 
 import morph_kernels
 from morph_kernels import cpu

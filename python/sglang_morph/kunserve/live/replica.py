@@ -55,8 +55,8 @@ from typing import Any
 
 import torch
 
-from sglang_morph.morph.executor.faults import FaultInjector
-from sglang_morph.morph.executor.kv_resizer import KVResizer, set_pool_buffers
+from sglang_morph.faults import FaultInjector
+from sglang_morph.elastic.kv_resizer import KVResizer, set_pool_buffers
 from sglang_morph.kunserve.live.attention import new_rows_backend
 from sglang_morph.kunserve.live.link import PeerLink
 from sglang_morph.kunserve.planner import DropPlannerConfig, MemberLayout, make_group
@@ -82,8 +82,8 @@ class KunServeReplica:
 
     def __init__(self, scheduler: Any, link_port: int, auto: Any = None,
                  micro_batches: int = 4):
-        from sglang_morph.splitquant.memory import MemoryModel
-        from sglang_morph.splitquant.model import ModelSpec
+        from sglang_morph.models.memory import MemoryModel
+        from sglang_morph.models.spec import ModelSpec
 
         runner = scheduler.tp_worker.model_runner
         model = runner.model

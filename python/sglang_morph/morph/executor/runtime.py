@@ -34,15 +34,16 @@ from sglang.srt.managers.schedule_policy import CLIP_MAX_NEW_TOKENS
 
 from sglang_morph.config import FULL_PRECISION_BITS
 from sglang_morph.morph.config import MorphConfig
-from sglang_morph.morph.control.budget import MemoryBudget
+from sglang_morph.elastic.budget import MemoryBudget
 from sglang_morph.morph.control.controller import LayerCosts, MorphController, SwapLayers
 from sglang_morph.morph.control.policy import get_mode
 from sglang_morph.morph.control.signals import PressureMonitor, PressureSignals, PressureSnapshot
-from sglang_morph.morph.executor.faults import FaultInjector, InjectedFault
-from sglang_morph.morph.executor.kv_resizer import KVResizer, KVResizeRefused
-from sglang_morph.elastic.contract import ElasticError, Outcome
+from sglang_morph.faults import FaultInjector, InjectedFault
+from sglang_morph.elastic.kv_resizer import KVResizer, KVResizeRefused
+from sglang_morph.elastic.contract import Outcome
 from sglang_morph.elastic.contract import Transition as ElasticTransition
 from sglang_morph.elastic.control import SKIPPED, replica_index
+from sglang_morph.morph.records import MorphRequestError, Transition
 from sglang_morph.elastic.record import recorder
 
 logger = logging.getLogger("sglang_morph")
@@ -76,34 +77,6 @@ def _future_tokens(req: Any, new_token_ratio: float) -> float:
     params = req.sampling_params
     left = min(params.max_new_tokens - len(req.output_ids), CLIP_MAX_NEW_TOKENS)
     return max(0, left) * (1.0 if params.ignore_eos else new_token_ratio)
-
-
-class MorphRequestError(ElasticError):
-    """A /morph request or transition that cannot be applied; ``status_code`` is its HTTP
-    status (the elastic core's error type)."""
-
-
-@dataclasses.dataclass(frozen=True)
-class Transition:
-    time_unix_s: float
-    # "swap" (to fewer bits) or "restore" (to more bits) when applied; "refused" or "failed"
-    # when nothing changed (``to_bits`` says which direction was asked for, ``error`` why).
-    action: str
-    source: str  # "controller", "api" or "startup"
-    layers: tuple[int, ...]
-    from_bits: tuple[int, ...]
-    to_bits: int
-    freed_bytes: int  # weight bytes freed (negative: reclaimed by a restore)
-    kv_capacity_tokens_before: int
-    kv_capacity_tokens_after: int
-    kv_moved_tokens: int
-    kv_evicted_tokens: int
-    duration_s: float
-    reason: str
-    error: str = ""
-
-    def to_json(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
 
 
 def model_weight_bytes(model: torch.nn.Module, installer: Any) -> int:
@@ -253,7 +226,7 @@ class MorphRuntime:
         return tuple(sorted(set(self.installer.manifest.bits_available) | {FULL_PRECISION_BITS}))
 
     def _swap_order(self) -> tuple[int, ...]:
-        from sglang_morph.morph.engines.swap_order import front_to_back, load_swap_order
+        from sglang_morph.morph.swap_order import front_to_back, load_swap_order
 
         if self.cfg.swap_order_path is None:
             return front_to_back(self.num_layers)

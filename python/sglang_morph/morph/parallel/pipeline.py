@@ -90,7 +90,7 @@ def initial_kv_tokens(cfg: MorphConfig, hf_config: dict[str, Any], server_args: 
     trims its still empty pool to the capacity all stages agree on, from the weights it holds."""
     from sglang.srt.distributed.utils import get_pp_indices  # reads SGLANG_PP_LAYER_PARTITION
 
-    from sglang_morph.morph.engines.startup import _dtype_bytes
+    from sglang_morph.morph.startup import _dtype_bytes
 
     pp_size = server_args.pp_size
     model_dtype = hf_config.get("torch_dtype") or hf_config.get("dtype") or "float32"
@@ -262,7 +262,7 @@ class PipelineStage:
         loop iteration as stage 0 (SGLang forwards each iteration's inputs before scheduling),
         adds what it did to ``req.pipeline_stages`` (which SGLang then forwards to stage k+1) and
         the last stage answers for all. Nothing here waits for another stage."""
-        from sglang_morph.morph.executor.runtime import MorphRequestError
+        from sglang_morph.morph.records import MorphRequestError
         from sglang_morph.morph.messages import MorphModeReq, MorphSwapReq
 
         rt = self.runtime
@@ -293,7 +293,7 @@ class PipelineStage:
         adds its outcome to ``req`` before SGLang forwards it. Nobody answers; the last stage
         logs it critically if stages disagree."""
         from sglang_morph.morph.control.controller import SwapLayers
-        from sglang_morph.morph.executor.runtime import MorphRequestError
+        from sglang_morph.morph.records import MorphRequestError
 
         rt = self.runtime
         earlier = [s for s in req.pipeline_stages if s["status_code"] >= 500]
@@ -316,7 +316,7 @@ class PipelineStage:
         return None
 
     def _skip(self, req: Any, failed: dict[str, Any], source: str = "api") -> None:
-        from sglang_morph.morph.executor.runtime import MorphRequestError, Transition
+        from sglang_morph.morph.records import MorphRequestError, Transition
 
         rt = self.runtime
         error = f"stage {failed['stage']} failed: {failed['error']}"
@@ -365,7 +365,7 @@ class PipelineStage:
         its own layers and resizes its pool by the agreed tokens. Returns this stage's
         Transition (None when no layer moves); raises MorphRequestError (4xx refused, 500
         failed: this stage changed nothing)."""
-        from sglang_morph.morph.executor.runtime import MorphRequestError, Transition
+        from sglang_morph.morph.records import MorphRequestError, Transition
 
         rt = self.runtime
         bits, restore = action.bits, action.bits == FULL_PRECISION_BITS

@@ -99,7 +99,7 @@ def initial_kv_tokens(cfg: MorphConfig, hf_config: dict[str, Any], server_args: 
     budget holds with the weights it really has (replicated norms, its vocabulary shard)."""
     from pathlib import Path
 
-    from sglang_morph.morph.engines.startup import checkpoint_weight_bytes, _dtype_bytes
+    from sglang_morph.morph.startup import checkpoint_weight_bytes, _dtype_bytes
 
     tp = server_args.tp_size
     model_dtype = hf_config.get("torch_dtype") or hf_config.get("dtype") or "float32"

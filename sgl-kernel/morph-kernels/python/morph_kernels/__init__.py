@@ -1,6 +1,6 @@
 """Weight-only quantized linear kernels (W8A16, W4A16) for sglang-morph's layer variants.
 
-``prepare`` turns one linear's stored tensors (``sglang_morph.morph.engines.formats``: ``w8`` or
+``prepare`` turns one linear's stored tensors (``sglang_morph.engines.formats``: ``w8`` or
 ``w4``) into the layout of the kernel that serves them on the target device; ``linear``
 computes ``y = x @ W_eff.T + bias`` with ``W_eff = formats.dequantize(stored)``; ``warmup``
 runs the kernel at every served token-count bucket so serving never compiles or autotunes.
@@ -20,7 +20,7 @@ __version__ = "0.1.0"
 import dataclasses
 
 import torch
-from sglang_morph.morph.engines import formats
+from sglang_morph.engines import formats
 
 from morph_kernels import cpu
 

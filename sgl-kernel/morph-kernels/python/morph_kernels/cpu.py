@@ -37,7 +37,7 @@ from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
-from sglang_morph.morph.engines import formats
+from sglang_morph.engines import formats
 
 if TYPE_CHECKING:
     from morph_kernels import PreparedWeight

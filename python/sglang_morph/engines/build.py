@@ -33,8 +33,8 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 from tqdm.auto import tqdm
 
-from sglang_morph.morph.engines import awq, formats
-from sglang_morph.morph.engines.manifest import (
+from sglang_morph.engines import awq, formats
+from sglang_morph.engines.manifest import (
     LINEAR_NAMES,
     MANIFEST_FILE,
     EngineManifest,

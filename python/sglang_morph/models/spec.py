@@ -2,7 +2,7 @@
 
 A ``ModelSpec`` is built from an HF ``config.json`` (the served model) or from the published
 shapes of a larger model (the simulated clusters). Bytes come from the shapes through the same
-rules as ``sglang_morph.morph.engines.formats`` (stored layout) and ``morph_kernels.cpu`` (the CPU
+rules as ``sglang_morph.engines.formats`` (stored layout) and ``morph_kernels.cpu`` (the CPU
 kernels' layout, which pads and re-types some tensors), so they hold for any model size; for a
 built engines directory the tests check them against the manifest and the prepared tensors.
 """
@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from sglang_morph.config import FULL_PRECISION_BITS
-from sglang_morph.morph.engines import formats
+from sglang_morph.engines import formats
 
 # Weight layouts: "stored" = the engines' tensors as stored (what the GPU kernels hold);
 # "cpu" = morph_kernels.cpu's layout (bf16/fp16: int4 packs padded to 16 output rows; fp32:

@@ -13,7 +13,7 @@ from typing import Any
 
 from sglang_morph.config import FULL_PRECISION_BITS
 from sglang_morph.morph.config import MorphConfig, MorphConfigError
-from sglang_morph.morph.engines.manifest import EngineManifest
+from sglang_morph.engines.manifest import EngineManifest
 
 
 @dataclasses.dataclass(frozen=True)

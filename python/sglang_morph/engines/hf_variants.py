@@ -30,8 +30,8 @@ import torch
 import torch.nn.functional as F
 from tqdm.auto import tqdm
 
-from sglang_morph.morph.engines.formats import FULL_PRECISION_BITS, get_format
-from sglang_morph.morph.engines.manifest import LINEAR_NAMES, EngineManifest, read_variant
+from sglang_morph.engines.formats import FULL_PRECISION_BITS, get_format
+from sglang_morph.engines.manifest import LINEAR_NAMES, EngineManifest, read_variant
 
 MODEL_DTYPE = torch.float32
 

@@ -22,7 +22,7 @@ from typing import Callable, Iterator
 
 import torch
 
-from sglang_morph.morph.engines import formats
+from sglang_morph.engines import formats
 
 W4 = formats.get_format(4)
 # mean|x| is raised to alpha and normalized by sqrt(max * min): a channel that never fires would

@@ -75,7 +75,7 @@ from typing import Any, Iterable
 
 import torch
 
-from sglang_morph.morph.executor.faults import FaultInjector
+from sglang_morph.faults import FaultInjector
 
 logger = logging.getLogger("sglang_morph")
 

@@ -21,8 +21,8 @@ import dataclasses
 from collections.abc import Sequence
 
 from sglang_morph.config import FULL_PRECISION_BITS
-from sglang_morph.splitquant.model import ModelSpec
-from sglang_morph.splitquant.workload import Workload
+from sglang_morph.models.spec import ModelSpec
+from sglang_morph.models.workload import Workload
 
 _FP32_BYTES = 4
 

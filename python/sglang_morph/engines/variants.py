@@ -32,8 +32,8 @@ import morph_kernels
 import torch
 
 from sglang_morph.config import FULL_PRECISION_BITS
-from sglang_morph.morph.engines.manifest import EngineManifest, read_verified_variant
-from sglang_morph.morph.executor.faults import FaultInjector
+from sglang_morph.engines.manifest import EngineManifest, read_verified_variant
+from sglang_morph.faults import FaultInjector
 
 logger = logging.getLogger("sglang_morph")
 
