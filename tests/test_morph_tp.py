@@ -16,6 +16,12 @@ variants at load (parallel/tensor.py).
   output after it equals the output before; a refused swap changes nothing on any rank;
 - under a burst, rank 0's controller swaps and every rank applies the same transitions;
 - launches the sharding cannot serve stop in the launcher with one line.
+
+The README's TP 3 command, in the model's own bf16, runs too (one server, stopped before the
+float32 pair starts): it serves with the precision map, and a rank's budget, startup swaps and
+swaps count its shards' exact bytes. Without a server: the controller prices a layer at each
+bit-width as a rank's installer holds it: a rank's shard, not the manifest's whole layer (in
+bf16 a whole W8 layer outweighs a rank's full-precision third).
 """
 
 from __future__ import annotations
@@ -28,6 +34,7 @@ import pytest
 import requests
 import torch
 
+from conftest import running_server
 # (parse, corpus_ids and tokenizer are those modules' fixtures)
 from test_morph_parallel import parse, start_burst  # noqa: F401
 from test_morph_runtime_server import (  # noqa: F401
@@ -49,6 +56,12 @@ SWAPPED = [17, 14, 13, 15, 12, 25, 16, 26]  # the first 8 of the LIS profile ord
 COMMON = ("--dtype", "float32", "--enable-morph", "--morph-precision-map", PRECISION_MAP)
 # The default model under TP 3, per rank: 3 query heads, 1 KV head of 64, 512 of 1536 MLP rows.
 KV_BYTES_PER_TOKEN_PER_RANK = 2 * 30 * 1 * 64 * 4
+# A rank's decoder linears hold 3538944 / 3 weights: 2 bytes each in bf16; W8 holds them at
+# 1 byte plus a bf16 scale per output channel of its shard (320 q/k/v and 1024 gate/up rows;
+# o_proj's and down_proj's 576 channels whole, as a row-parallel shard keeps them).
+BF16_LAYER_BYTES_PER_RANK = 3538944 // 3 * 2
+W8_LAYER_BYTES_PER_RANK = 3538944 // 3 + 2 * (320 + 576 + 1024 + 576)
+BF16_KV_BYTES_PER_TOKEN_PER_RANK = 2 * 30 * 1 * 64 * 2
 
 
 def map_bits(layer: int) -> int:
@@ -160,6 +173,102 @@ def test_a_shard_that_splits_a_w4_group_is_refused():
         "input columns, which do not divide a rank's 192 columns (intermediate_size 1536 / 8); "
         "rebuild the engines with a group size that does")
     check_launch(types.SimpleNamespace(tp_size=4, pp_size=1, dp_size=1), cfg, hf, manifest)
+
+
+def _rank_model(rank: int, tp: int, dtype: torch.dtype):
+    """A stand-in for SGLang's model on TP rank ``rank`` of ``tp``: each layer's four fused
+    linears with the attributes the sharder reads (``_fake_model``) and full-precision weights
+    of a rank's shape in ``dtype``, the way SGLang's weight_loader leaves them."""
+    kv_heads = max(1, 3 // tp)
+    shapes = {"self_attn.qkv_proj": ((9 // tp + 2 * kv_heads) * 64, 576),
+              "self_attn.o_proj": (576, 576 // tp),
+              "mlp.gate_up_proj": (2 * 1536 // tp, 576),
+              "mlp.down_proj": (576, 1536 // tp)}
+    attrs = _fake_model(rank, tp).model.layers[0]
+    layers = []
+    for _ in range(30):
+        layer = torch.nn.Module()
+        layer.self_attn, layer.mlp = torch.nn.Module(), torch.nn.Module()
+        for path, shape in shapes.items():
+            parent, name = path.split(".")
+            linear = torch.nn.Module()
+            for key, value in vars(getattr(getattr(attrs, parent), name)).items():
+                setattr(linear, key, value)
+            linear.weight = torch.nn.Parameter(torch.zeros(shape, dtype=dtype),
+                                               requires_grad=False)
+            linear.quant_method = "unquantized"
+            setattr(getattr(layer, parent), name, linear)
+        layers.append(layer)
+    return types.SimpleNamespace(model=types.SimpleNamespace(layers=layers))
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "float32"])
+def test_the_controller_prices_a_layer_as_a_rank_holds_it(engines_awq, dtype):
+    """The controller's bytes per bit-width are a rank's shard, exactly what its installer
+    holds, not the engines manifest's whole layer (in bf16 a whole W8 layer outweighs a rank's
+    full-precision third, and ``LayerCosts`` refuses fewer bits that cost more)."""
+    from sglang_morph.morph.engines.manifest import EngineManifest
+    from sglang_morph.morph.executor.runtime import layer_costs
+    from sglang_morph.morph.executor.variants import LayerVariantInstaller, StagedVariants
+    from sglang_morph.morph.parallel.tensor import sharder
+
+    manifest = EngineManifest.load(engines_awq)
+    model = _rank_model(0, 3, dtype)
+    staged = StagedVariants(manifest, engines_awq, layers=range(1), shard=sharder(model))
+    installer = LayerVariantInstaller(model, staged, act_dtype=dtype)
+    costs = layer_costs(installer, (4, 8, 16), KV_BYTES_PER_TOKEN_PER_RANK, 1)
+    itemsize = torch.finfo(dtype).bits // 8
+    assert costs.layer_bytes(16) == 3538944 // 3 * itemsize  # a third of a layer's linears
+    assert costs.layer_bytes(8) < manifest.variant(0, 8).device_bytes / 2  # not a whole layer
+    if dtype == torch.bfloat16:  # (float32 runs W8 on float32 scales)
+        assert costs.layer_bytes(8) == W8_LAYER_BYTES_PER_RANK
+    for bits in (8, 4, 16):  # down one step at a time, then back to full precision
+        installer.set_layers([0], bits)
+        assert costs.layer_bytes(bits) == installer.layer_device_bytes(0), bits
+    assert costs.freed_tokens(16, 8) > 0 and costs.freed_tokens(8, 4) > 0
+
+
+# ----- the README's TP 3 command: the model's own bf16 -------------------------------------------
+
+def test_the_readme_tp3_command_serves_in_bf16(engines_awq, tmp_path):
+    """The README's command (bf16, 250 MB a rank, the controller on, W4 and W8 layers) starts,
+    serves, and every rank's budget holds its shards' exact bytes; a swap to W8 frees what a
+    rank's W8 shard saves and the restore gives each rank its capacity back. (One block: at
+    most two servers of this module run at once.)"""
+    args = ("--tp-size", "3", "--enable-morph", "--morph-engines", str(engines_awq),
+            "--morph-memory-budget", "250MB", "--morph-precision-map", PRECISION_MAP)
+    with running_server(args, tmp_path) as server:
+        r = requests.post(f"{server.url}/generate", headers=USER, timeout=600, json={
+            "text": "The capital of France is",
+            "sampling_params": {"temperature": 0, "max_new_tokens": 8}})
+        assert r.status_code == 200, r.text
+        assert "Paris" in r.json()["text"]
+        s = status(server)
+        assert s["controller"] is True and s["tensor_parallel"]["tp_size"] == 3
+        assert [layer["bits"] for layer in s["layers"]] == [map_bits(i) for i in range(30)]
+        start = ranks_alike(s)
+        assert start["kv_bytes_per_token"] == BF16_KV_BYTES_PER_TOKEN_PER_RANK
+        assert start["memory_budget_bytes"] == 250 * 10**6
+        assert start["weight_bytes"] + start["kv_bytes"] + start["free_budget_bytes"] \
+            == 250 * 10**6
+        assert start["free_budget_bytes"] < BF16_KV_BYTES_PER_TOKEN_PER_RANK
+        startup_w8 = next(t for t in s["transitions"] if t["to_bits"] == 8)
+        assert startup_w8["freed_bytes"] == 4 * (BF16_LAYER_BYTES_PER_RANK
+                                                 - W8_LAYER_BYTES_PER_RANK)
+
+        r = swap(server, [10, 11], 8)
+        assert r.status_code == 200, r.text
+        rank = ranks_alike(r.json())
+        freed = start["weight_bytes"] - rank["weight_bytes"]
+        assert freed == 2 * (BF16_LAYER_BYTES_PER_RANK - W8_LAYER_BYTES_PER_RANK)
+        assert rank["kv_capacity_tokens"] - start["kv_capacity_tokens"] == \
+            (freed + start["free_budget_bytes"]) // BF16_KV_BYTES_PER_TOKEN_PER_RANK
+        r = swap(server, [10, 11], 16)
+        assert r.status_code == 200, r.text
+        rank = ranks_alike(r.json())
+        for key in ("layer_bits", "kv_capacity_tokens", "weight_bytes", "kv_bytes",
+                    "free_budget_bytes"):
+            assert rank[key] == start[key], key
 
 
 # ----- one TP 3 server --------------------------------------------------------------------------

@@ -96,6 +96,23 @@ def model_weight_bytes(model: torch.nn.Module, installer: Any) -> int:
     return total
 
 
+def layer_costs(installer: Any, bits_available: tuple[int, ...], kv_bytes_per_token: int,
+                page_size_tokens: int) -> LayerCosts:
+    """What the controller prices a layer at: the exact bytes this process's installer holds
+    for a layer at each bit-width (layers are alike), against this process's KV bytes per token.
+
+    Read off the installer, not the engines manifest: the manifest sizes a whole layer as
+    stored, while a tensor-parallel rank holds only its shard (a third of the layer at TP 3,
+    plus the scales a row-parallel shard keeps whole), and the kernels lay the stored tensors
+    out anew (scales in the activation dtype, padding, packing). A whole-layer W8 size against a
+    rank's bf16 shard would price W8 above full precision and move KV by the wrong tokens."""
+    return LayerCosts(
+        layer_bytes_by_bits={b: installer.device_bytes_at(0, b) for b in bits_available},
+        kv_bytes_per_token=kv_bytes_per_token,
+        page_size_tokens=page_size_tokens,
+    )
+
+
 class MorphRuntime:
     """Invariants: ``budget`` equals the measured weights + KV pool bytes after every
     transition (``check_integrity``); KV capacity = capacity at start + tokens granted by swaps
@@ -238,15 +255,8 @@ class MorphRuntime:
         if self.pipeline is not None:
             costs = self.pipeline.layer_costs()  # every stage's layers and KV, not one stage's
         else:
-            manifest = self.installer.manifest
-            # Quantized sizes as stored; full precision as served (the served dtype may differ).
-            layer_bytes = {b: manifest.variant(0, b).device_bytes for b in self.available_bits}
-            layer_bytes[FULL_PRECISION_BITS] = self.installer.full_precision_bytes(0)
-            costs = LayerCosts(
-                layer_bytes_by_bits=layer_bytes,
-                kv_bytes_per_token=self.kv_bytes_per_token,
-                page_size_tokens=self.resizer.page_size,
-            )
+            costs = layer_costs(self.installer, self.available_bits, self.kv_bytes_per_token,
+                                self.resizer.page_size)
         bits = tuple(b for b in self.available_bits if b != FULL_PRECISION_BITS)
         # Layers a --morph-precision-map quantized at startup are the operator's static choice:
         # the controller neither takes them lower nor "restores" them to 16 bits when quiet.
