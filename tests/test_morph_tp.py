@@ -207,9 +207,9 @@ def test_the_controller_prices_a_layer_as_a_rank_holds_it(engines_awq, dtype):
     """The controller's bytes per bit-width are a rank's shard, exactly what its installer
     holds, not the engines manifest's whole layer (in bf16 a whole W8 layer outweighs a rank's
     full-precision third, and ``LayerCosts`` refuses fewer bits that cost more)."""
-    from sglang_morph.morph.engines.manifest import EngineManifest
+    from sglang_morph.engines.manifest import EngineManifest
     from sglang_morph.morph.executor.runtime import layer_costs
-    from sglang_morph.morph.executor.variants import LayerVariantInstaller, StagedVariants
+    from sglang_morph.engines.variants import LayerVariantInstaller, StagedVariants
     from sglang_morph.morph.parallel.tensor import sharder
 
     manifest = EngineManifest.load(engines_awq)
