@@ -394,7 +394,7 @@ def test_operator_swaps_are_pinned_until_handed_back(staged):
     runtime.swap_from_api([2], 4, pin=False)  # already at 4 bits: only handed back
     assert runtime.pinned == {0} and runtime.status()["pinned_layers"] == [0]
     assert len(controller.noted) == noted  # nothing moved, nothing to note
-    runtime._next_sample_s = 0.0
+    runtime.loop._next_s = 0.0  # the next step samples again
     runtime.on_step()
     assert controller.pinned[-1] == frozenset({0})
 

@@ -70,7 +70,8 @@ class ElasticMechanism(Protocol):
 
     Invariants: ``apply`` runs between two batches on the scheduler thread and either changes
     the server completely and returns an APPLIED transition, or raises ``ElasticError`` having
-    changed nothing; ``check_integrity`` raises AssertionError when the mechanism's state and
+    changed nothing, or returns None having forwarded the action to the ranks that apply it
+    (coordination: the leader of several ranks decides for all); ``check_integrity`` raises AssertionError when the mechanism's state and
     SGLang's objects disagree (e.g. free + used + cached KV pages != total).
     """
 
@@ -78,7 +79,7 @@ class ElasticMechanism(Protocol):
 
     def observe(self) -> Any: ...
 
-    def apply(self, action: Any) -> Transition: ...
+    def apply(self, action: Any) -> Transition | None: ...
 
     def is_leader(self) -> bool: ...
 

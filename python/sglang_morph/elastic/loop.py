@@ -51,12 +51,17 @@ class ElasticLoop:
         if action is not None:
             self.run(action, reason=str(getattr(action, "reason", "")))
 
-    def run(self, action: Any, reason: str) -> Transition:
-        """Apply ``action`` now (the controller's, or an operator's) and record the outcome."""
+    def run(self, action: Any, reason: str) -> Transition | None:
+        """Apply ``action`` now (the controller's, or an operator's) and record the outcome.
+
+        None when the mechanism forwarded the action instead of applying it here (the leader
+        of several ranks sends it to all of them, and each records what it applied)."""
         started = time.perf_counter()
         capacity = int(self.mechanism.state().get("kv_capacity_tokens", 0))
         try:
             transition = self.mechanism.apply(action)
+            if transition is None:
+                return None
         except ElasticError as e:
             outcome = Outcome.REFUSED if e.status_code < 500 else Outcome.FAILED
             transition = Transition(

@@ -37,9 +37,14 @@ class TransitionRecorder:
         self._metrics = _Metrics(replica) if metrics else None
 
     def record(self, t: Transition) -> Transition:
+        """Keep, log and count ``t``; recording the same transition object again is a no-op
+        (a mechanism may record as it applies, and its loop records what apply returned)."""
         with self._lock:
-            self._recent.setdefault(
-                t.mechanism, collections.deque(maxlen=RECENT_TRANSITIONS)).append(t)
+            recent = self._recent.setdefault(t.mechanism,
+                                             collections.deque(maxlen=RECENT_TRANSITIONS))
+            if recent and recent[-1] is t:
+                return t
+            recent.append(t)
             self.totals[t.mechanism, t.outcome.value] += 1
             if self._log is not None:
                 self._log.write(json.dumps(t.to_json()) + "\n")
@@ -65,7 +70,7 @@ def recorder(scheduler: Any) -> TransitionRecorder:
     from sglang_morph.elastic.registry import elastic_config
     from sglang_morph.elastic.control import replica_index
 
-    cfg = elastic_config(scheduler.server_args)
+    cfg = elastic_config(getattr(scheduler, "server_args", None))
     reporter = getattr(scheduler, "metrics_reporter", None)
     made = TransitionRecorder(replica_index(), cfg.log_path,
                               metrics=bool(getattr(reporter, "enable_metrics", False)))

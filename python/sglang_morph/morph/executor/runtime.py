@@ -43,6 +43,7 @@ from sglang_morph.elastic.kv_resizer import KVResizer, KVResizeRefused
 from sglang_morph.elastic.contract import Outcome
 from sglang_morph.elastic.contract import Transition as ElasticTransition
 from sglang_morph.elastic.control import SKIPPED, replica_index
+from sglang_morph.elastic.loop import ElasticLoop
 from sglang_morph.morph.records import MorphRequestError, Transition
 from sglang_morph.elastic.record import recorder
 
@@ -111,6 +112,37 @@ def layer_costs(installer: Any, bits_available: tuple[int, ...], kv_bytes_per_to
         kv_bytes_per_token=kv_bytes_per_token,
         page_size_tokens=page_size_tokens,
     )
+
+
+class _ControllerOnSignals:
+    """The elastic core's ``Controller`` over ``MorphController``, which also needs each
+    layer's bits and the pinned layers: the runtime holds both."""
+
+    def __init__(self, runtime: "MorphRuntime"):
+        self.runtime = runtime
+
+    def decide(self, signals: PressureSignals) -> SwapLayers | None:
+        r = self.runtime
+        if r.controller is None:
+            return None
+        return r.controller.decide(signals, r.model_bits, pinned=frozenset(r.pinned))
+
+    def applied(self, transition: ElasticTransition) -> None:
+        """The controller reads the outcome from the runtime's state at its next decision."""
+
+
+class _AsMechanism:
+    """The runtime under the elastic core's ``ElasticMechanism`` names (its own ``apply``
+    takes a source and serves the operator's swaps too)."""
+
+    name = "morph"
+
+    def __init__(self, runtime: "MorphRuntime"):
+        self.observe = runtime.observe
+        self.is_leader = runtime.is_leader
+        self.apply = runtime.apply_decision
+        self.state = runtime.elastic_state
+        self.check_integrity = runtime.check_integrity
 
 
 class MorphRuntime:
@@ -186,7 +218,7 @@ class MorphRuntime:
         reporter = getattr(scheduler, "metrics_reporter", None)
         self._metrics = (_Metrics(self.replica) if getattr(reporter, "enable_metrics", False)
                          else None)
-        self._next_sample_s = 0.0
+        self._last_elastic: ElasticTransition | None = None
         self.hook_calls_total = 0
         self.hook_seconds_total = 0.0
         self._next_idle_check_s = 0.0
@@ -204,6 +236,9 @@ class MorphRuntime:
             self.tensor.agree()  # equal shards and pools on every rank, or no start
         # (under PP the controller prices layers from every stage's figures, known from here)
         self.controller = self._make_controller() if cfg.controller_enabled else None
+        # The elastic core's loop: rate-limited observe, the leader's decision, apply, record.
+        self.loop = ElasticLoop(_AsMechanism(self), _ControllerOnSignals(self), self.elastic,
+                                SAMPLE_INTERVAL_S)
         for bits in sorted(set(self.layer_bits) - {FULL_PRECISION_BITS}, reverse=True):
             # One record per bit-width, as if each group had been swapped at startup; the KV
             # growth is shown on the last one.
@@ -313,22 +348,24 @@ class MorphRuntime:
     # ----- per-step hook ---------------------------------------------------------------------
 
     def on_step(self) -> None:
-        """Called before every ``get_next_batch_to_run``: sample, decide, act (rate-limited)."""
+        """Called before every ``get_next_batch_to_run``: the elastic core's loop samples,
+        decides and acts (rate-limited)."""
         started = time.perf_counter()
         try:
             if self.pipeline is not None:
                 self.pipeline.forward_answers()  # stage 0: the last stage's /morph answers
-            self._on_step()
+            self.loop.on_step()
         finally:
             # Self-measured so the hook's overhead can be read off /morph/status.
             self.hook_calls_total += 1
             self.hook_seconds_total += time.perf_counter() - started
 
-    def _on_step(self) -> None:
+    # ----- what the elastic core's loop calls (through _AsMechanism) -------------------------
+
+    def observe(self) -> PressureSignals:
+        """The pressure signals of this step (and, when idle after a resize, an integrity
+        check)."""
         now = time.monotonic()
-        if now < self._next_sample_s:
-            return
-        self._next_sample_s = now + SAMPLE_INTERVAL_S
         s = self.scheduler
         waiting = s.waiting_queue
         head_wait_s = 0.0
@@ -364,13 +401,6 @@ class MorphRuntime:
             running_kv_release=tuple(release),
         )
         self.last_signals = self.monitor.observe(snapshot)
-        if self.controller is not None and (self.relay is None or self.relay.decides()):
-            action = self.controller.decide(self.last_signals, self.model_bits,
-                                            pinned=frozenset(self.pinned))
-            if action is not None and self.relay is not None:
-                self.relay.send(action)  # every rank applies it at the same point
-            elif action is not None:
-                self._apply_controller_action(action)
         if self._metrics is not None:
             self._metrics.kv_used_tokens.set(snapshot.kv_used_tokens)
         idle = not waiting and snapshot.num_running_reqs == 0
@@ -378,6 +408,22 @@ class MorphRuntime:
             self._next_idle_check_s = now + IDLE_CHECK_INTERVAL_S
             self._resized_since_check = False
             self.check_integrity()
+        return self.last_signals
+
+    def is_leader(self) -> bool:
+        """On one rank always; under TP or PP, rank 0 or stage 0 while no action is on its way
+        to the ranks (``parallel/relay.py``)."""
+        return self.relay is None or self.relay.decides()
+
+    def apply_decision(self, action: SwapLayers) -> ElasticTransition | None:
+        """The controller's action: applied here on one rank (recorded, also when refused);
+        under TP or PP sent to every rank, which applies it at the same point."""
+        if self.relay is not None:
+            self.relay.send(action)
+            return None
+        self._last_elastic = None
+        self._apply_controller_action(action)
+        return self._last_elastic
 
     def _running_requests(self) -> list[Any]:
         s = self.scheduler
@@ -647,7 +693,7 @@ class MorphRuntime:
         if self._metrics is not None:
             self._metrics.transitions(t.action).inc()
         if self.tensor is None or self.tensor.rank == 0:  # TP ranks apply the same ones
-            self.elastic.record(self._as_elastic(t))
+            self._last_elastic = self.elastic.record(self._as_elastic(t))
         self._publish_metrics()
         return t
 
