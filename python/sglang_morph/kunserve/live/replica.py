@@ -19,28 +19,28 @@ evenly: each replica's pool gets half the group's tokens, in whole pages. The dr
 stay in a host copy (this is a CPU server: the same memory, released from the budget; on a GPU
 they would be copied out), so the restore is local.
 
-Concurrency: the layers run under one lock per process (``compute_lock``): the scheduler
-thread holds it through ``ModelRunner.forward`` except while it waits for the peer, and the
-service thread takes it to run a peer batch. SGLang publishes the forward context (the
-attention backend) in a module global, not per thread; the lock keeps the service thread's
-context strictly nested inside the scheduler's. Waiting for the peer never holds the lock, so
-two replicas calling each other at once cannot deadlock. The back member (replica 1) sends its
-batch to the front's layers before its forward takes the lock (``send_ahead``), so that the
-front runs it while replica 1's core still runs the front's previous batch: the two replicas'
-steps overlap as a two-stage pipeline of two micro-batches instead of running in series.
+Concurrency (the group member's, ``groups/member.py``): the layers run under one lock per
+process (``compute_lock``): the scheduler thread holds it through ``ModelRunner.forward``
+except while it waits for the peer, and the service thread takes it to run a peer batch;
+waiting never holds it, so two replicas calling each other at once cannot deadlock. The back
+member (replica 1) sends its batch to the front's layers before its forward takes the lock
+(``send_ahead``), so that the front runs it while replica 1's core still runs the front's
+previous batch: the two replicas' steps overlap as a two-stage pipeline of two micro-batches
+instead of running in series.
 
 Transitions (drop, restore): both schedulers handle the same request between two batches (the
-data-parallel controller sends it to each), vote over the link, then (1) move KV between the
-replicas (a drop gives the peer our KV of the layers we drop, into its mirror; a restore takes
-it back from the peer's mirror), one layer's K and V per message, and (2) change their own
-pool and weights; after each phase they exchange outcomes and a replica whose peer failed
-undoes its part, so a transition happens on both replicas or on neither. Requests in flight
-keep running across both: their KV (and the radix cache's) moves with the layers, nothing is
-recomputed. A restore shrinks the pool with the morph resizer, which moves live KV below the
-new boundary in every layer; it is refused (409) while a replica holds more tokens than a
-whole replica can. Unlike KunServe's overlapped exchange (an activation transfer before each
-KV chunk while serving continues), both replicas pause for the whole move (measured in the
-transitions log, ``duration_s``).
+data-parallel controller sends it to each) and run it as a voted transition of the group
+(``groups/transition.py``): they vote, then (1) move KV between the replicas (a drop gives the
+peer our KV of the layers we drop, into its mirror; a restore takes it back from the peer's
+mirror), one layer's K and V per message, and (2) change their own pool and weights; after
+each phase they exchange outcomes and both undo the phases so far when either failed, so a
+transition happens on both replicas or on neither (a restore's final shrink is local, checked
+in the vote, and not undone). Requests in flight keep running across both: their KV (and the
+radix cache's) moves with the layers, nothing is recomputed. A restore shrinks the pool with
+the morph resizer, which moves live KV below the new boundary in every layer; it is refused
+(409) while a replica holds more tokens than a whole replica can. Unlike KunServe's
+overlapped exchange (an activation transfer before each KV chunk while serving continues),
+both replicas pause for the whole move (measured in the transitions log, ``duration_s``).
 """
 
 from __future__ import annotations
@@ -48,7 +48,6 @@ from __future__ import annotations
 import itertools
 import logging
 import os
-import threading
 import time
 import types
 from typing import Any
@@ -61,9 +60,9 @@ from sglang_morph.kunserve.live.attention import new_rows_backend
 from sglang_morph.kunserve.live.link import PeerLink
 from sglang_morph.kunserve.planner import DropPlannerConfig, MemberLayout, make_group
 from sglang_morph.elastic.contract import Outcome
-from sglang_morph.elastic.contract import Transition as ElasticTransition
 from sglang_morph.elastic.control import replica_index
-from sglang_morph.elastic.record import recorder
+from sglang_morph.groups.member import GroupMember, MemberMetrics
+from sglang_morph.groups.transition import LastStep, Phase, VotedTransition
 
 logger = logging.getLogger("sglang_morph.kunserve")
 
@@ -73,12 +72,13 @@ _OK, _REFUSED, _FAILED = 200, 409, 500
 FAULT_REPLICA_ENV = "SGLANG_KUNSERVE_FAULT_REPLICA"
 
 
-class KunServeReplica:
+class KunServeReplica(GroupMember):
     """Invariants (``check_integrity``): whole, the replica holds every layer's weights and a
     pool of all ``L`` layers with ``kv_capacity_tokens_whole`` tokens, and no mirror; merged,
     it holds the weights of ``member.layers`` only, a pool of exactly those layers with
     ``kv_capacity_tokens_merged`` tokens, and a mirror pool of the same layers sized to the
-    peer's capacity; the KV of both plus the kept weights fit the planner's budget."""
+    peer's capacity; the KV of both plus the kept weights fit the planner's budget; the
+    service thread answering the peer is alive."""
 
     def __init__(self, scheduler: Any, link_port: int, auto: Any = None,
                  micro_batches: int = 4):
@@ -133,7 +133,6 @@ class KunServeReplica:
         # What a transition in progress keeps to undo itself or to report.
         self._whole_layers = self._merged_layers = self._merged_mirror = None
         self._moved_bytes = self._in_flight = 0
-        self.compute_lock = threading.Lock()
         # ``(_batch_key, its micro-batches or [])`` of a batch the back member sent ahead of
         # its forward (send_ahead), until forward_merged takes the answer.
         self._early: tuple | None = None
@@ -146,12 +145,10 @@ class KunServeReplica:
         self.faults = FaultInjector()
         if os.environ.get(FAULT_REPLICA_ENV) == str(self.rank):
             self.faults.arm_from_env()
-        reporter = getattr(scheduler, "metrics_reporter", None)
-        self._metrics = (_Metrics(self.rank) if getattr(reporter, "enable_metrics", False)
-                         else None)
+        self._metrics = _Metrics(self.rank) if MemberMetrics.enabled(scheduler) else None
         self._publish_metrics()
-        self.elastic = recorder(scheduler)
-        self.link = PeerLink(self.rank, link_port)
+        super().__init__(scheduler, PeerLink(self.rank, link_port), "kunserve",
+                         lambda: int(self.pool.size))
         self.auto = None  # --kunserve-auto: the controller's side (auto.py)
         if auto is not None:
             from sglang_morph.kunserve.live.auto import AutoControl
@@ -159,9 +156,7 @@ class KunServeReplica:
             self.auto = AutoControl(self, auto)
         runner.kunserve = self
         self.model.kunserve = self
-        self._service = threading.Thread(target=self._serve_peer, name="kunserve-service",
-                                         daemon=True)
-        self._service.start()
+        self.start_services(self._run_for_peer)
 
     # ---- what this replica keeps ----
 
@@ -194,8 +189,7 @@ class KunServeReplica:
             int(sum(self.mirror.get_kv_size_bytes())) if self.mirror is not None else 0)
         kv_bytes_per_token = len(layers) * self.planner.kv_bytes_per_token_per_layer
         return {
-            "replica": self.rank,
-            "group": [0, 1] if self.merged else [self.rank],
+            **self.group_status(self.merged),
             "layers": [layers.start, layers.stop],
             "num_layers": self.num_layers,
             "kv_capacity_tokens": own,
@@ -243,6 +237,7 @@ class KunServeReplica:
         assert self.pool.size == want, f"pool {self.pool.size} tokens, expected {want}"
         assert (self.mirror is not None) == self.merged
         KVResizer(self.scheduler).check_integrity()
+        super().check_integrity()
         if self.merged:
             kv = sum(self.pool.get_kv_size_bytes()) + sum(self.mirror.get_kv_size_bytes())
             rows_kv = (self.pool.size + self.mirror.size) * self.member.kv_bytes_per_token
@@ -265,70 +260,42 @@ class KunServeReplica:
 
     def transition(self, merge: bool, trigger: str = "operator",
                    reason: str | None = None) -> tuple[int, dict[str, Any]]:
-        """``_transition``, recorded in the elastic core's log whatever its outcome."""
-        started = time.perf_counter()
-        before = int(self.pool.size)
-        code, body = self._transition(merge, trigger, reason)
-        outcome = {_OK: Outcome.APPLIED, _REFUSED: Outcome.REFUSED}.get(code, Outcome.FAILED)
-        self.elastic.record(ElasticTransition(
-            mechanism="kunserve", replica=self.rank, action="drop" if merge else "restore",
-            reason=reason or trigger, outcome=outcome,
-            duration_s=time.perf_counter() - started, capacity_before_tokens=before,
-            capacity_after_tokens=int(self.pool.size),
-            error="" if code == _OK else str(body.get("error", "")),
-            detail=self.transitions[-1] if code == _OK else {"trigger": trigger}))
-        return code, body
-
-    def elastic_state(self) -> dict[str, Any]:
-        """What ``/elastic/status`` shows of this replica (``/kunserve/status`` has the rest)."""
-        layers = self.member.layers if self.merged else range(self.num_layers)
-        return {"group": [0, 1] if self.merged else [self.rank],
-                "layers": [layers.start, layers.stop], "kv_capacity_tokens": int(self.pool.size),
-                "peer_kv_capacity_tokens": int(self.mirror.size) if self.mirror is not None
-                else 0, "auto": self.auto is not None}
-
-    def _transition(self, merge: bool, trigger: str,
-                    reason: str | None) -> tuple[int, dict[str, Any]]:
         """Both replicas, in their schedulers' handlers of the same request (a POST, or the
         automatic control's proposal: ``trigger`` "auto" and the controller's ``reason``, both
-        logged), between batches.
-        Phase 1 moves KV between the replicas and is undone by discarding what it built;
-        phase 2 is local. After each phase the replicas exchange their outcomes, and a replica
-        whose peer failed undoes its own part, so a transition happens on both or on neither."""
+        logged), between batches: a voted transition of the pair (``groups/transition.py``),
+        recorded in the elastic core's log whatever its outcome.
+        A drop's phases are the KV move (undone by discarding what it built) and the local
+        drop; a restore's is the KV move back, then each replica shrinks its pool alone."""
         action = "drop" if merge else "restore"
-        refusal = self._refusal(merge)
-        votes = self.link.exchange(ok=int(refusal is None))
-        if refusal is not None or not votes["ok"]:
-            return _REFUSED, {"error": refusal or f"replica {self.link.peer} refused the {action} "
-                              f"(see its answer)", "replica": self.rank}
-        started = time.perf_counter()
-        before = int(self.pool.size)
-        self._in_flight = len(self.live_requests())
         if merge:
-            error = self._both(self._merge_move_kv, undo=self._discard_mirror)
-            if error is None:
-                error = self._both(self._merge_local, undo=self._unmerge_local)
-                if error is not None:
-                    self._discard_mirror()
+            phases = (Phase("the KV move", self._merge_move_kv, self._discard_mirror),
+                      Phase("the layer drop", self._merge_local, self._unmerge_local))
+            last = None
         else:
-            error = self._both(self._split_move_kv, undo=self._unsplit)
-            if error is None:
-                try:  # local, checked by _refusal: nothing the peer could need to undo
-                    self._split_local()
-                except Exception as e:
-                    logger.exception("sglang-morph: KunServe restore could not shrink replica "
-                                     "%d's pool", self.rank)
-                    return _FAILED, {"error": f"restore: every layer is back but the pool kept "
-                                     f"its merged size: {type(e).__name__}: {e}",
-                                     "replica": self.rank}
-        if error is not None:
-            return _FAILED, {"error": f"{action} failed, nothing changed: {error}",
-                             "replica": self.rank}
+            phases = (Phase("the KV move back", self._split_move_kv, self._unsplit),)
+            # Checked by _refusal: nothing the peer could need to undo.
+            last = LastStep(self._split_local,
+                            "every layer is back but the pool kept its merged size")
+        self._in_flight = len(self.live_requests())
+        before = int(self.pool.size)
+        record = self.group_transitions.run(
+            VotedTransition(action, reason or trigger, self._refusal(merge), phases, last,
+                            detail={"trigger": trigger}),
+            applied=lambda seconds: self._applied(action, trigger, reason, before, seconds))
+        if record.outcome is Outcome.APPLIED:
+            return _OK, self.status()
+        code = _REFUSED if record.outcome is Outcome.REFUSED else _FAILED
+        return code, {"error": record.error, "replica": self.rank}
+
+    def _applied(self, action: str, trigger: str, reason: str | None, before: int,
+                 seconds: float) -> dict[str, Any]:
+        """After a transition applied on both replicas: this replica's record of it."""
         self.check_integrity()
+        merge = action == "drop"
         self.transitions.append({
             "action": action, "trigger": trigger, "reason": reason,
             "at_unix_s": round(time.time(), 3),
-            "duration_s": round(time.perf_counter() - started, 4),
+            "duration_s": round(seconds, 4),
             "layers": [self.member.layers.start, self.member.layers.stop] if merge
             else [0, self.num_layers],
             "kv_capacity_tokens": [before, int(self.pool.size)],
@@ -338,36 +305,15 @@ class KunServeReplica:
         logger.info("sglang-morph: KunServe %s on replica %d: %s", action, self.rank,
                     self.transitions[-1])
         self._publish_metrics(action)
-        return _OK, self.status()
+        return self.transitions[-1]
 
-    def _both(self, phase, undo) -> str | None:
-        """Run ``phase`` (which changes nothing when it raises), exchange outcomes with the
-        peer, ``undo`` it when the peer failed. The error, or None when both succeeded."""
-        try:
-            phase()
-            error = None
-        except Exception as e:
-            logger.exception("sglang-morph: KunServe %s failed on replica %d", phase.__name__,
-                             self.rank)
-            error = f"replica {self.rank}: {type(e).__name__}: {e}"
-        peer_ok = self.link.exchange(ok=int(error is None))["ok"]
-        if error is None and not peer_ok:
-            undo()
-            return f"replica {self.link.peer} failed (see its answer); undone on {self.rank}"
-        return error
-
-    def live_requests(self) -> list:
-        """Requests holding KV here, between two batches: the running batch's, the chunked
-        request, and the last prefill's (get_next_batch_to_run merges them into the running
-        batch only after this point)."""
-        s = self.scheduler
-        batches = [s.running_batch]
-        if s.last_batch is not None and s.last_batch.forward_mode.is_extend():
-            batches.append(s.last_batch)
-        live = {id(r): r for b in batches if b is not None for r in b.reqs}
-        if s.chunked_req is not None:
-            live[id(s.chunked_req)] = s.chunked_req
-        return [r for r in live.values() if not r.finished()]
+    def elastic_state(self) -> dict[str, Any]:
+        """What ``/elastic/status`` shows of this replica (``/kunserve/status`` has the rest)."""
+        layers = self.member.layers if self.merged else range(self.num_layers)
+        return {"group": self.group_status(self.merged)["group"],
+                "layers": [layers.start, layers.stop], "kv_capacity_tokens": int(self.pool.size),
+                "peer_kv_capacity_tokens": int(self.mirror.size) if self.mirror is not None
+                else 0, "auto": self.auto is not None}
 
     def _refusal(self, merge: bool) -> str | None:
         if merge == self.merged:
@@ -447,14 +393,17 @@ class KunServeReplica:
         self.merged = True
 
     def _unmerge_local(self) -> None:
-        """Undo ``_merge_local`` (the peer failed its part): no batch ran since, so the pages
-        above the whole capacity are free and the dropped layers' buffers are as they were."""
-        KVResizer(self.scheduler, self.faults).shrink(self.pool.size - self.kv_capacity_tokens_whole)
-        kept = self.member.layers
-        k_all, v_all = list(self._whole_layers[0]), list(self._whole_layers[1])
-        k_all[kept.start:kept.stop] = self.pool.k_buffer
-        v_all[kept.start:kept.stop] = self.pool.v_buffer
-        _set_pool_layers(self.pool, range(self.num_layers), k_all, v_all)
+        """Undo ``_merge_local``, completed (the peer failed its part) or not (a failed grow
+        put the pool's layers back itself): no batch ran since, so the pages above the whole
+        capacity are free and the dropped layers' buffers are as they were."""
+        if self.pool.layer_num != self.num_layers:  # cut to the kept layers
+            KVResizer(self.scheduler, self.faults).shrink(
+                self.pool.size - self.kv_capacity_tokens_whole)
+            kept = self.member.layers
+            k_all, v_all = list(self._whole_layers[0]), list(self._whole_layers[1])
+            k_all[kept.start:kept.stop] = self.pool.k_buffer
+            v_all[kept.start:kept.stop] = self.pool.v_buffer
+            _set_pool_layers(self.pool, range(self.num_layers), k_all, v_all)
         self._give_weights_back()
         self.merged = False
 
@@ -464,6 +413,7 @@ class KunServeReplica:
     # in every layer (the morph resizer).
 
     def _split_move_kv(self) -> None:
+        self._merged_mirror = None
         pool, kept = self.pool, self.member.layers
         rows, shape = pool.k_buffer[0].shape[0], pool.k_buffer[0].shape[1:]
         dropped = self.dropped_layers
@@ -485,30 +435,37 @@ class KunServeReplica:
         self.merged = False
 
     def _unsplit(self) -> None:
-        """Undo ``_split_move_kv`` (the peer failed its part): the merged layout again, with
-        the mirror as it was (no batch ran since)."""
-        _restore_pool_layers(self.pool, self._merged_layers)
+        """Undo ``_split_move_kv``, completed (the peer failed its part) or not: the merged
+        layout again, with the mirror as it was (no batch ran since)."""
+        if self.pool.layer_num == self.num_layers:  # every layer was put back
+            _restore_pool_layers(self.pool, self._merged_layers)
         self._hold_weights()
-        self.mirror, self.peer_backend, self.peer_micro_backend = self._merged_mirror
+        if self._merged_mirror is not None:
+            self.mirror, self.peer_backend, self.peer_micro_backend = self._merged_mirror
+            self._merged_mirror = None
         self.merged = True
 
     def _split_local(self) -> None:
         KVResizer(self.scheduler, self.faults).shrink(self.pool.size - self.kv_capacity_tokens_whole)
         self._merged_mirror = None
 
+    # Both directions skip what is already where they put it, so that an undo after a move
+    # that stopped partway completes it.
+
     def _hold_weights(self) -> None:
-        dropped = 0
         for module in self._dropped_modules():
             for p in module.parameters():
-                self._host_weights[id(p)] = p.data
-                dropped += p.numel() * p.element_size()
-                p.data = p.data.new_empty(0)
-        self.dropped_weight_bytes = dropped
+                if id(p) not in self._host_weights:
+                    self._host_weights[id(p)] = p.data
+                    p.data = p.data.new_empty(0)
+        self.dropped_weight_bytes = sum(t.numel() * t.element_size()
+                                        for t in self._host_weights.values())
 
     def _give_weights_back(self) -> None:
         for module in self._dropped_modules():
             for p in module.parameters():
-                p.data = self._host_weights.pop(id(p))
+                if id(p) in self._host_weights:
+                    p.data = self._host_weights.pop(id(p))
         self.dropped_weight_bytes = 0
 
     # ---- forward (scheduler thread, inside ModelRunner.forward, holding compute_lock) ----
@@ -710,45 +667,23 @@ class KunServeReplica:
         if mode.is_extend():
             bundle["extend_prefix_lens"] = fb.extend_prefix_lens.to(torch.int64)
             bundle["extend_seq_lens"] = fb.extend_seq_lens.to(torch.int64)
-        self.link.send(self.link.calls[self.rank], bundle, mode=int(mode), micro=int(micro))
+        self.call(self.link.peer, bundle, mode=int(mode), micro=int(micro))
 
     def _answer(self) -> dict[str, torch.Tensor]:
         """The peer's answer to our last call; the compute lock is released while waiting."""
-        self.compute_lock.release()  # the peer may call our layers meanwhile
-        try:
-            out, ints = self.link.recv(self.link.calls[self.rank])
-        finally:
-            self.compute_lock.acquire()
-        if ints.get("failed"):
-            raise RuntimeError(f"replica {self.link.peer} failed to run its layers for replica "
-                               f"{self.rank}'s batch (see its log)")
-        return out
+        return self.answer(self.link.peer)
 
-    # ---- the peer's batches (service thread) ----
+    # ---- the peer's batches (service thread, under the compute lock, without grad) ----
 
-    def _serve_peer(self) -> None:
-        pg = self.link.calls[self.link.peer]
-        while True:
-            tensors, ints = self.link.recv(pg)
-            try:
-                # As SGLang runs its own forwards (the pools' views are made without grad).
-                with self.compute_lock, torch.no_grad():
-                    out, failed = self._run_for_peer(tensors, ints["mode"],
-                                                     bool(ints.get("micro"))), 0
-            except Exception:
-                logger.exception("sglang-morph: KunServe replica %d could not run replica %d's "
-                                 "batch", self.rank, self.link.peer)
-                out, failed = {}, 1
-            self.link.send(pg, out, failed=failed)
-
-    def _run_for_peer(self, t: dict[str, torch.Tensor], mode_value: int,
-                      micro: bool = False) -> dict[str, Any]:
+    def _run_for_peer(self, caller: int, t: dict[str, torch.Tensor],
+                      ints: dict[str, int]) -> dict[str, Any]:
         from sglang.srt.layers.layer_boundary.residual import batch as residual_batch
         from sglang.srt.model_executor.forward_batch_info import ForwardMode, PPProxyTensors
         from sglang.srt.model_executor.forward_context import ForwardContext, forward_context
 
         if not self.merged:
             raise RuntimeError("a peer batch arrived while this replica is whole")
+        mode_value, micro = ints["mode"], bool(ints.get("micro"))
         # The peer's rows of req_to_token come with the batch: request i reads row i.
         fb = _layers_batch(ForwardMode(mode_value), t["input_ids"],
                            torch.arange(t["seq_lens"].numel(), dtype=torch.int64),
@@ -774,27 +709,18 @@ class KunServeReplica:
             return {"hidden_states": residual_batch.final_norm(hidden, fb, model.norm)}
 
 
-class _Metrics:
-    """Prometheus series of one replica (SGLang's multiprocess registry serves them on
-    /metrics with --enable-metrics); every series carries the replica."""
+class _Metrics(MemberMetrics):
+    """KunServe's series of one replica (``sglang_morph_kunserve_*``, labelled with it)."""
 
     def __init__(self, replica: int):
-        from prometheus_client import Counter, Gauge
-
-        r = str(replica)
-
-        def gauge(name: str, doc: str):
-            return Gauge(f"sglang_morph_kunserve_{name}", doc, ("replica",),
-                         multiprocess_mode="mostrecent").labels(replica=r)
-
-        self.group_size = gauge("group_size", "Replicas in this replica's group (1: whole)")
-        self.layers_held = gauge("layers_held", "Decoder layers whose weights this replica holds")
-        self.kv_capacity_tokens = gauge("kv_capacity_tokens", "Own KV pool capacity in tokens")
-        self.peer_kv_capacity_tokens = gauge("peer_kv_capacity_tokens",
-                                             "Mirror pool capacity for the peer's tokens")
-        transitions = Counter("sglang_morph_kunserve_transitions", "KunServe transitions",
-                              ("replica", "action"))
-        self.transitions = lambda action: transitions.labels(replica=r, action=action)
+        super().__init__("kunserve", replica)
+        self.layers_held = self.gauge("layers_held",
+                                      "Decoder layers whose weights this replica holds")
+        self.kv_capacity_tokens = self.gauge("kv_capacity_tokens",
+                                             "Own KV pool capacity in tokens")
+        self.peer_kv_capacity_tokens = self.gauge("peer_kv_capacity_tokens",
+                                                  "Mirror pool capacity for the peer's tokens")
+        self.transitions = self.counter("transitions", "KunServe transitions", "action")
 
 
 def _layers_batch(mode: Any, input_ids: torch.Tensor, req_pool_indices: torch.Tensor,
