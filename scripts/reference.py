@@ -6,7 +6,7 @@
 The flags come from the mechanisms' ``add_cli_args`` run on a fresh parser, the routes from
 their ``add_routes`` run on a fresh FastAPI app (auth level from SGLang's ``auth_level`` marker,
 body and answers from each endpoint's signature and docstring), the commands' text from their
-parsers' help. ``tests/test_reference_docs.py`` runs the check, so a flag, route or command
+parsers' help. ``tests/core/test_reference_docs.py`` runs the check, so a flag, route or command
 changed without regenerating these files fails the test suite.
 
 Endpoint docstrings: a summary, then a paragraph starting ``Body:`` (required when the endpoint

@@ -1,9 +1,17 @@
 #!/usr/bin/env bash
-# The whole test suite: setup (idempotent), then pytest. Extra arguments go to pytest.
+# The test suite: setup (idempotent), then pytest. Extra arguments go to pytest.
+#   scripts/test.sh              every test (CI), servers included
+#   scripts/test.sh --fast       only the tests that start no server (-m "not server"), minutes
+#   scripts/test.sh tests/morph  one folder (pytest.ini's testpaths when no path is given)
 set -euo pipefail
 
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+marker=()
+if [[ "${1:-}" == "--fast" ]]; then
+  marker=(-m "not server")
+  shift
+fi
 bash "$ROOT/scripts/setup.sh"
 cd "$ROOT"
 # --durations: the slowest tests in the CI log, to keep the whole run under 40 minutes.
-exec "$ROOT/.venv/bin/python" -m pytest tests -ra --durations=25 "$@"
+exec "$ROOT/.venv/bin/python" -m pytest -ra --durations=25 "${marker[@]}" "$@"

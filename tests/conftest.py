@@ -5,6 +5,15 @@ machine, so only the default server lives for the whole session; other configura
 one module (``server_factory``) or one ``with running_server(...)`` block, and every server is
 stopped as a whole process group. The server and engine helpers are the benchmarks' own
 (``benchmark/harness.py``); here they take a log directory and the test timeout.
+
+The test folders mirror the package (core/, morph/, kunserve/, ...); their modules import each
+other by bare name (``from test_morph_runtime_server import corpus_ids``), so every folder is
+on ``sys.path`` and every test file name is unique across folders.
+
+Tests that start a server (or run ``scripts/serve.sh``, or build the default model's engines)
+carry the marker ``server``: ``pytest -m "not server"`` runs the rest in a few minutes.
+A test gets it from the fixtures it uses (``SERVER_FIXTURES``, directly or through other
+fixtures) or from an explicit ``pytest.mark.server`` where it starts servers itself.
 """
 
 from __future__ import annotations
@@ -21,8 +30,24 @@ from benchmark import harness
 from benchmark.harness import ServerProcess, build_engines, free_port  # noqa: F401  (for tests)
 from sglang_morph.repo_data import DATA_DIR  # noqa: F401  (the tests' data files)
 
-REPO_ROOT = Path(__file__).resolve().parents[1]
+TESTS_DIR = Path(__file__).resolve().parent
+REPO_ROOT = TESTS_DIR.parent
 SERVER_START_TIMEOUT_S = float(os.environ.get("MORPH_TEST_SERVER_START_TIMEOUT_S", "600"))
+
+
+for _folder in sorted(TESTS_DIR.iterdir()):
+    if _folder.is_dir() and any(_folder.glob("test_*.py")) and str(_folder) not in sys.path:
+        sys.path.insert(0, str(_folder))
+
+# Fixtures that start a server, or a subprocess build of the default model's layer engines.
+SERVER_FIXTURES = frozenset({"server_factory", "default_server", "engines_awq", "engines_rtn"})
+
+
+@pytest.hookimpl(tryfirst=True)  # before ``-m`` deselects by marker
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        if SERVER_FIXTURES.intersection(item.fixturenames):
+            item.add_marker(pytest.mark.server)
 
 
 def start_server(extra_args, log_dir: Path, env: dict[str, str] | None = None) -> ServerProcess:

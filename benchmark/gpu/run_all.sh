@@ -18,7 +18,7 @@ for s in "${steps[@]}"; do
   echo "===== $s ($(date +%T))" | tee -a "$LOG"
   case $s in
     tests) timeout 300 python3 -m pytest -q -p no:cacheprovider --noconftest -rs \
-             tests/test_kv_vmm_gpu.py tests/test_morph_kernels.py -k "gpu or Gpu or vmm" ;;
+             tests/kernels/test_kv_vmm_gpu.py tests/kernels/test_morph_kernels.py -k "gpu or Gpu or vmm" ;;
     kernels) timeout 400 python3 -m benchmark.gpu.kernels ;;
     w4_variants) timeout 400 python3 -m benchmark.gpu.w4_variants ;;
     kv_vmm) timeout 120 python3 -m benchmark.gpu.kv_vmm ;;

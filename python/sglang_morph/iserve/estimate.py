@@ -266,7 +266,8 @@ class BorrowedLatencyFit:
     settle it: refitted on the profile of 275a433 without the W8/W4 layout fingerprints, the
     factor and an added time missed the W8/W4 configurations measured in full by about the
     same (all nine: TTFT 23% and 21% mean, TPOT 23% both). An assumption per bit-width, which
-    ``benchmark/iserve.py --layouts-at`` checks against the configurations measured in full."""
+    ``benchmark/iserve/estimates.py --layouts-at`` checks against the configurations measured
+    in full."""
 
     tp: int
     own: LatencyFit  # TP1/PP1 of this bit-width

@@ -12,7 +12,7 @@ different amounts, or too few requests are back to fill one, stages idle: the pi
   cost model (SGLang's pipeline parallelism), and ``lookahead``, KunServe's (micro-batches of
   a target cost from the requests that are back, prefills cut by the chunk cost model).
 - ``by_lookahead`` cuts one iteration's items into ``K`` micro-batches of equal cost (the
-  cluster simulation's pipeline, ``benchmark/kunserve_sim.py``): requests are placed in order;
+  cluster simulation's pipeline, ``benchmark/kunserve/sim.py``): requests are placed in order;
   a prefill that would overshoot the target is cut where the micro-batch reaches it (solved from
   the cost model) and its rest goes first into the next micro-batch, behind the part already
   placed (its cached tokens grow by the first part, which the cost model accounts for). Decode

@@ -1,7 +1,7 @@
 """What quantizing layers really costs: per-token NLL and KL(full precision || quantized) of
 fixed token windows with a precision map applied to the float32 model (the built variants'
 dequantized weights, ``engines.hf_variants``). The indicators' calibration
-(``splitquant.indicator.calibrate``) and ``benchmark.splitquant_quality`` measure with it.
+(``splitquant.indicator.calibrate``) and ``benchmark.splitquant.quality`` measure with it.
 """
 
 from __future__ import annotations

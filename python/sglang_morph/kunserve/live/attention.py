@@ -10,8 +10,8 @@ the prefix + new keys, with the causal mask shifted by the prefix (a plain ``is_
 there is none).
 
 Equal to the square's rows up to float rounding, not always bit for bit
-(``tests/test_kunserve_attention.py``: identical with no prefix and for 96-token ranges of a
-384-token prompt; a 1-token extend behind 50 tokens differs by 3e-7 in float32). Cutting a
+(``tests/kunserve/test_kunserve_attention.py``: identical with no prefix and for 96-token ranges
+of a 384-token prompt; a 1-token extend behind 50 tokens differs by 3e-7 in float32). Cutting a
 prefill changes its rounding anyway (SGLang's own square attention of the third of four ranges
 differs from the uncut prefill's rows by 4e-7), so the replica uses this backend for
 micro-batches only: a batch it does not cut runs with SGLang's attention, exactly as on a

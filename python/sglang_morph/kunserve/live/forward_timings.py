@@ -1,4 +1,4 @@
-"""Server-side forward timings for the chunk cost model (``benchmark/kunserve_costs.py``).
+"""Server-side forward timings for the chunk cost model (``benchmark/kunserve/costs.py``).
 
 With ``SGLANG_MORPH_FORWARD_TIMINGS=<path>`` in the server's environment, every scheduler
 process wraps ``ModelRunner.forward`` and appends one JSON line per forward to ``<path>``:

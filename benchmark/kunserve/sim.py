@@ -1,0 +1,516 @@
+"""KunServe vs plain data parallelism on a SIMULATED cluster of 2-16 replicas (SimPy).
+
+Every number this writes is SIMULATED: no cluster runs. What is real: the drop planner and the
+controller (``sglang_morph.kunserve``, the objects the live system will use, unchanged), the
+model's exact per-layer bytes (``splitquant.model``/``splitquant.memory``, the default model
+SmolLM2-135M),
+the arrival traces (``data/traces``), and the calibration, measured on this machine: the chunk
+cost model (``benchmark/kunserve/costs.py``: forward times by phase), the gloo transfer time and
+the host copy bandwidth (``benchmark/kunserve/transfer.py``).
+
+Each replica is one device with the same weights + KV budget. A serving unit is a replica or a
+merged group; it runs SGLang-like continuous batching: admit queued requests first come, first
+served while their prompt + output fits the unit's KV (reserved whole, so nothing is ever
+retracted), prefill the admitted ones in one forward, otherwise decode one token of every
+running request. A single replica runs a forward in the cost model's time; a group runs each
+iteration as lookahead micro-batches (one per stage) through its pipeline
+(``lookahead.PipelineState``: stages overlap across iterations, hidden states cross a gloo link
+between stages). The router sends each arrival to the unit with the least outstanding tokens
+per member (the same router for both systems).
+
+The controller sees the cluster every ``--monitor-s`` and may drop (merge replicas; the
+members stop for the transition: their live KV of the layers they drop crosses the gloo link,
+and each member's KV pool is rebuilt at host copy bandwidth) or restore (weights come back from
+the host copy at host copy bandwidth, requests' KV of the layers their home lacked crosses the
+link, the pool is rebuilt). Assumed, not measured: the transitions move nothing else and pause
+the members' serving for their whole duration (the live design overlaps them); the LM head and
+the embedding add no stage time; a group's stages cost the model's time times their share of
+layers.
+
+    .venv/bin/python -m benchmark.kunserve.sim [--out benchmark/results/kunserve] [--quick]
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import subprocess
+import time
+from collections.abc import Sequence
+from pathlib import Path
+
+import numpy as np
+import simpy
+
+from benchmark.replay.trace import TraceWindow, load_window
+from sglang_morph.kunserve.controller import (
+    ClusterView,
+    ControllerConfig,
+    Drop,
+    KunServeController,
+    ReplicaSnapshot,
+    Restore,
+)
+from sglang_morph.kunserve.cost import PhaseCosts
+from sglang_morph.kunserve.lookahead import (
+    BatchItem,
+    PipelineState,
+    by_lookahead,
+    stage_micro_batches,
+)
+from sglang_morph.kunserve.planner import DropPlannerConfig, LiveRequest, ReplicaGroup
+from sglang_morph.models.memory import MemoryModel
+from sglang_morph.models.spec import ModelSpec
+from sglang_morph.repo_data import TRACES_DIR
+
+RESULTS = Path("benchmark/results/kunserve")
+MAX_PREFILL_TOKENS = 8192  # one prefill forward at most (SGLang's --max-prefill-tokens)
+COPY_OFFSET_S = 0.137
+
+
+@dataclasses.dataclass(frozen=True)
+class Calibration:
+    costs: PhaseCosts
+    gloo_latency_s: float
+    gloo_bandwidth_bytes_per_s: float
+    host_copy_bandwidth_bytes_per_s: float
+    hidden_bytes_per_token: int
+
+    def link_s(self, nbytes: float) -> float:
+        return self.gloo_latency_s + nbytes / self.gloo_bandwidth_bytes_per_s
+
+    def copy_s(self, nbytes: float) -> float:
+        return nbytes / self.host_copy_bandwidth_bytes_per_s
+
+    @classmethod
+    def load(cls, results: Path, spec: ModelSpec) -> "Calibration":
+        transfer = json.loads((results / "transfer.json").read_text())
+        return cls(PhaseCosts.load(results / "costs.json"), transfer["gloo_latency_s"],
+                   transfer["gloo_bandwidth_bytes_per_s"],
+                   transfer["host_copy_bandwidth_bytes_per_s"],
+                   spec.hidden_size * spec.dtype_bytes)
+
+
+@dataclasses.dataclass
+class Request:
+    rid: str
+    arrival_s: float
+    prompt_tokens: int
+    output_tokens: int
+    generated: int = 0
+    token_times_s: list[float] = dataclasses.field(default_factory=list)
+
+    @property
+    def reserved_tokens(self) -> int:
+        return self.prompt_tokens + self.output_tokens
+
+    @property
+    def kv_tokens(self) -> int:
+        return self.prompt_tokens + self.generated
+
+    @property
+    def done(self) -> bool:
+        return self.generated >= self.output_tokens
+
+
+class Unit:
+    """A replica or a merged group serving as one pipeline, with its queue and its batch."""
+
+    def __init__(self, sim: "ClusterSim", group: ReplicaGroup):
+        self.sim = sim
+        self.group = group
+        self.capacity_tokens = group.capacity_tokens
+        self.layer_shares = [len(m.layers) / sim.planner.num_layers for m in group.members]
+        self.waiting: list[Request] = []
+        self.running: list[Request] = []
+        self.wakeup = sim.env.event()
+        self.retiring: simpy.Event | None = None  # set: hand over at the next boundary
+        self.pipeline: PipelineState | None = None
+        self.iteration = 0
+        self.process = sim.env.process(self.run())
+
+    @property
+    def replicas(self) -> tuple[int, ...]:
+        return self.group.replicas
+
+    @property
+    def outstanding_tokens(self) -> int:
+        return sum(r.reserved_tokens - r.generated for r in self.waiting + self.running)
+
+    def add(self, request: Request) -> None:
+        self.waiting.append(request)
+        if not self.wakeup.triggered:
+            self.wakeup.succeed()
+
+    def _admit(self) -> list[Request]:
+        reserved = sum(r.reserved_tokens for r in self.running)
+        admitted, prefill_tokens = [], 0
+        while self.waiting:
+            r = self.waiting[0]
+            if (reserved + r.reserved_tokens > self.capacity_tokens
+                    or (admitted and prefill_tokens + r.prompt_tokens > MAX_PREFILL_TOKENS)):
+                break
+            self.waiting.pop(0)
+            admitted.append(r)
+            reserved += r.reserved_tokens
+            prefill_tokens += r.prompt_tokens
+        return admitted
+
+    def _forward(self, items: list[BatchItem]):
+        """Run one iteration; returns when each request's token comes back (by rid)."""
+        env, cal = self.sim.env, self.sim.cal
+        if self.group.size == 1:
+            seconds = cal.costs.seconds([i.chunk() for i in items])
+            return {i.rid: env.now + seconds for i in items}, env.now + seconds
+        if self.pipeline is None:
+            transfer = cal.link_s(0)  # latency only; the size is added per micro-batch below
+            self.pipeline = PipelineState(self.group.size, transfer, env.now)
+        out = {}
+        mbs = by_lookahead(items, self.group.size, cal.costs)
+        for staged, mb in zip(stage_micro_batches(cal.costs, self.iteration, mbs,
+                                                  self.layer_shares), mbs):
+            tokens = sum(i.new_tokens for i in mb)
+            # The hidden states' bytes on the link, charged to the stages' times.
+            link = tokens * cal.hidden_bytes_per_token / cal.gloo_bandwidth_bytes_per_s
+            staged = dataclasses.replace(staged, stage_seconds=tuple(
+                s + link for s in staged.stage_seconds))
+            back = self.pipeline.submit(staged, env.now)
+            for i in mb:
+                out[i.rid] = max(out.get(i.rid, 0.0), back)
+        # The next iteration can be formed once stage 0 is free.
+        return out, self.pipeline.done[0]
+
+    def run(self):
+        env = self.sim.env
+        while True:
+            if self.retiring is not None:
+                yield env.timeout(max(0.0, max(self.pipeline.done) - env.now)
+                                  if self.pipeline else 0.0)
+                self.retiring.succeed()
+                return
+            if not self.waiting and not self.running:
+                self.wakeup = env.event()
+                yield self.wakeup
+                continue
+            admitted = self._admit()
+            by_rid = {r.rid: r for r in self.running + admitted}
+            if admitted:
+                items = [BatchItem(r.rid, 0, r.prompt_tokens) for r in admitted]
+            elif self.running:
+                items = [BatchItem(r.rid, r.kv_tokens - 1, 1) for r in self.running]
+            else:  # the head of the queue does not fit an empty unit: cannot happen by sizing
+                raise RuntimeError(f"unit {self.replicas}: request {self.waiting[0].rid} "
+                                   f"({self.waiting[0].reserved_tokens} tokens) never fits "
+                                   f"{self.capacity_tokens}")
+            back, next_at = self._forward(items)
+            self.iteration += 1
+            self.running += admitted
+            for rid, at in back.items():
+                r = by_rid[rid]
+                r.generated += 1
+                r.token_times_s.append(at)
+            finished = [r for r in self.running if r.done]
+            self.running = [r for r in self.running if not r.done]
+            self.sim.finished += finished
+            yield env.timeout(max(next_at - env.now, 0.0))
+
+
+class ClusterSim:
+    def __init__(self, requests: Sequence[Request], replicas: int, planner: DropPlannerConfig,
+                 cal: Calibration, kunserve: bool, monitor_s: float,
+                 controller_cfg: ControllerConfig):
+        self.env = simpy.Environment()
+        self.planner = planner
+        self.cal = cal
+        self.requests = list(requests)
+        self.finished: list[Request] = []
+        self.units = [Unit(self, ReplicaGroup((planner.full_replica(i),)))
+                      for i in range(replicas)]
+        self.held: list[Request] = []
+        self.transitions: list[dict] = []
+        self.timeline: list[dict] = []
+        self.controller = KunServeController(planner, controller_cfg) if kunserve else None
+        self.monitor_s = monitor_s
+        self.env.process(self.arrivals())
+        self.env.process(self.monitor())
+
+    def route(self, request: Request) -> None:
+        if not self.units:  # every replica is in a transition: the router holds it
+            self.held.append(request)
+            return
+        unit = min(self.units, key=lambda u: (u.outstanding_tokens / u.group.size,
+                                              u.replicas[0]))
+        unit.add(request)
+
+    def release_held(self) -> None:
+        held, self.held = self.held, []
+        for r in held:
+            self.route(r)
+
+    def arrivals(self):
+        for r in self.requests:
+            yield self.env.timeout(max(0.0, r.arrival_s - self.env.now))
+            self.route(r)
+
+    def view(self) -> ClusterView:
+        snapshots = []
+        for u in self.units:
+            live = tuple(LiveRequest(r.rid, r.kv_tokens) for r in u.running)
+            used = sum(r.kv_tokens for r in u.running)
+            growth = sum(r.output_tokens - r.generated for r in u.running)
+            waiting = sum(r.reserved_tokens for r in u.waiting)
+            for k, m in enumerate(u.group.members):
+                snapshots.append(ReplicaSnapshot(m.replica, u.capacity_tokens, used, growth,
+                                                 waiting if k == 0 else 0, live))
+        groups = tuple(u.group for u in self.units if u.group.size > 1)
+        return ClusterView(self.env.now, tuple(sorted(snapshots, key=lambda s: s.replica)),
+                           groups)
+
+    def monitor(self):
+        while len(self.finished) < len(self.requests):
+            sample = {"groups": [list(u.replicas) for u in self.units],
+                      "capacity_tokens": sum(u.capacity_tokens for u in self.units),
+                      "queued": sum(len(u.waiting) for u in self.units)}
+            # A step function: a sample only where something changed (a sample every
+            # monitor_s made the results file MBs of repeats on the long BurstGPT window).
+            if not self.timeline or {k: self.timeline[-1][k] for k in sample} != sample:
+                self.timeline.append({"time_s": self.env.now, **sample})
+            if self.controller is not None:
+                action = self.controller.decide(self.view())
+                if isinstance(action, Drop):
+                    yield from self.apply_drop(action)
+                elif isinstance(action, Restore):
+                    yield from self.apply_restore(action)
+            yield self.env.timeout(self.monitor_s)
+        if self.timeline:  # the step function runs to the end of the simulation
+            self.timeline.append({**self.timeline[-1], "time_s": self.env.now})
+
+    def _retire(self, replicas: set[int]):
+        units = [u for u in self.units if set(u.replicas) & replicas]
+        events = []
+        for u in units:
+            u.retiring = self.env.event()
+            events.append(u.retiring)
+            if not u.wakeup.triggered:
+                u.wakeup.succeed()
+        yield simpy.AllOf(self.env, events)
+        self.units = [u for u in self.units if u not in units]
+        return units
+
+    def apply_drop(self, action: Drop):
+        plan, start = action.plan, self.env.now
+        merged = [g for g in plan.groups if g.size > 1]
+        replicas = {r for g in merged for r in g.replicas}
+        old = yield from self._retire(replicas)
+        for g in merged:
+            members = [u for u in old if set(u.replicas) <= set(g.replicas)]
+            migrate = max(plan.kv_migration_bytes[r] for r in g.replicas)
+            rebuild = max(m.budget.kv_bytes for m in g.members)
+            yield self.env.timeout(self.cal.link_s(migrate) + self.cal.copy_s(rebuild))
+            unit = Unit(self, g)
+            unit.running = [r for u in members for r in u.running]
+            unit.waiting = sorted((r for u in members for r in u.waiting),
+                                  key=lambda r: r.arrival_s)
+            self.units.append(unit)
+            if unit.waiting or unit.running:
+                unit.wakeup.succeed()
+        self.release_held()
+        self.controller.applied(action, self.env.now)
+        self.transitions.append({"kind": "drop", "at_s": start, "seconds": self.env.now - start,
+                                 "groups": [list(g.replicas) for g in merged],
+                                 "reason": action.reason})
+
+    def apply_restore(self, action: Restore):
+        plan, start = action.plan, self.env.now
+        (old,) = yield from self._retire(set(plan.group.replicas))
+        inbound = max(plan.kv_inbound_bytes.values())
+        yield self.env.timeout(self.cal.link_s(inbound) + self.cal.copy_s(
+            max(m.freed_bytes for m in plan.group.members)
+            + max(m.budget.kv_bytes for m in plan.restored)))
+        units = {m.replica: Unit(self, ReplicaGroup((m,))) for m in plan.restored}
+        for r in old.running:
+            units[plan.home[r.rid]].running.append(r)
+        for k, r in enumerate(old.waiting):
+            units[plan.group.replicas[k % plan.group.size]].waiting.append(r)
+        for u in units.values():
+            self.units.append(u)
+            if u.waiting or u.running:
+                u.wakeup.succeed()
+        self.release_held()
+        self.controller.applied(action, self.env.now)
+        self.transitions.append({"kind": "restore", "at_s": start,
+                                 "seconds": self.env.now - start,
+                                 "groups": [list(plan.group.replicas)], "reason": action.reason})
+
+    def run(self, limit_s: float) -> None:
+        self.env.run(until=limit_s)
+
+
+def latency_stats(requests: Sequence[Request]) -> dict:
+    ttft = np.array([r.token_times_s[0] - r.arrival_s for r in requests])
+    tpot = np.array([(r.token_times_s[-1] - r.token_times_s[0]) / (len(r.token_times_s) - 1)
+                     for r in requests if len(r.token_times_s) > 1])
+    return {"requests": len(requests), "p99_ttft_s": float(np.percentile(ttft, 99)),
+            "p50_ttft_s": float(np.percentile(ttft, 50)),
+            "p50_tpot_s": float(np.percentile(tpot, 50)) if len(tpot) else None}
+
+
+def trace_requests(path: Path, replicas: int, window: dict) -> list[Request]:
+    w = TraceWindow(path, **window)
+    reqs = load_window(w)
+    # Each replica gets its own slice of the trace's requests: replicas x the trace's rate.
+    out = []
+    for copy in range(replicas):
+        # Copies offset by a fraction of a second, so they do not arrive in lockstep.
+        shift_s = (copy * COPY_OFFSET_S) % 0.5
+        out += [Request(f"{copy}-{r.index}", r.arrival_s + shift_s, r.prompt_tokens,
+                        r.output_tokens) for r in reqs]
+    return sorted(out, key=lambda r: (r.arrival_s, r.rid))
+
+
+def simulate(requests: Sequence[Request], replicas: int, planner: DropPlannerConfig,
+             cal: Calibration, kunserve: bool, monitor_s: float = 0.5,
+             controller_cfg: ControllerConfig = ControllerConfig(),
+             limit_s: float = 36000.0) -> ClusterSim:
+    sim = ClusterSim([dataclasses.replace(r, token_times_s=[], generated=0) for r in requests],
+                     replicas, planner, cal, kunserve, monitor_s, controller_cfg)
+    sim.run(limit_s)
+    return sim
+
+
+# Windows and thinning that load one simulated replica of this machine at roughly the rate
+# it serves (~0.2-0.3 requests/s), so that the traces' bursts overflow its KV; every replica
+# gets its own copy of the window (the cluster's rate grows with its size).
+TRACES = {
+    "azure_conv": ("azure_llm_2023_conv.csv",
+                   dict(start_s=0.0, duration_s=600.0, keep_every=40, max_prompt_tokens=1024,
+                        max_output_tokens=256)),
+    "azure_code": ("azure_llm_2023_code.csv",
+                   dict(start_s=0.0, duration_s=600.0, keep_every=20, max_prompt_tokens=1024,
+                        max_output_tokens=256)),
+    "burstgpt": ("burstgpt_first400.csv",
+                 dict(start_s=0.0, duration_s=37300.0, time_scale=0.3, max_prompt_tokens=1024,
+                      max_output_tokens=256)),
+}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(prog="python -m benchmark.kunserve.sim",
+                                 description=__doc__.splitlines()[0])
+    ap.add_argument("--out", type=Path, default=RESULTS)
+    ap.add_argument("--calibration", type=Path, default=RESULTS)
+    ap.add_argument("--replicas", type=int, nargs="+", default=[2, 4, 8, 16])
+    ap.add_argument("--budget-bytes", type=int, default=365_000_000)
+    ap.add_argument("--max-group-size", type=int, default=2)
+    ap.add_argument("--quick", action="store_true", help="2 and 4 replicas, one trace")
+    args = ap.parse_args()
+    from sglang_morph.models import default_model_path
+
+    spec = ModelSpec.from_model_dir(default_model_path())
+    planner = DropPlannerConfig(MemoryModel.from_spec(spec, bits=(16,)), args.budget_bytes,
+                                max_group_size=args.max_group_size)
+    cal = Calibration.load(args.calibration, spec)
+    replicas_list = [2, 4] if args.quick else args.replicas
+    traces = dict(list(TRACES.items())[:1]) if args.quick else TRACES
+    started = time.monotonic()
+    rows = []
+    for name, (csv, window) in traces.items():
+        for n in replicas_list:
+            reqs = trace_requests(TRACES_DIR / csv, n, window)
+            row = {"trace": name, "replicas": n, "requests": len(reqs)}
+            for system, kun in (("dp", False), ("kunserve", True)):
+                sim = simulate(reqs, n, planner, cal, kun)
+                if len(sim.finished) != len(reqs):
+                    raise RuntimeError(f"{name} x{n} {system}: {len(sim.finished)} of "
+                                       f"{len(reqs)} requests finished")
+                # Timelines only for the smallest cluster: they are what the plot shows, and
+                # every cluster's would make the results file tens of MB.
+                row[system] = {**latency_stats(sim.finished), "transitions": sim.transitions,
+                               "timeline": sim.timeline if n == min(replicas_list) else []}
+            rows.append(row)
+            print(f"{name} x{n}: DP P99 TTFT {row['dp']['p99_ttft_s']:.2f} s, KunServe "
+                  f"{row['kunserve']['p99_ttft_s']:.2f} s; P50 TPOT {row['dp']['p50_tpot_s']:.4f}"
+                  f" vs {row['kunserve']['p50_tpot_s']:.4f} s", flush=True)
+    meta = {"command": "python -m benchmark.kunserve.sim" + (" --quick" if args.quick else ""),
+            "commit": subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True,
+                                     text=True).stdout.strip(),
+            "budget_bytes": args.budget_bytes, "max_group_size": args.max_group_size,
+            "calibration": cal.costs.source, "seconds": time.monotonic() - started,
+            "SIMULATED": True}
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "simulated_clusters.json").write_text(json.dumps({"meta": meta, "rows": rows}))
+    write_table(args.out / "simulated_clusters.md", rows, meta)
+    plot(args.out / "simulated_clusters.png", rows)
+
+
+def write_table(path: Path, rows, meta) -> None:
+    lines = ["# KunServe vs plain DP on SIMULATED clusters (SimPy; calibrated on this machine)", "",
+             f"SIMULATED. `{meta['command']}` at commit {meta['commit']}, SmolLM2-135M, "
+             f"{meta['budget_bytes']} bytes (weights + KV) per replica, groups of at most "
+             f"{meta['max_group_size']}; calibration: {meta['calibration']}.", "",
+             "| trace | replicas | requests | DP P99 TTFT (s) | KunServe P99 TTFT (s) | "
+             "TTFT x lower | DP P50 TPOT (ms) | KunServe P50 TPOT (ms) | TPOT change | groups "
+             "merged | groups restored |", "|---|---|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        dp, ks = r["dp"], r["kunserve"]
+        merged = sum(len(t["groups"]) for t in ks["transitions"] if t["kind"] == "drop")
+        restored = sum(1 for t in ks["transitions"] if t["kind"] == "restore")
+        lines.append(
+            f"| {r['trace']} | {r['replicas']} | {r['requests']} | {dp['p99_ttft_s']:.2f} | "
+            f"{ks['p99_ttft_s']:.2f} | {dp['p99_ttft_s'] / max(ks['p99_ttft_s'], 1e-9):.1f}x | "
+            f"{dp['p50_tpot_s'] * 1e3:.1f} | {ks['p50_tpot_s'] * 1e3:.1f} | "
+            f"{ks['p50_tpot_s'] / dp['p50_tpot_s'] - 1:+.0%} | {merged} | {restored} |")
+    path.write_text("\n".join(lines) + "\n")
+
+
+def plot(path: Path, rows) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    traces = sorted({r["trace"] for r in rows})
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4))
+    for trace in traces:
+        rs = [r for r in rows if r["trace"] == trace]
+        n = [r["replicas"] for r in rs]
+        axes[0].plot(n, [r["dp"]["p99_ttft_s"] for r in rs], "o--", label=f"{trace} DP")
+        axes[0].plot(n, [r["kunserve"]["p99_ttft_s"] for r in rs], "s-",
+                     label=f"{trace} KunServe")
+        axes[1].plot(n, [r["dp"]["p50_tpot_s"] * 1e3 for r in rs], "o--", label=f"{trace} DP")
+        axes[1].plot(n, [r["kunserve"]["p50_tpot_s"] * 1e3 for r in rs], "s-",
+                     label=f"{trace} KunServe")
+    axes[0].set_yscale("log")
+    axes[0].set_ylabel("P99 TTFT (s, SIMULATED)")
+    axes[1].set_ylabel("P50 TPOT (ms, SIMULATED)")
+    for ax in axes:
+        ax.set_xlabel("replicas")
+        ax.set_xscale("log", base=2)
+        ax.legend(fontsize=6)
+    fig.suptitle("KunServe vs plain DP, SIMULATED (SimPy, calibrated on this machine)")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    # Capacity and queue over time of the smallest cluster, per trace.
+    timed = [r for r in rows if r["kunserve"]["timeline"]]
+    fig, axes = plt.subplots(len(timed), 1, figsize=(11, 2.6 * len(timed)), squeeze=False)
+    for ax, r in zip(axes[:, 0], timed):
+        for system, style in (("dp", "--"), ("kunserve", "-")):
+            tl = r[system]["timeline"]
+            t = [p["time_s"] for p in tl]
+            ax.step(t, [p["capacity_tokens"] for p in tl], style, where="post",
+                    label=f"{system} KV capacity")
+            ax.step(t, [p["queued"] * 1000 for p in tl], style, where="post", alpha=0.5,
+                    label=f"{system} queued requests x1000")
+        ax.set_title(f"{r['trace']}, {r['replicas']} replicas (SIMULATED)", fontsize=8)
+        ax.set_ylabel("tokens")
+        ax.legend(fontsize=6)
+    axes[-1, 0].set_xlabel("time (s)")
+    fig.tight_layout()
+    fig.savefig(path.with_name("simulated_timeline.png"), dpi=110)
+    plt.close(fig)
+
+
+if __name__ == "__main__":
+    main()

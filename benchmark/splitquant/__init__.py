@@ -1,0 +1,2 @@
+"""SplitQuant's benchmarks: quality indicators, PP 2 plans served by SGLang and the SIMULATED
+heterogeneous clusters."""

@@ -1,0 +1,80 @@
+"""The test and benchmark harness itself: where server ports come from, and what happens when a
+server loses its port before binding it (a CI run lost 10 minutes to that: SGLang logs
+uvicorn's "address already in use" and then hangs in its shutdown instead of exiting)."""
+
+from __future__ import annotations
+
+import socket
+
+import httpx
+import pytest
+
+from sglang_morph.server import process as harness
+from conftest import SERVER_START_TIMEOUT_S
+from sglang_morph.server import ports
+
+
+def test_late_bind_ports_are_free_and_outside_the_ephemeral_and_sglang_bands():
+    picks = {ports.free_late_bind_port() for _ in range(20)}
+    for port in picks:
+        assert port in ports.LATE_BIND_PORTS
+        assert port < ports.ephemeral_low()
+        assert not 22000 <= port <= 29999  # SGLang's own late-bound picks (PortArgs.nccl_port)
+        with socket.socket() as sock:
+            sock.bind(("127.0.0.1", port))  # still free: raises if not
+    assert len(picks) > 1  # random within the band, not one fixed port
+
+
+def test_late_bind_port_falls_back_to_the_kernel_when_the_band_is_ephemeral(monkeypatch):
+    monkeypatch.setattr(ports, "ephemeral_low", lambda: ports.LATE_BIND_PORTS.start + 10)
+    port = ports.free_late_bind_port()
+    assert port not in range(ports.LATE_BIND_PORTS.start, ports.LATE_BIND_PORTS.start + 10)
+    assert 0 < port < 65536
+
+
+@pytest.fixture
+def taken_port():
+    """A port held by a listening socket for the test's duration, as another process would."""
+    with socket.socket() as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind(("127.0.0.1", 0))
+        sock.listen()
+        yield sock.getsockname()[1]
+
+
+@pytest.mark.server
+def test_server_that_loses_its_port_is_started_again_on_another(monkeypatch, tmp_path,
+                                                                 taken_port):
+    picks = iter([taken_port])
+    monkeypatch.setattr(harness, "free_port",
+                        lambda: next(picks, None) or ports.free_late_bind_port())
+    log_path = tmp_path / "server.log"
+    with harness.running_server([], log_path, start_timeout_s=SERVER_START_TIMEOUT_S) as server:
+        assert server.attempt == 2 and server.port != taken_port
+        lost_log = log_path.with_name(f"server.log.port{taken_port}")
+        assert harness.BIND_CLASH_MARKER in lost_log.read_text(errors="replace")
+        reply = httpx.post(f"{server.url}/generate", timeout=60.0, json={
+            "text": "The capital of France is",
+            "sampling_params": {"max_new_tokens": 4, "temperature": 0.0}})
+        assert reply.status_code == 200 and reply.json()["meta_info"]["completion_tokens"] == 4
+    # The first attempt's process group is gone too, not only the second's.
+    with socket.socket() as sock:
+        assert sock.connect_ex(("127.0.0.1", server.port)) != 0
+
+
+def test_server_that_loses_its_port_raises_at_once_without_relaunch(monkeypatch, tmp_path):
+    """The branch for servers whose URL was already handed out; a stand-in for serve.sh that
+    does what SGLang does on a lost port (log uvicorn's error, then hang) keeps it cheap."""
+    hang = tmp_path / "serve.sh"
+    hang.write_text(f'echo "ERROR: [Errno 98] {harness.BIND_CLASH_MARKER} (\'127.0.0.1\', $2)"\n'
+                    "exec sleep 600\n")
+    monkeypatch.setattr(harness, "SERVE_SH", hang)
+    server = harness.ServerProcess([], tmp_path / "server.log", relaunch_on_port_clash=False,
+                                   start_timeout_s=60.0)
+    try:
+        with pytest.raises(harness.PortClashError, match=f"port {server.port} was taken"):
+            server.wait_ready()
+        assert server.proc.poll() is not None  # stopped, not left hanging
+        assert server.attempt == 1
+    finally:
+        server.stop()
