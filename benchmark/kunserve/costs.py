@@ -22,7 +22,7 @@ as the paper writes it (alpha, beta, gamma) and with torch_native's padded prefi
 p^2 + epsilon p``, ``cost.TORCH_NATIVE_TERMS``; prefill only: a decode step attends with its
 one row, no padding). The results (JSON with every run, and a table) are written by this
 script; ``--refit`` fits them again without a server; ``--resume`` measures only the grid
-points the results lack (a full grid takes longer than one quiet-lock slot on a slow machine).
+points the results lack (a full grid takes longer than one quiet window on a slow, shared machine).
 
     .venv/bin/python -m benchmark.kunserve.costs [--out benchmark/results/kunserve]
 """
