@@ -57,12 +57,14 @@ class ElasticLoop:
         None when the mechanism forwarded the action instead of applying it here (the leader
         of several ranks sends it to all of them, and each records what it applied)."""
         started = time.perf_counter()
-        capacity = int(self.mechanism.state().get("kv_capacity_tokens", 0))
         try:
             transition = self.mechanism.apply(action)
             if transition is None:
                 return None
         except ElasticError as e:
+            # Refused or failed changed nothing (the contract), so the capacity now is the
+            # capacity before; only this path needs it.
+            capacity = int(self.mechanism.state().get("kv_capacity_tokens", 0))
             outcome = Outcome.REFUSED if e.status_code < 500 else Outcome.FAILED
             transition = Transition(
                 mechanism=self.mechanism.name, replica=self.recorder.replica,
