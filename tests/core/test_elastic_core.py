@@ -118,6 +118,14 @@ def test_recorder_keeps_the_last_transitions_per_mechanism():
     assert rec.summary("a")["totals"]["applied"] == RECENT_TRANSITIONS + 5
 
 
+def test_the_answer_of_a_route_whose_mechanism_is_not_running_is_503_naming_it():
+    from sglang_morph.elastic.control import not_running
+
+    response = not_running("KunServe")
+    assert response.status_code == 503
+    assert json.loads(response.body) == {"error": "KunServe is not running in this server"}
+
+
 def test_registry_lists_every_mechanism_and_their_flags(monkeypatch):
     from sglang_morph import plugin
 

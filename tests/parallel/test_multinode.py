@@ -35,7 +35,13 @@ from conftest import REPO_ROOT, SERVER_START_TIMEOUT_S, free_port, running_serve
 from benchmark.harness import ServerProcess
 from test_morph_parallel import swap_mid_stream_and_restore
 from test_morph_runtime_server import corpus_ids, tokenizer  # noqa: F401 (fixtures)
-from test_parallel import COMMON, ONE_THREAD, PROMPTS, greedy_one_at_a_time
+from test_parallel import (
+    COMMON,
+    ONE_THREAD,
+    REFERENCES,
+    greedy_one_at_a_time,
+    reference_key,
+)
 
 pytestmark = pytest.mark.server  # every test runs scripts/serve.sh
 
@@ -57,9 +63,13 @@ def test_enable_morph_with_nnodes_2_without_pp_is_refused_on_node_rank_1():
 
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory):
-    """Greedy outputs of a one-process PP 1 server running one thread (then stopped)."""
-    with running_server(COMMON, tmp_path_factory.mktemp("pp1"), ONE_THREAD) as server:
-        return greedy_one_at_a_time(server)
+    """Greedy outputs of a one-process PP 1 server running one thread (then stopped), recorded
+    once per test session with tests/parallel/test_parallel.py."""
+    key = reference_key(COMMON, ONE_THREAD)
+    if key not in REFERENCES:
+        with running_server(COMMON, tmp_path_factory.mktemp("pp1"), ONE_THREAD) as server:
+            REFERENCES[key] = greedy_one_at_a_time(server)
+    return REFERENCES[key]
 
 
 @pytest.fixture(scope="module")

@@ -30,7 +30,8 @@ same prompts sent one at a time (so every server runs the same batch shapes):
 - SGLang's frontend language and ``python -m sglang.bench_serving`` run against TP 3.
 
 At most two of these servers run at once (``_Servers``); servers of a configuration are shared
-by its tests and started in pairs where two are needed anyway.
+by its tests and started in pairs where two are needed anyway; the one-rank reference's outputs
+are recorded once per test session (``REFERENCES``, with tests/parallel/test_multinode.py).
 """
 
 from __future__ import annotations
@@ -128,6 +129,16 @@ def assert_matches(refs: list[Greedy], gots: list[Greedy], tol: float = LOGPROB_
     return max(d for _, d in results)
 
 
+# One rank's greedy outputs per (args, env), shared by this module and test_multinode (which
+# records the one-thread reference first): the same server would answer the same prompts
+# with the same numbers, so it is started once per test session.
+REFERENCES: dict[tuple, list[Greedy]] = {}
+
+
+def reference_key(args, env) -> tuple:
+    return tuple(args), tuple(sorted((env or {}).items()))
+
+
 class _Servers:
     """Servers of this module, at most MAX_LIVE_SERVERS alive (oldest stopped first)."""
 
@@ -135,11 +146,8 @@ class _Servers:
         self.log_root = log_root
         self.live: dict[tuple, ServerProcess] = {}
         self.started = 0
-        self.references: dict[tuple, list[Greedy]] = {}
 
-    @staticmethod
-    def _key(args, env):
-        return tuple(args), tuple(sorted((env or {}).items()))
+    _key = staticmethod(reference_key)
 
     def get(self, *configs: tuple[tuple[str, ...], dict | None]) -> list[ServerProcess]:
         """Ready servers for ``(args, env)`` configurations, the missing ones started together."""
@@ -166,11 +174,11 @@ class _Servers:
         return [self.live[k] for k in keys]
 
     def reference(self, args: tuple[str, ...], env: dict | None = None) -> list[Greedy]:
-        """One rank's greedy outputs, recorded once per module."""
+        """One rank's greedy outputs, recorded once per test session (``REFERENCES``)."""
         key = self._key(args, env)
-        if key not in self.references:
-            self.references[key] = greedy_one_at_a_time(self.get((args, env))[0])
-        return self.references[key]
+        if key not in REFERENCES:
+            REFERENCES[key] = greedy_one_at_a_time(self.get((args, env))[0])
+        return REFERENCES[key]
 
     def stop_all(self) -> None:
         while self.live:
@@ -186,9 +194,8 @@ def servers(tmp_path_factory):
 
 @pytest.fixture
 def tp3(servers) -> ServerProcess:
-    # Started beside the one-rank reference, which the first test needs anyway; kept alive
-    # by the pool until other configurations need its slot.
-    _, server = servers.get((REF, ONE_THREAD), (TP3, None))
+    # Kept alive by the pool until other configurations need its slot.
+    (server,) = servers.get((TP3, None))
     return server
 
 

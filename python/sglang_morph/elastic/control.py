@@ -106,6 +106,15 @@ def control_client() -> ControlClient | None:
     return getattr(get_global_state().tokenizer_manager, "elastic_control", None)
 
 
+def not_running(what: str) -> Any:
+    """A control route's answer where its mechanism is not running in this server (no control
+    client): 503 with ``{"error": "<what> is not running in this server"}``, so a client can
+    tell a server without the mechanism from a bad request."""
+    from fastapi.responses import JSONResponse
+
+    return JSONResponse({"error": f"{what} is not running in this server"}, status_code=503)
+
+
 async def json_object(request: Any) -> dict[str, Any] | None:
     """The request's JSON body if it is an object, else None (not JSON, or not an object)."""
     try:

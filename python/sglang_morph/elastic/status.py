@@ -15,7 +15,12 @@ from typing import Any, Callable
 
 from sglang.srt.managers.io_struct import BaseReq, hook_custom_types
 
-from sglang_morph.elastic.control import ControlOutput, control_client, replica_index
+from sglang_morph.elastic.control import (
+    ControlOutput,
+    control_client,
+    not_running,
+    replica_index,
+)
 from sglang_morph.elastic.record import recorder
 
 logger = logging.getLogger("sglang_morph")
@@ -87,12 +92,11 @@ def add_routes(app: Any) -> None:
         Answers: 200 with ``{"mechanisms": [names], "replicas": [{"replica", "mechanisms":
         {name: {"state", "transitions": {"totals", "recent"}}}}]}``; 500 with ``{"error":
         ...}`` when a scheduler could not build its part; 503 when no mechanism is enabled on
-        this server.
+        this server ("an elastic mechanism is not running in this server").
         """
         client = control_client()
         if client is None:
-            return JSONResponse({"error": "no elastic mechanism is enabled on this server"},
-                                status_code=503)
+            return not_running("an elastic mechanism")
         outs = await client.call(ElasticStatusReq())
         failed = [o for o in outs if o.status_code != 200]
         if failed:

@@ -18,7 +18,7 @@ from typing import Any
 from fastapi import Request
 from fastapi.responses import JSONResponse
 
-from sglang_morph.elastic.control import control_client, json_object
+from sglang_morph.elastic.control import control_client, json_object, not_running
 from sglang_morph.morph.messages import MorphModeReq, MorphStatusReq, MorphSwapReq
 
 logger = logging.getLogger("sglang_morph")
@@ -33,8 +33,7 @@ async def _forward(req: MorphStatusReq | MorphSwapReq | MorphModeReq):
     with the first failing replica's status code if any failed."""
     client = control_client()
     if client is None:
-        return JSONResponse({"error": "sglang-morph is not running in this server"},
-                              status_code=503)
+        return not_running("sglang-morph")
     outs = await client.call(req)
     if client.replicas == 1 or getattr(req, "replica", None) is not None:
         (out,) = outs

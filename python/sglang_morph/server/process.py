@@ -33,6 +33,11 @@ BIND_CLASH_MARKER = "error while attempting to bind on address"
 PORT_ATTEMPTS = 3
 # A server that lost its port holds no requests, and its SIGTERM shutdown hangs like the rest.
 CLASH_STOP_TIMEOUT_S = 2.0
+# Stopping the group stops the scheduler first; SGLang's launcher takes that for a crash and
+# sleeps 5 s before looking for py-spy and CUDA diagnostics. Off unless the caller's
+# environment turns them on.
+NO_CRASH_DIAGNOSTICS_ENV = {"SGLANG_PYSPY_DUMP_BEFORE_CRASH": "0",
+                            "SGLANG_CUDA_COREDUMP_BEFORE_CRASH": "0"}
 
 
 def free_port() -> int:
@@ -61,7 +66,7 @@ class ServerProcess:
                  stop_timeout_s: float = STOP_TIMEOUT_S,
                  relaunch_on_port_clash: bool = True):
         self.extra_args = list(extra_args)
-        self.env = {**os.environ, **(env or {})}
+        self.env = {**NO_CRASH_DIAGNOSTICS_ENV, **os.environ, **(env or {})}
         self.log_path = Path(log_path)
         self.start_timeout_s = start_timeout_s
         self.stop_timeout_s = stop_timeout_s

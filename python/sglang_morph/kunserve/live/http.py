@@ -16,13 +16,13 @@ from sglang_morph.kunserve.live.messages import (
     KunServeRestoreReq,
     KunServeStatusReq,
 )
-from sglang_morph.elastic.control import control_client, json_object
+from sglang_morph.elastic.control import control_client, json_object, not_running
 
 
 async def _forward(req: Any) -> JSONResponse:
     client = control_client()
     if client is None:
-        return JSONResponse({"error": "KunServe is not running in this server"}, status_code=503)
+        return not_running("KunServe")
     outs = await client.call(req)
     bodies = [o.body for o in outs]
     failed = [o for o in outs if o.status_code != 200]
