@@ -5,6 +5,8 @@ uvicorn's "address already in use" and then hangs in its shutdown instead of exi
 from __future__ import annotations
 
 import socket
+import subprocess
+import sys
 
 import httpx
 import pytest
@@ -42,12 +44,34 @@ def taken_port():
         yield sock.getsockname()[1]
 
 
+def test_uvicorn_reports_a_taken_port_with_the_marker_the_harness_looks_for(taken_port):
+    """SGLang's HTTP server is uvicorn: on a taken port it logs this error (SGLang then hangs
+    in its shutdown, which is why the harness reads the log rather than waiting for an exit)."""
+    app = "async def app(scope, receive, send):\n    pass\n"
+    proc = subprocess.run(
+        [sys.executable, "-c", f"{app}import uvicorn\nuvicorn.run(app, host='127.0.0.1', "
+                               f"port={taken_port}, log_level='info')"],
+        capture_output=True, text=True, timeout=120)
+    assert harness.BIND_CLASH_MARKER in proc.stdout + proc.stderr, proc.stderr[-2000:]
+
+
 @pytest.mark.server
 def test_server_that_loses_its_port_is_started_again_on_another(monkeypatch, tmp_path,
                                                                  taken_port):
+    """The first attempt gets the taken port: a stand-in for serve.sh logs uvicorn's error
+    there and hangs, as SGLang does (the real message is checked above); the relaunch is
+    serve.sh itself, on a free port."""
     picks = iter([taken_port])
     monkeypatch.setattr(harness, "free_port",
                         lambda: next(picks, None) or ports.free_late_bind_port())
+    loses_its_port = tmp_path / "serve.sh"
+    loses_its_port.write_text(
+        f'if [[ "$2" == {taken_port} ]]; then\n'
+        f'  echo "ERROR: [Errno 98] {harness.BIND_CLASH_MARKER} (\'127.0.0.1\', $2)"\n'
+        f'  exec sleep 600\n'
+        f'fi\n'
+        f'exec bash {harness.SERVE_SH} "$@"\n')
+    monkeypatch.setattr(harness, "SERVE_SH", loses_its_port)
     log_path = tmp_path / "server.log"
     with harness.running_server([], log_path, start_timeout_s=SERVER_START_TIMEOUT_S) as server:
         assert server.attempt == 2 and server.port != taken_port

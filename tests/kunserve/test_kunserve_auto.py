@@ -25,6 +25,7 @@ from sglang_morph.kunserve.live import config as kunserve_config
 from sglang_morph.surface import PluginError
 # (corpus_ids and tokenizer are that module's fixtures)
 from test_morph_runtime_server import corpus_ids, prompt_ids, tokenizer  # noqa: F401
+from test_kunserve import planner, spec  # noqa: F401  (fixtures)
 from test_kunserve_live import configure_kunserve, generate_on as generate_on_live, launch_args, status
 
 N_NEW = 16
@@ -115,6 +116,109 @@ def test_auto_config_defaults_and_overrides():
     assert from_cli(argparse.Namespace(enable_kunserve=True, kunserve_auto=True)).auto == (
         kunserve_config.AutoControlConfig())
     assert from_cli(argparse.Namespace(enable_kunserve=True)).auto is None  # operator only
+
+
+class _Pair:
+    """Two stand-in replicas of one pair for ``AutoControl``: a real in-memory store as the
+    link's mailbox, each replica's view set by the test, and voted transitions reduced to
+    their record (the test says which outcome each has)."""
+
+    def __init__(self, planner, cfg):
+        import types
+
+        from torch.distributed import HashStore
+
+        from sglang_morph.kunserve.live import auto
+
+        self.outcome = "applied"
+        self.entered: list[tuple[int, bool, str]] = []
+        mailbox = HashStore()
+        self.replicas = [types.SimpleNamespace(
+            rank=rank, link=types.SimpleNamespace(mailbox=mailbox), planner=planner,
+            scheduler=types.SimpleNamespace(server_args=None), merged=False,
+            group=types.SimpleNamespace(replicas=(0, 1)), last_transition=None, view=None,
+            elastic_state=lambda: {}, check_integrity=lambda: None) for rank in (0, 1)]
+        for r in self.replicas:
+            r.transition = lambda merge, trigger, reason, r=r: self._transition(r, merge,
+                                                                                trigger, reason)
+        self.autos = [auto.AutoControl(r, cfg) for r in self.replicas]
+        self.now_s = 100.0
+        for a in self.autos:
+            a.loop.clock = lambda: self.now_s
+
+    def _transition(self, replica, merge: bool, trigger: str, reason: str):
+        from sglang_morph.elastic.contract import Outcome, Transition
+        from sglang_morph.elastic.record import recorder
+
+        self.entered.append((replica.rank, merge, trigger))
+        outcome = Outcome(self.outcome)
+        replica.last_transition = recorder(replica.scheduler).record(Transition(
+            mechanism="kunserve", replica=replica.rank, action="drop" if merge else "restore",
+            reason=reason, outcome=outcome, duration_s=0.0, capacity_before_tokens=0,
+            capacity_after_tokens=0))
+        return (200 if outcome is Outcome.APPLIED else 409), {}
+
+    def step(self, advance_s: float) -> None:
+        self.now_s += advance_s
+        for a in reversed(self.autos):  # the follower publishes, then the leader decides
+            a.on_step()
+
+
+def _views(planner, growth: int) -> dict[str, int]:
+    full = planner.full_replica().kv_capacity_tokens
+    return {"epoch": 0, "kv_capacity_tokens": full, "kv_used_tokens": full // 2,
+            "kv_growth_tokens": growth * full, "waiting_tokens": 0, "running_reqs": 1,
+            "waiting_reqs": 0, "queue_refused": 0}
+
+
+def test_the_leader_decides_on_the_elastic_loop_and_the_follower_enters_its_proposal(
+        planner, monkeypatch):
+    from sglang_morph.elastic.record import recorder
+    from sglang_morph.kunserve.controller import ControllerConfig
+    from sglang_morph.kunserve.live import auto
+
+    monkeypatch.setattr(auto, "local_view", lambda replica: dict(replica.view))
+    cfg = kunserve_config.AutoControlConfig(
+        interval_ms=100, controller=ControllerConfig(drop_persist=2, min_dwell_s=5.0))
+    pair = _Pair(planner, cfg)
+    leader, follower = pair.autos
+    for r in pair.replicas:
+        r.view = _views(planner, growth=0)
+    pair.step(0.0)
+    assert (leader.views, follower.views, leader.proposals) == (1, 1, 0)
+    pair.step(0.05)  # within the interval: nobody observes again
+    assert (leader.views, follower.views) == (1, 1)
+
+    for r in pair.replicas:  # the running requests' outputs would outgrow both pools
+        r.view = _views(planner, growth=1)
+    pair.step(0.1)
+    assert leader.proposals == 0  # over for one view; drop_persist is 2
+    pair.step(0.1)
+    assert leader.proposals == 1 and leader.last_decision["merge"] is True
+    assert "for 2 views" in leader.last_decision["reason"]
+    assert pair.entered == [(0, True, "auto")]
+    pair.step(0.02)  # the follower polls the proposal between its batches
+    assert follower.proposals == 1 and pair.entered == [(0, True, "auto"), (1, True, "auto")]
+    # The pair's transition recorded itself once; the loop's record of it changed nothing.
+    assert recorder(pair.replicas[0].scheduler).totals == {("kunserve", "applied"): 1}
+
+    # A refused automatic transition makes the leader wait before proposing again.
+    leader.controller = auto.KunServeController(planner, cfg.controller)
+    pair.outcome = "refused"
+    pair.step(0.1)
+    pair.step(0.1)
+    assert leader.proposals == 2 and leader.last_decision["status_code"] == 409
+    pair.step(0.1)
+    pair.step(0.1)
+    assert leader.proposals == 2  # waiting max(1 s, min_dwell_s) after the refusal
+    assert recorder(pair.replicas[0].scheduler).totals == {
+        ("kunserve", "applied"): 1, ("kunserve", "refused"): 1}
+
+    # A view from before the last transition is not used.
+    pair.replicas[1].view = dict(pair.replicas[1].view, epoch=1)
+    before = leader.stale_views
+    pair.step(0.1)
+    assert leader.stale_views == before + 1
 
 
 # ---- the live server ----

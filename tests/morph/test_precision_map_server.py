@@ -66,22 +66,37 @@ def test_mixed_precision_greedy_equals_transformers_with_the_same_weights(
             assert r.json()["output_ids"] == want, prompt
 
 
-def test_all_w8_perplexity_within_1_percent_of_full_precision(engines_awq, fp_perplexity,
-                                                               tmp_path):
-    args = ["--enable-morph", "--morph-engines", str(engines_awq), "--morph-precision-map", "*:8"]
-    with running_server(args, tmp_path) as server:
-        w8 = server_perplexity(server.url).perplexity
+@pytest.fixture(scope="module")
+def awq_server(server_factory, engines_awq):
+    """The default model with the AWQ variants, the controller off: each test below puts every
+    layer at its bit-width with one swap (the variants a startup map installs: the mixed map
+    above is the startup path)."""
+    return server_factory("--enable-morph", "--morph-engines", str(engines_awq),
+                          "--disable-morph-controller")
+
+
+def every_layer_at(server, bits: int) -> None:
+    r = requests.post(f"{server.url}/morph/swap", timeout=600,
+                      json={"layers": list(range(30)), "bits": bits})
+    assert r.status_code == 200, r.text
+    assert [layer["bits"] for layer in r.json()["layers"]] == [bits] * 30
+
+
+def test_all_w8_perplexity_within_1_percent_of_full_precision(awq_server, fp_perplexity):
+    every_layer_at(awq_server, 8)
+    w8 = server_perplexity(awq_server.url).perplexity
     assert abs(w8 - fp_perplexity) / fp_perplexity <= W8_MAX_PERPLEXITY_INCREASE, (w8, fp_perplexity)
 
 
-def test_all_w4_awq_beats_round_to_nearest_with_the_same_groups(engines_awq, engines_rtn,
-                                                                fp_perplexity, tmp_path):
+def test_all_w4_awq_beats_round_to_nearest_with_the_same_groups(awq_server, engines_awq,
+                                                                engines_rtn, fp_perplexity,
+                                                                tmp_path):
     awq_manifest, rtn_manifest = EngineManifest.load(engines_awq), EngineManifest.load(engines_rtn)
     for i in range(awq_manifest.num_layers):
         assert awq_manifest.variant(i, 4).group_sizes == rtn_manifest.variant(i, 4).group_sizes
-    ppl = {}
-    for name, engines in (("awq", engines_awq), ("rtn", engines_rtn)):
-        args = ["--enable-morph", "--morph-engines", str(engines), "--morph-precision-map", "*:4"]
-        with running_server(args, tmp_path / name) as server:
-            ppl[name] = server_perplexity(server.url).perplexity
+    every_layer_at(awq_server, 4)
+    ppl = {"awq": server_perplexity(awq_server.url).perplexity}
+    args = ["--enable-morph", "--morph-engines", str(engines_rtn), "--morph-precision-map", "*:4"]
+    with running_server(args, tmp_path / "rtn") as server:
+        ppl["rtn"] = server_perplexity(server.url).perplexity
     assert fp_perplexity < ppl["awq"] < ppl["rtn"], (fp_perplexity, ppl)

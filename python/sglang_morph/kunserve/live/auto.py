@@ -1,16 +1,17 @@
 """``--kunserve-auto``: the KunServe controller drives the live pair's drop and restore.
 
-Design (leader and follower, no new process): every ``interval_ms`` replica 1 publishes its
-view (KV capacity and use, the remaining outputs of its running requests, its queue) to
-replica 0 through the link's mailbox (keys in the link's TCPStore: written and read without
-either side waiting; gloo's recv cannot be polled). Replica 0 builds the ``ClusterView`` of
-both from its own view and replica 1's latest, runs ``KunServeController.decide`` and, for a
-drop or a restore, writes a *proposal* (the direction and the controller's reason) and enters
-the transition; replica 1 reads proposals between its batches (every loop of its scheduler,
-at most every ``_FOLLOW_POLL_S``) and enters the same transition. The transition is the
-operator's (``KunServeReplica.transition``): the vote, the two phases and their undo, the
-refusals (a restore waits while a replica holds more than a whole replica can), the log. So
-an automatic transition completes on both replicas or changes nothing, exactly as a POST.
+Design (leader and follower on the elastic core's ``ElasticLoop``, no new process): every
+``interval_ms`` replica 1 publishes its view (KV capacity and use, the remaining outputs of its
+running requests, its queue) to replica 0 through the link's mailbox (keys in the link's
+TCPStore: written and read without either side waiting; gloo's recv cannot be polled). Replica
+0 builds the ``ClusterView`` of both from its own view and replica 1's latest, runs
+``KunServeController.decide`` and, for a drop or a restore, writes a *proposal* (the direction
+and the controller's reason) and enters the transition; replica 1 reads proposals between its
+batches (every loop of its scheduler, at most every ``_FOLLOW_POLL_S``) and enters the same
+transition. The transition is the operator's (``KunServeReplica.transition``): the vote, the
+two phases and their undo, the refusals (a restore waits while a replica holds more than a
+whole replica can), the log. So an automatic transition completes on both replicas or changes
+nothing, exactly as a POST.
 
 Why a leader and not both deciding from an exchanged view: an exchange would be a rendezvous
 every interval, each replica waiting up to a whole batch of the other's (a long prefill is
@@ -36,6 +37,7 @@ import logging
 import time
 from typing import Any
 
+from sglang_morph.elastic.contract import Outcome, Transition
 from sglang_morph.kunserve.controller import (
     ClusterView,
     Drop,
@@ -96,24 +98,33 @@ def snapshot(replica: int, view: dict[str, int]) -> ReplicaSnapshot:
 
 
 class AutoControl:
-    """One replica's side of the automatic control. Invariant: the follower has entered one
-    transition for each proposal the leader wrote before its last poll, in order."""
+    """One replica's side of the automatic control, run by the elastic core's ``ElasticLoop``
+    every ``interval_ms``: the follower's observation publishes its view; the leader's builds
+    the ``ClusterView`` of both, decides, and applies by proposing (see the module docstring).
+    Invariant: the follower has entered one transition for each proposal the leader wrote
+    before its last poll, in order."""
 
     def __init__(self, replica: Any, cfg: AutoControlConfig):
+        from sglang_morph.elastic.loop import ElasticLoop
+        from sglang_morph.elastic.record import recorder
+
         self.replica, self.cfg = replica, cfg
         self.leader = replica.rank == 0
         self.mailbox = replica.link.mailbox
         self.controller = (KunServeController(replica.planner, cfg.controller)
                            if self.leader else None)
-        self._next_s = 0.0
         self._next_poll_s = 0.0
         self._retry_at_s = 0.0
+        self._views: list[dict[str, int]] = []  # the pair of views the last decision saw
+        self._proposed: Any = None  # the controller's action the last proposal carried
         self.proposals = 0  # written (leader) or entered (follower)
         self.views = 0  # views decided on (leader) or published (follower)
         self.stale_views = 0
         self.kv_centric = 0
         self.last_decision: dict[str, Any] | None = None
         self.errors = 0
+        self.loop = ElasticLoop(_AsMechanism(self), _Decider(self), recorder(replica.scheduler),
+                                cfg.interval_ms / 1000)
 
     def status(self) -> dict[str, Any]:
         return {"enabled": True, "role": "leader" if self.leader else "follower",
@@ -125,18 +136,12 @@ class AutoControl:
     def on_step(self) -> None:
         """Before every ``get_next_batch_to_run`` (scheduler thread, between batches)."""
         try:
-            now = time.monotonic()
-            if not self.leader and now >= self._next_poll_s:
-                self._next_poll_s = now + _FOLLOW_POLL_S
-                self._follow()
-            if now < self._next_s:
-                return
-            self._next_s = now + self.cfg.interval_ms / 1000
-            if self.leader:
-                self._decide(now)
-            else:
-                self.mailbox.set(_VIEW_KEY, json.dumps(local_view(self.replica)))
-                self.views += 1
+            if not self.leader:
+                now = self.loop.clock()
+                if now >= self._next_poll_s:
+                    self._next_poll_s = now + _FOLLOW_POLL_S
+                    self._follow()
+            self.loop.on_step()
         except Exception:  # a broken mailbox must not stop serving; the POST routes remain
             self.errors += 1
             logger.exception("sglang-morph: KunServe automatic control failed on replica %d",
@@ -152,32 +157,51 @@ class AutoControl:
             self.last_decision = {"proposal": self.proposals, "merge": proposal["merge"],
                                   "reason": proposal["reason"], "status_code": code}
 
-    def _decide(self, now: float) -> None:
+    def observe(self) -> ClusterView | None:
+        """The follower publishes its view (and decides nothing: None). The leader's view of
+        the pair, or None while replica 1 has published none or only one from before the last
+        transition."""
         own = local_view(self.replica)
+        if not self.leader:
+            self.mailbox.set(_VIEW_KEY, json.dumps(own))
+            self.views += 1
+            return None
         if not self.mailbox.check([_VIEW_KEY]):
-            return  # replica 1 has not published yet
+            return None  # replica 1 has not published yet
         peer = json.loads(self.mailbox.get(_VIEW_KEY))
         if peer["epoch"] != own["epoch"]:
             self.stale_views += 1
-            return
-        view = ClusterView(now, (snapshot(0, own), snapshot(1, peer)),
-                           (self.replica.group,) if self.replica.merged else ())
+            return None
         self.views += 1
+        self._views = [own, peer]
+        return ClusterView(time.monotonic(), (snapshot(0, own), snapshot(1, peer)),
+                           (self.replica.group,) if self.replica.merged else ())
+
+    def decide(self, view: ClusterView | None) -> Any:
+        """The controller's drop or restore for the pair, or None (nothing to do, a KV-centric
+        fallback, or the wait after a refused or failed automatic transition)."""
+        if view is None:
+            return None
         action = self.controller.decide(view)
         if action is None:
-            return
+            return None
         if isinstance(action, KvCentric):
             self.kv_centric += 1
             self.last_decision = {"action": "kv_centric", "reason": action.fallback.reason,
-                                  "views": [own, peer]}
-            return
-        merge = isinstance(action, Drop)
-        if merge and not any(g.replicas == self.replica.group.replicas
-                             for g in action.plan.groups):
+                                  "views": self._views}
+            return None
+        if isinstance(action, Drop) and not any(g.replicas == self.replica.group.replicas
+                                                for g in action.plan.groups):
             raise RuntimeError(f"the controller planned groups {action.plan.groups}, not the "
                                f"live pair")
-        if now < self._retry_at_s:
-            return  # the last automatic transition was refused or failed: wait
+        if time.monotonic() < self._retry_at_s:
+            return None  # the last automatic transition was refused or failed: wait
+        return action
+
+    def propose(self, action: Any) -> Transition:
+        """The leader writes the proposal, then enters the pair's transition (the follower
+        enters it at its next poll); the transition, as the pair recorded it."""
+        merge = isinstance(action, Drop)
         self.proposals += 1
         # The proposal before the count: the follower never sees a count without its key.
         self.mailbox.set(f"proposal{self.proposals}",
@@ -186,8 +210,45 @@ class AutoControl:
         code, _ = self.replica.transition(merge, trigger="auto", reason=action.reason)
         self.last_decision = {"proposal": self.proposals, "merge": merge,
                               "reason": action.reason, "status_code": code,
-                              "views": [own, peer]}
-        if code == 200:
-            self.controller.applied(action, time.monotonic())
-        else:  # refused (e.g. a restore while too much KV is held) or failed and undone
+                              "views": self._views}
+        self._proposed = action
+        return self.replica.last_transition
+
+    def applied(self, transition: Transition) -> None:
+        """The controller keeps its hysteresis from an applied transition; after a refused
+        (e.g. a restore while too much KV is held) or failed one, the leader waits."""
+        if transition.outcome is Outcome.APPLIED:
+            self.controller.applied(self._proposed, time.monotonic())
+        else:
             self._retry_at_s = time.monotonic() + max(1.0, self.cfg.controller.min_dwell_s)
+
+
+class _AsMechanism:
+    """The automatic control under the elastic core's ``ElasticMechanism`` names. A transition
+    is the pair's voted one: it records itself on both replicas and checks the replica's
+    integrity once applied, so ``check_integrity`` here checks again only after an applied one
+    (a failed last step is reported as failed, not as a broken invariant)."""
+
+    name = "kunserve"
+
+    def __init__(self, auto: AutoControl):
+        self.auto = auto
+        self.observe = auto.observe
+        self.apply = auto.propose
+        self.state = auto.replica.elastic_state
+
+    def is_leader(self) -> bool:
+        return self.auto.leader
+
+    def check_integrity(self) -> None:
+        last = self.auto.replica.last_transition
+        if last is not None and last.outcome is Outcome.APPLIED:
+            self.auto.replica.check_integrity()
+
+
+class _Decider:
+    """The elastic core's ``Controller`` over ``KunServeController`` (the leader's)."""
+
+    def __init__(self, auto: AutoControl):
+        self.decide = auto.decide
+        self.applied = auto.applied

@@ -59,7 +59,7 @@ from sglang_morph.elastic.kv_resizer import KVResizer, set_pool_buffers
 from sglang_morph.kunserve.live.attention import new_rows_backend
 from sglang_morph.kunserve.live.link import PeerLink
 from sglang_morph.kunserve.planner import DropPlannerConfig, MemberLayout, make_group
-from sglang_morph.elastic.contract import Outcome
+from sglang_morph.elastic.contract import Outcome, Transition
 from sglang_morph.elastic.control import replica_index
 from sglang_morph.groups.member import GroupMember, MemberMetrics
 from sglang_morph.groups.transition import LastStep, Phase, VotedTransition
@@ -130,6 +130,7 @@ class KunServeReplica(GroupMember):
         self._host_weights: dict[int, torch.Tensor] = {}  # id(param) -> data while dropped
         self.dropped_weight_bytes = 0
         self.transitions: list[dict[str, Any]] = []
+        self.last_transition: Transition | None = None  # the last one, as the core recorded it
         # What a transition in progress keeps to undo itself or to report.
         self._whole_layers = self._merged_layers = self._merged_mirror = None
         self._moved_bytes = self._in_flight = 0
@@ -282,6 +283,7 @@ class KunServeReplica(GroupMember):
             VotedTransition(action, reason or trigger, self._refusal(merge), phases, last,
                             detail={"trigger": trigger}),
             applied=lambda seconds: self._applied(action, trigger, reason, before, seconds))
+        self.last_transition = record
         if record.outcome is Outcome.APPLIED:
             return _OK, self.status()
         code = _REFUSED if record.outcome is Outcome.REFUSED else _FAILED
