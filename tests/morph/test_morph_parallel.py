@@ -68,14 +68,51 @@ def pp2(server_factory, engines_awq, pp2_log):
                           "--morph-swap-order", str(LIS_ORDER), "--morph-log", str(pp2_log))
 
 
-@pytest.fixture(scope="module")
-def pp1(server_factory, engines_awq):
+def one_rank_with_the_map(server_factory, engines_awq):
+    """One rank, one thread, the same precision map, the controller off: the reference of the
+    PP 2 server here and of the TP 3 server in test_morph_tp."""
     return server_factory(*COMMON, "--morph-engines", str(engines_awq), "--max-total-tokens",
                           "4096", "--disable-morph-controller", env=ONE_THREAD)
 
 
+# What test_morph_tp compares its TP 3 server with, recorded from the one-rank server once per
+# test run (here when this module runs first): greedy tokens and their logprobs for the
+# first prompts below, and the bytes of the variants it staged.
+ONE_RANK_WITH_THE_MAP: dict = {}
+REFERENCE_SEEDS = range(2)
+
+
+def reference_prompt(corpus_ids, seed: int) -> list[int]:
+    return prompt_ids(corpus_ids, seed, 24 + 8 * seed)
+
+
+def greedy_with_logprobs(server, ids, n_new) -> tuple[list[int], list[float]]:
+    r = requests.post(f"{server.url}/generate", headers=USER, timeout=600, json={
+        "input_ids": ids, "return_logprob": True, "sampling_params": {
+            "temperature": 0, "max_new_tokens": n_new, "ignore_eos": True}})
+    assert r.status_code == 200, r.text
+    body = r.json()
+    return body["output_ids"], [lp for lp, _tok, _text in body["meta_info"]["output_token_logprobs"]]
+
+
+def record_one_rank_with_the_map(server, corpus_ids) -> dict:
+    if not ONE_RANK_WITH_THE_MAP:
+        ONE_RANK_WITH_THE_MAP.update(
+            greedy={seed: greedy_with_logprobs(server, reference_prompt(corpus_ids, seed), 16)
+                    for seed in REFERENCE_SEEDS},
+            staged_variants_host_bytes=status(server)["staged_variants_host_bytes"])
+    return ONE_RANK_WITH_THE_MAP
+
+
+@pytest.fixture(scope="module")
+def pp1(server_factory, engines_awq, corpus_ids):
+    server = one_rank_with_the_map(server_factory, engines_awq)
+    record_one_rank_with_the_map(server, corpus_ids)
+    return server
+
+
 def test_pp2_with_a_precision_map_equals_pp1_token_for_token(pp2, pp1, corpus_ids):
-    prompts = [prompt_ids(corpus_ids, seed, 24 + 8 * seed) for seed in range(3)]
+    prompts = [reference_prompt(corpus_ids, seed) for seed in range(3)]
     got = [generate_ids(pp2, ids, 16) for ids in prompts]
     want = [generate_ids(pp1, ids, 16) for ids in prompts]
     assert got == want

@@ -2,7 +2,8 @@
 
 One TP 3 server on the default model (9 query / 3 KV heads: 3 + 1 per rank; float32, greedy,
 a precision map with W4 and W8 layers, a 184 MB budget per rank, the controller on) against a
-TP 1 server with the same map, the reference (itself tested against transformers with the
+TP 1 server with the same map running one thread like each rank (the reference, shared with
+tests/morph/test_morph_parallel.py; itself tested against transformers with the
 dequantized weights in tests/morph/test_precision_map_server.py). Each rank shards the whole-layer
 variants at load (parallel/tensor.py).
 
@@ -36,7 +37,16 @@ import torch
 
 from conftest import running_server
 # (parse, corpus_ids and tokenizer are those modules' fixtures)
-from test_morph_parallel import parse, start_burst  # noqa: F401
+from test_morph_parallel import (  # noqa: F401
+    ONE_RANK_WITH_THE_MAP,
+    REFERENCE_SEEDS,
+    greedy_with_logprobs,
+    one_rank_with_the_map,
+    parse,
+    record_one_rank_with_the_map,
+    reference_prompt,
+    start_burst,
+)
 from test_morph_runtime_server import (  # noqa: F401
     ADMIN,
     USER,
@@ -76,18 +86,17 @@ def tp3(server_factory, engines_awq):
 
 
 @pytest.fixture(scope="module")
-def tp1(server_factory, engines_awq):
-    return server_factory(*COMMON, "--morph-engines", str(engines_awq), "--max-total-tokens",
-                          "4096", "--disable-morph-controller")
+def tp1(server_factory, engines_awq, corpus_ids) -> dict:
+    """The one-rank server with the same map (one thread, like each TP 3 rank here): its greedy
+    outputs with logprobs and its staged bytes, recorded once per test run (test_morph_parallel
+    records them when it runs first; else its server starts here)."""
+    if not ONE_RANK_WITH_THE_MAP:
+        record_one_rank_with_the_map(one_rank_with_the_map(server_factory, engines_awq),
+                                     corpus_ids)
+    return ONE_RANK_WITH_THE_MAP
 
 
-def generate(server, ids, n_new) -> tuple[list[int], list[float]]:
-    r = requests.post(f"{server.url}/generate", headers=USER, timeout=600, json={
-        "input_ids": ids, "return_logprob": True, "sampling_params": {
-            "temperature": 0, "max_new_tokens": n_new, "ignore_eos": True}})
-    assert r.status_code == 200, r.text
-    body = r.json()
-    return body["output_ids"], [lp for lp, _tok, _text in body["meta_info"]["output_token_logprobs"]]
+generate = greedy_with_logprobs
 
 
 def ranks_alike(body: dict) -> dict:
@@ -275,11 +284,10 @@ def test_the_readme_tp3_command_serves_in_bf16(engines_awq, tmp_path):
 
 def test_tp3_with_a_precision_map_equals_tp1_token_for_token(tp3, tp1, corpus_ids,
                                                             record_property):
-    prompts = [prompt_ids(corpus_ids, seed, 24 + 8 * seed) for seed in range(2)]
     gap = 0.0
-    for ids in prompts:
-        got, got_lp = generate(tp3, ids, 16)
-        want, want_lp = generate(tp1, ids, 16)
+    for seed in REFERENCE_SEEDS:
+        got, got_lp = generate(tp3, reference_prompt(corpus_ids, seed), 16)
+        want, want_lp = tp1["greedy"][seed]
         assert got == want
         gap = max(gap, *(abs(a - b) for a, b in zip(got_lp, want_lp)))
     record_property("max_logprob_gap_nats", gap)  # (in --junitxml; measured 7.6e-6 here)
@@ -301,7 +309,7 @@ def test_every_rank_holds_a_third_and_the_same_pool(tp3, tp1):
         == rank["kv_bytes"] // KV_BYTES_PER_TOKEN_PER_RANK
     # a rank stages a third of TP 1's variants, and the few scales a row-parallel shard keeps
     # whole (W8's per-output-channel ones; AWQ input scales of the column-parallel linears)
-    third = status(tp1)["staged_variants_host_bytes"] / 3
+    third = tp1["staged_variants_host_bytes"] / 3
     assert third < s["staged_variants_host_bytes"] < 1.01 * third
 
 

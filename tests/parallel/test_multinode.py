@@ -64,7 +64,7 @@ def test_enable_morph_with_nnodes_2_without_pp_is_refused_on_node_rank_1():
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory):
     """Greedy outputs of a one-process PP 1 server running one thread (then stopped), recorded
-    once per test session with tests/parallel/test_parallel.py."""
+    once per test run with tests/parallel/test_parallel.py."""
     key = reference_key(COMMON, ONE_THREAD)
     if key not in REFERENCES:
         with running_server(COMMON, tmp_path_factory.mktemp("pp1"), ONE_THREAD) as server:

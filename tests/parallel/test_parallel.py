@@ -31,7 +31,7 @@ same prompts sent one at a time (so every server runs the same batch shapes):
 
 At most two of these servers run at once (``_Servers``); servers of a configuration are shared
 by its tests and started in pairs where two are needed anyway; the one-rank reference's outputs
-are recorded once per test session (``REFERENCES``, with tests/parallel/test_multinode.py).
+are recorded once per test run (``REFERENCES``, with tests/parallel/test_multinode.py).
 """
 
 from __future__ import annotations
@@ -131,7 +131,7 @@ def assert_matches(refs: list[Greedy], gots: list[Greedy], tol: float = LOGPROB_
 
 # One rank's greedy outputs per (args, env), shared by this module and test_multinode (which
 # records the one-thread reference first): the same server would answer the same prompts
-# with the same numbers, so it is started once per test session.
+# with the same numbers, so it is started once per test run.
 REFERENCES: dict[tuple, list[Greedy]] = {}
 
 
@@ -174,7 +174,7 @@ class _Servers:
         return [self.live[k] for k in keys]
 
     def reference(self, args: tuple[str, ...], env: dict | None = None) -> list[Greedy]:
-        """One rank's greedy outputs, recorded once per test session (``REFERENCES``)."""
+        """One rank's greedy outputs, recorded once per test run (``REFERENCES``)."""
         key = self._key(args, env)
         if key not in REFERENCES:
             REFERENCES[key] = greedy_one_at_a_time(self.get((args, env))[0])
