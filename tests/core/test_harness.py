@@ -55,6 +55,18 @@ def test_uvicorn_reports_a_taken_port_with_the_marker_the_harness_looks_for(take
     assert harness.BIND_CLASH_MARKER in proc.stdout + proc.stderr, proc.stderr[-2000:]
 
 
+def stand_in_that_loses(port: str, path) -> None:
+    """Write a stand-in for serve.sh at ``path`` that does what SGLang does when it loses
+    ``port`` (a port number, or "$2" for whatever port it is given): log uvicorn's error, then
+    hang; on any other port it runs serve.sh itself."""
+    path.write_text(
+        f'if [[ "$2" == {port} ]]; then\n'
+        f'  echo "ERROR: [Errno 98] {harness.BIND_CLASH_MARKER} (\'127.0.0.1\', $2)"\n'
+        f'  exec sleep 600\n'
+        f'fi\n'
+        f'exec bash {harness.SERVE_SH} "$@"\n')
+
+
 @pytest.mark.server
 def test_server_that_loses_its_port_is_started_again_on_another(monkeypatch, tmp_path,
                                                                  taken_port):
@@ -64,14 +76,8 @@ def test_server_that_loses_its_port_is_started_again_on_another(monkeypatch, tmp
     picks = iter([taken_port])
     monkeypatch.setattr(harness, "free_port",
                         lambda: next(picks, None) or ports.free_late_bind_port())
-    loses_its_port = tmp_path / "serve.sh"
-    loses_its_port.write_text(
-        f'if [[ "$2" == {taken_port} ]]; then\n'
-        f'  echo "ERROR: [Errno 98] {harness.BIND_CLASH_MARKER} (\'127.0.0.1\', $2)"\n'
-        f'  exec sleep 600\n'
-        f'fi\n'
-        f'exec bash {harness.SERVE_SH} "$@"\n')
-    monkeypatch.setattr(harness, "SERVE_SH", loses_its_port)
+    stand_in_that_loses(str(taken_port), tmp_path / "serve.sh")
+    monkeypatch.setattr(harness, "SERVE_SH", tmp_path / "serve.sh")
     log_path = tmp_path / "server.log"
     with harness.running_server([], log_path, start_timeout_s=SERVER_START_TIMEOUT_S) as server:
         assert server.attempt == 2 and server.port != taken_port
@@ -89,10 +95,8 @@ def test_server_that_loses_its_port_is_started_again_on_another(monkeypatch, tmp
 def test_server_that_loses_its_port_raises_at_once_without_relaunch(monkeypatch, tmp_path):
     """The branch for servers whose URL was already handed out; a stand-in for serve.sh that
     does what SGLang does on a lost port (log uvicorn's error, then hang) keeps it cheap."""
-    hang = tmp_path / "serve.sh"
-    hang.write_text(f'echo "ERROR: [Errno 98] {harness.BIND_CLASH_MARKER} (\'127.0.0.1\', $2)"\n'
-                    "exec sleep 600\n")
-    monkeypatch.setattr(harness, "SERVE_SH", hang)
+    stand_in_that_loses('"$2"', tmp_path / "serve.sh")  # every port
+    monkeypatch.setattr(harness, "SERVE_SH", tmp_path / "serve.sh")
     server = harness.ServerProcess([], tmp_path / "server.log", relaunch_on_port_clash=False,
                                    start_timeout_s=60.0)
     try:

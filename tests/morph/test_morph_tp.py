@@ -40,7 +40,7 @@ from conftest import running_server
 from test_morph_parallel import (  # noqa: F401
     ONE_RANK_WITH_THE_MAP,
     REFERENCE_SEEDS,
-    greedy_with_logprobs,
+    greedy_with_logprobs as generate,
     one_rank_with_the_map,
     parse,
     record_one_rank_with_the_map,
@@ -94,9 +94,6 @@ def tp1(server_factory, engines_awq, corpus_ids) -> dict:
         record_one_rank_with_the_map(one_rank_with_the_map(server_factory, engines_awq),
                                      corpus_ids)
     return ONE_RANK_WITH_THE_MAP
-
-
-generate = greedy_with_logprobs
 
 
 def ranks_alike(body: dict) -> dict:

@@ -34,7 +34,6 @@ from __future__ import annotations
 
 import json
 import logging
-import time
 from typing import Any
 
 from sglang_morph.elastic.contract import Outcome, Transition
@@ -174,7 +173,7 @@ class AutoControl:
             return None
         self.views += 1
         self._views = [own, peer]
-        return ClusterView(time.monotonic(), (snapshot(0, own), snapshot(1, peer)),
+        return ClusterView(self.loop.clock(), (snapshot(0, own), snapshot(1, peer)),
                            (self.replica.group,) if self.replica.merged else ())
 
     def decide(self, view: ClusterView | None) -> Any:
@@ -194,7 +193,7 @@ class AutoControl:
                                                 for g in action.plan.groups):
             raise RuntimeError(f"the controller planned groups {action.plan.groups}, not the "
                                f"live pair")
-        if time.monotonic() < self._retry_at_s:
+        if self.loop.clock() < self._retry_at_s:
             return None  # the last automatic transition was refused or failed: wait
         return action
 
@@ -218,16 +217,15 @@ class AutoControl:
         """The controller keeps its hysteresis from an applied transition; after a refused
         (e.g. a restore while too much KV is held) or failed one, the leader waits."""
         if transition.outcome is Outcome.APPLIED:
-            self.controller.applied(self._proposed, time.monotonic())
+            self.controller.applied(self._proposed, self.loop.clock())
         else:
-            self._retry_at_s = time.monotonic() + max(1.0, self.cfg.controller.min_dwell_s)
+            self._retry_at_s = self.loop.clock() + max(1.0, self.cfg.controller.min_dwell_s)
 
 
 class _AsMechanism:
     """The automatic control under the elastic core's ``ElasticMechanism`` names. A transition
     is the pair's voted one: it records itself on both replicas and checks the replica's
-    integrity once applied, so ``check_integrity`` here checks again only after an applied one
-    (a failed last step is reported as failed, not as a broken invariant)."""
+    integrity once applied (``KunServeReplica._applied``)."""
 
     name = "kunserve"
 
@@ -241,9 +239,8 @@ class _AsMechanism:
         return self.auto.leader
 
     def check_integrity(self) -> None:
-        last = self.auto.replica.last_transition
-        if last is not None and last.outcome is Outcome.APPLIED:
-            self.auto.replica.check_integrity()
+        """Nothing left to check: an applied transition checked the replica before it returned,
+        and a refused or failed one changed nothing (or reports its failed last step)."""
 
 
 class _Decider:
