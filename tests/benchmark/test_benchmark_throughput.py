@@ -134,7 +134,7 @@ def test_parse_args_quick_defaults_and_explicit_flags_win(tmp_path):
 
 
 @pytest.mark.server
-def test_quick_run_end_to_end(tmp_path):
+def test_quick_run_end_to_end(tmp_path, room_for_a_server):
     out_json = tmp_path / "throughput.json"
     subprocess.run(
         [sys.executable, "-m", "benchmark.throughput", "--quick", "--out", str(out_json)],

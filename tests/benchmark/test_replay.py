@@ -165,7 +165,7 @@ def test_agreement_exact_and_rouge_on_token_ids():
 
 
 @pytest.mark.server
-def test_quick_replay_end_to_end(tmp_path):
+def test_quick_replay_end_to_end(tmp_path, room_for_a_server):
     """Two servers (full precision, morph default) under the same budget replay the same
     trace; every request completes with its full length and the report files appear."""
     out = tmp_path / "replay"

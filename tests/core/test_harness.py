@@ -1,18 +1,23 @@
-"""The test and benchmark harness itself: where server ports come from, and what happens when a
+"""The test and benchmark harness itself: where server ports come from, what happens when a
 server loses its port before binding it (a CI run lost 10 minutes to that: SGLang logs
-uvicorn's "address already in use" and then hangs in its shutdown instead of exiting)."""
+uvicorn's "address already in use" and then hangs in its shutdown instead of exiting), and how
+the two test processes share the machine's memory when they start servers."""
 
 from __future__ import annotations
 
+import json
+import os
 import socket
 import subprocess
 import sys
+import threading
+import time
 
 import httpx
 import pytest
 
 from sglang_morph.server import process as harness
-from conftest import SERVER_START_TIMEOUT_S
+from conftest import SERVER_START_TIMEOUT_S, _StartGate
 from sglang_morph.server import ports
 
 
@@ -106,3 +111,48 @@ def test_server_that_loses_its_port_raises_at_once_without_relaunch(monkeypatch,
         assert server.attempt == 1
     finally:
         server.stop()
+
+
+def test_start_gate_estimates_memory_by_the_ranks_on_this_node():
+    one, more = _StartGate.ONE_RANK_GIB, _StartGate.MORE_RANK_GIB
+    assert _StartGate.estimate_gib(["--dtype", "float32"]) == one
+    assert _StartGate.estimate_gib(["--tp-size", "3"]) == one + 2 * more
+    assert _StartGate.estimate_gib(["--dp-size", "2", "--tp-size", "2"]) == one + 3 * more
+    assert _StartGate.estimate_gib(["--pp-size", "2", "--nnodes", "2"]) == one  # a rank a node
+
+
+def test_start_gate_waits_for_room_and_drops_dead_processes(tmp_path, monkeypatch):
+    gate = _StartGate(tmp_path / "ledger.json")
+    monkeypatch.setattr(gate, "POLL_S", 0.05)
+    free = {"gib": 9.0}
+    monkeypatch.setattr(gate, "available_gib", lambda: free["gib"])
+    gate.reserve("a", 4.0)  # 9 free: 4 + 2 headroom fit
+    # A second 4 GiB start would leave less than the headroom: it waits.
+    started = threading.Event()
+    second = threading.Thread(target=lambda: (gate.reserve("b", 4.0), started.set()))
+    second.start()
+    time.sleep(0.5)
+    assert not started.is_set()
+    gate.release("a")  # the first server is ready: its memory is now in use, not reserved
+    free["gib"] = 6.5
+    assert started.wait(5.0)
+    second.join()
+    assert set(json.loads(gate.ledger.read_text())) == {"b"}
+    # A reservation of a process that died no longer counts.
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"],
+                          capture_output=True, text=True, check=True)
+    gate.ledger.write_text(json.dumps({"b": [os.getpid(), 4.0],
+                                       "gone": [int(dead.stdout), 100.0]}))
+    free["gib"] = 100.0
+    gate.reserve("c", 4.0)
+    assert set(json.loads(gate.ledger.read_text())) == {"b", "c"}
+
+
+def test_start_gate_goes_ahead_after_its_wait(tmp_path, monkeypatch):
+    gate = _StartGate(tmp_path / "ledger.json")
+    monkeypatch.setattr(gate, "POLL_S", 0.05)
+    monkeypatch.setattr(gate, "MEMORY_WAIT_S", 0.3)
+    monkeypatch.setattr(gate, "available_gib", lambda: 1.0)
+    t0 = time.monotonic()
+    gate.reserve("a", 4.0)  # never room: starts anyway, its test reports a failure
+    assert 0.3 <= time.monotonic() - t0 < 5.0

@@ -79,6 +79,8 @@ def one_rank_with_the_map(server_factory, engines_awq):
 # test run (here when this module runs first): greedy tokens and their logprobs for the
 # first prompts below, and the bytes of the variants it staged.
 ONE_RANK_WITH_THE_MAP: dict = {}
+# It lives in this process: test_morph_tp runs in the same test process.
+pytestmark = pytest.mark.xdist_group("one_rank_with_the_map")
 REFERENCE_SEEDS = range(2)
 
 

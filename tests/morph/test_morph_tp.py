@@ -64,6 +64,8 @@ PRECISION_MAP = "0-3:4,20-23:8"
 BUDGET_PER_RANK = 184 * 10**6
 SWAPPED = [17, 14, 13, 15, 12, 25, 16, 26]  # the first 8 of the LIS profile order
 COMMON = ("--dtype", "float32", "--enable-morph", "--morph-precision-map", PRECISION_MAP)
+# ONE_RANK_WITH_THE_MAP lives in one test process: test_morph_parallel runs in the same one.
+pytestmark = pytest.mark.xdist_group("one_rank_with_the_map")
 # The default model under TP 3, per rank: 3 query heads, 1 KV head of 64, 512 of 1536 MLP rows.
 KV_BYTES_PER_TOKEN_PER_RANK = 2 * 30 * 1 * 64 * 4
 # A rank's decoder linears hold 3538944 / 3 weights: 2 bytes each in bf16; W8 holds them at

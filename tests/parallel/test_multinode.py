@@ -43,7 +43,8 @@ from test_parallel import (
     reference_key,
 )
 
-pytestmark = pytest.mark.server  # every test runs scripts/serve.sh
+pytestmark = [pytest.mark.server,  # every test runs scripts/serve.sh
+              pytest.mark.xdist_group("one_rank_references")]  # REFERENCES, one process
 
 PP2_TWO_NODES = COMMON + ("--pp-size", "2", "--nnodes", "2", "--enable-morph")
 

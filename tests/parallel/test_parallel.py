@@ -72,6 +72,8 @@ PROMPTS = [
 NEW_TOKENS = 12
 LOGPROB_TOL = 1e-4
 MAX_LIVE_SERVERS = 2
+# REFERENCES lives in this process: test_multinode runs in the same test process.
+pytestmark = pytest.mark.xdist_group("one_rank_references")
 
 
 @dataclasses.dataclass(frozen=True)
