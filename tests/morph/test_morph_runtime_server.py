@@ -387,14 +387,16 @@ def test_controller_swaps_under_a_burst_and_restores_after(engines_awq, corpus_i
         for th in threads:
             th.start()
         peak_layers = 0
+        # A status answer waits for the scheduler's step in progress: the burst's prefill of
+        # 11 x 200 tokens takes over a minute on a loaded 2-core CPU.
         while any(th.is_alive() for th in threads):
             peak_layers = max(peak_layers,
-                              requests.get(f"{srv.url}/morph/status", timeout=60).json()[
+                              requests.get(f"{srv.url}/morph/status", timeout=600).json()[
                                   "quantized_layers"])
             time.sleep(0.5)
         deadline = time.monotonic() + 180  # restores come a quiet window apart
         while time.monotonic() < deadline:
-            s = requests.get(f"{srv.url}/morph/status", timeout=60).json()
+            s = requests.get(f"{srv.url}/morph/status", timeout=600).json()
             if s["quantized_layers"] == 0:
                 break
             time.sleep(1.0)
