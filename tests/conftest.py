@@ -41,6 +41,7 @@ from filelock import FileLock
 
 from benchmark import harness
 from benchmark.harness import ServerProcess, build_engines, free_port  # noqa: F401  (for tests)
+from sglang_morph.parallel.binding import local_ranks
 from sglang_morph.repo_data import DATA_DIR  # noqa: F401  (the tests' data files)
 
 TESTS_DIR = Path(__file__).resolve().parent
@@ -115,13 +116,7 @@ class _StartGate:
     @classmethod
     def estimate_gib(cls, args) -> float:
         """The memory a server of ``args`` (serve.sh arguments) takes on this node."""
-        args = [str(a) for a in args]
-
-        def value(flag: str) -> int:
-            return int(args[args.index(flag) + 1]) if flag in args else 1
-
-        ranks = max(1, value("--tp-size") * value("--pp-size") * value("--dp-size")
-                    // value("--nnodes"))
+        ranks = local_ranks([str(a) for a in args])
         return cls.ONE_RANK_GIB + cls.MORE_RANK_GIB * (ranks - 1)
 
     @staticmethod
@@ -160,11 +155,11 @@ class _StartGate:
 
 def _alive(pid: int) -> bool:
     try:
-        os.kill(pid, 0)
+        os.kill(pid, 0)  # PermissionError: alive, another user's
     except ProcessLookupError:
         return False
     except PermissionError:
-        return True
+        pass
     return True
 
 

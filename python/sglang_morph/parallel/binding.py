@@ -90,14 +90,29 @@ def _parser() -> argparse.ArgumentParser:
     return parser
 
 
-def main(argv: Sequence[str] | None = None) -> int:
+def _sizes(argv: Sequence[str] | None) -> tuple[int, int, int, int]:
+    """``(tp, pp, dp, nnodes)`` of launch_server arguments (others ignored); a ValueError when
+    one is below 1."""
     args, _ = _parser().parse_known_args(argv)
     sizes = (args.tp_size, args.pp_size, args.dp_size, args.nnodes)
     if min(sizes) < 1:
-        print("error: --tp-size, --pp-size, --dp-size and --nnodes must be >= 1",
-              file=sys.stderr)
+        raise ValueError("--tp-size, --pp-size, --dp-size and --nnodes must be >= 1")
+    return sizes
+
+
+def local_ranks(argv: Sequence[str]) -> int:
+    """Scheduler processes one node runs for launch_server arguments ``argv``."""
+    return ranks_per_node(*_sizes(argv))
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    try:
+        sizes = _sizes(argv)
+    except ValueError as error:
+        print(f"error: {error}", file=sys.stderr)
         return 2
-    if args.tp_size * args.pp_size * args.dp_size > 1:
+    tp_size, pp_size, dp_size, _nnodes = sizes
+    if tp_size * pp_size * dp_size > 1:
         print(default_bind(ranks_per_node(*sizes), sorted(os.sched_getaffinity(0))))
     return 0
 
