@@ -37,6 +37,10 @@ if ! (command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1); t
   # (SGLANG_MORPH_SLEEP_ON_IDLE=0 keeps SGLang's busy loop, e.g. to measure per-step overhead).
   has_flag --sleep-on-idle "$@" || [[ "${SGLANG_MORPH_SLEEP_ON_IDLE:-1}" == 0 ]] \
     || args+=(--sleep-on-idle)
+  # SGLang refuses to start tensor-parallel ranks whose free device memory differs by more
+  # than 10% (another process on "their" GPU). On CPU every rank reads the same host memory
+  # a moment apart, so any other process allocating in between trips it: warn instead.
+  export SGLANG_ENABLE_TP_MEMORY_INBALANCE_CHECK="${SGLANG_ENABLE_TP_MEMORY_INBALANCE_CHECK:-false}"
   # Several ranks (--tp-size/--pp-size/--dp-size) need a core list each; SGLang would give
   # each rank a NUMA node and refuse more ranks than nodes. Ranks may share cores.
   if [[ -z "${SGLANG_CPU_OMP_THREADS_BIND:-}" ]]; then
