@@ -12,7 +12,8 @@ import types
 import pytest
 import torch
 
-from sglang_morph.kunserve.live.attention import extend_new_rows, new_rows_backend
+from sglang_morph.groups.attention import extend_new_rows
+from sglang_morph.kunserve.live.attention import new_rows_backend
 
 HEADS, KV_HEADS, DIM = 9, 3, 64  # SmolLM2-135M's attention
 SLOTS = 2048

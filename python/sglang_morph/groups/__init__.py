@@ -7,6 +7,8 @@ drops complementary layers; AMOEBAs' replicas merged into one tensor-parallel gr
     transition.py  voted transitions: every member votes, runs each phase, exchanges the
                    outcome, and undoes completed phases on any failure, so a transition
                    happens on every member or on none; recorded in the elastic core
+    attention.py   attention of a batch's new rows over KV read at its slots (a member
+                   running another member's batch over its mirror of that member's KV)
     member.py      GroupMember: one replica's side (compute lock, service threads answering
                    the other members' calls, live requests, status, metrics)
 

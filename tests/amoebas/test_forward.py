@@ -1,0 +1,174 @@
+"""The merged group's tensor-parallel forward (``amoebas/forward.py``) against transformers.
+
+A random Llama (8 query / 4 KV heads, transformers' ``LlamaModel``, float32) is the reference.
+The same weights in SGLang's tp_size-1 layout (fused QKV and gate/up, SGLang's own RMSNorm and
+rotary embedding) run through ``forward`` on every member of a group of 1, 2 and 4 (threads,
+an in-memory all-reduce): a prefill of two requests with different prompt lengths and then
+decode steps, each member keeping its heads' KV in its own pool at the owner's slot numbers.
+The owner's final-normed hidden states equal transformers' last hidden states of the same
+positions, and every member's KV pool holds exactly its heads' rows of the reference's keys.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import types
+
+import pytest
+import torch
+
+os.environ.setdefault("SGLANG_USE_CPU_ENGINE", "1")  # SGLang's CPU rotary path (as serve.sh)
+
+from sglang_morph.amoebas.forward import Batch, Shard, forward, layer_shards  # noqa: E402
+
+HIDDEN, Q_HEADS, KV_HEADS, HEAD_DIM, FFN, LAYERS = 256, 8, 4, 32, 384, 3
+PROMPTS = ([5, 17, 3, 99, 42], [7, 7, 1, 250, 11, 64, 30, 2])
+DECODE_TOKENS = ([8, 9, 10], [120, 121, 122])
+SLOTS = 64
+
+
+@pytest.fixture(scope="module")
+def reference():
+    from transformers import LlamaConfig, LlamaModel
+
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=256, hidden_size=HIDDEN, intermediate_size=FFN,
+                         num_hidden_layers=LAYERS, num_attention_heads=Q_HEADS,
+                         num_key_value_heads=KV_HEADS, head_dim=HEAD_DIM, rms_norm_eps=1e-5,
+                         max_position_embeddings=256, initializer_range=0.08)
+    model = LlamaModel(config).eval()
+    return config, model
+
+
+def sglang_layout(config, hf) -> types.SimpleNamespace:
+    """The reference's weights as SGLang's Llama holds them at tp_size 1."""
+    from sglang.srt.layers.layernorm import RMSNorm
+    from sglang.srt.layers.rotary_embedding import get_rope
+
+    def linear(weight):
+        return types.SimpleNamespace(weight=weight.detach(), bias=None)
+
+    def norm(module):
+        n = RMSNorm(HIDDEN, eps=config.rms_norm_eps)
+        n.weight.data.copy_(module.weight.detach())
+        return n
+
+    rope = get_rope(HEAD_DIM, rotary_dim=HEAD_DIM, max_position=256,
+                    base=config.rope_theta if hasattr(config, "rope_theta") else 10000,
+                    is_neox_style=True)
+    layers = []
+    for layer in hf.layers:
+        a, m = layer.self_attn, layer.mlp
+        layers.append(types.SimpleNamespace(
+            input_layernorm=norm(layer.input_layernorm),
+            post_attention_layernorm=norm(layer.post_attention_layernorm),
+            self_attn=types.SimpleNamespace(
+                qkv_proj=linear(torch.cat([a.q_proj.weight, a.k_proj.weight, a.v_proj.weight])),
+                o_proj=linear(a.o_proj.weight), rotary_emb=rope, scaling=HEAD_DIM ** -0.5),
+            mlp=types.SimpleNamespace(
+                gate_up_proj=linear(torch.cat([m.gate_proj.weight, m.up_proj.weight])),
+                down_proj=linear(m.down_proj.weight))))
+    return types.SimpleNamespace(embed_tokens=hf.embed_tokens, layers=layers, norm=norm(hf.norm))
+
+
+class ThreadAllReduce:
+    """Sums each member's tensor in rank order and gives every member the same sum."""
+
+    def __init__(self, degree: int):
+        self.degree, self.parts = degree, [None] * degree
+        self.barrier = threading.Barrier(degree)
+
+    def member(self, rank: int):
+        def all_reduce(t: torch.Tensor) -> None:
+            self.parts[rank] = t
+            self.barrier.wait()
+            total = sum(self.parts[1:], self.parts[0].clone())
+            self.barrier.wait()
+            t.copy_(total)
+        return all_reduce
+
+
+def run_group(model, degree: int) -> tuple[list[torch.Tensor], list]:
+    """Every step of the two requests on a group of ``degree`` (member 0 owns them); the
+    owner's hidden states of every step and each member's K pools."""
+    shards = [Shard(r, degree, Q_HEADS, KV_HEADS, FFN) for r in range(degree)]
+    views = [layer_shards(model, s, HEAD_DIM) for s in shards]
+    pools = [([torch.zeros(SLOTS, KV_HEADS // degree, HEAD_DIM) for _ in range(LAYERS)],
+              [torch.zeros(SLOTS, KV_HEADS // degree, HEAD_DIM) for _ in range(LAYERS)])
+             for _ in range(degree)]
+    # Request i's tokens sit at slots 1 + 32 * i onwards (the owner's numbers).
+    req_to_token = torch.stack([torch.arange(1 + 32 * i, 33 + 32 * i) for i in range(2)])
+    steps = [[PROMPTS[0], PROMPTS[1]], *[[[a], [b]] for a, b in zip(*DECODE_TOKENS)]]
+    outputs, done = [], [0, 0]
+    for step in steps:
+        new = torch.tensor([len(t) for t in step])
+        prefix = torch.tensor(done)
+        seq = prefix + new
+        positions = torch.cat([torch.arange(p, p + n) for p, n in zip(done, new.tolist())])
+        loc = torch.cat([req_to_token[i, p:p + n] for i, (p, n)
+                         in enumerate(zip(done, new.tolist()))])
+        batch = Batch(torch.tensor([t for s in step for t in s]), positions, loc, seq, prefix,
+                      new, req_to_token)
+        reducer, results = ThreadAllReduce(degree), [None] * degree
+
+        def member(r: int) -> None:
+            with torch.no_grad():
+                results[r] = forward(model, views[r], shards[r], HEAD_DIM, batch, *pools[r],
+                                     reducer.member(r), final_norm=r == 0)
+
+        threads = [threading.Thread(target=member, args=(r,)) for r in range(degree)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        outputs.append(results[0])
+        done = seq.tolist()
+    return outputs, pools
+
+
+@pytest.mark.parametrize("degree", [1, 2, 4])
+def test_group_forward_equals_transformers(reference, degree):
+    config, hf = reference
+    model = sglang_layout(config, hf)
+    outputs, pools = run_group(model, degree)
+    for i in range(2):
+        ids = torch.tensor([PROMPTS[i] + DECODE_TOKENS[i]])
+        with torch.no_grad():
+            ref = hf(ids, output_hidden_states=True)
+        expected = ref.last_hidden_state[0]
+        n_prompt = len(PROMPTS[i])
+        # Prefill rows of request i, then its row of each decode step.
+        start = sum(len(p) for p in PROMPTS[:i])
+        got = torch.cat([outputs[0][start:start + n_prompt],
+                         *[o[i:i + 1] for o in outputs[1:]]])
+        torch.testing.assert_close(got, expected, rtol=0, atol=2e-5)
+    # Member r's pool holds KV heads [r * 4/d, (r+1) * 4/d) of every token, at its slot.
+    with torch.no_grad():
+        keys = _reference_keys(hf, 0)
+    heads = KV_HEADS // degree
+    for r, (k_bufs, _) in enumerate(pools):
+        for i in range(2):
+            n = len(PROMPTS[i]) + len(DECODE_TOKENS[i])
+            got = k_bufs[0][1 + 32 * i:1 + 32 * i + n]
+            torch.testing.assert_close(got, keys[i][:, r * heads:(r + 1) * heads], rtol=0,
+                                       atol=2e-5)
+
+
+def _reference_keys(hf, layer: int) -> list[torch.Tensor]:
+    """Layer ``layer``'s rotated keys of each request, [tokens, KV heads, dim], from
+    transformers' cache."""
+    from transformers import DynamicCache
+
+    out = []
+    for i in range(2):
+        cache = DynamicCache()
+        hf(torch.tensor([PROMPTS[i] + DECODE_TOKENS[i]]), past_key_values=cache, use_cache=True)
+        keys = cache.layers[layer].keys if hasattr(cache, "layers") else cache.key_cache[layer]
+        out.append(keys[0].transpose(0, 1))
+    return out
+
+
+def test_shard_refuses_a_degree_that_does_not_divide_the_heads():
+    with pytest.raises(ValueError, match="degree 3 does not divide num_q_heads 8"):
+        Shard(0, 3, 8, 4, 384)
