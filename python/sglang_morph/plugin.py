@@ -34,6 +34,7 @@ logger = logging.getLogger("sglang_morph")
 MECHANISMS = (
     "sglang_morph.morph.mechanism",
     "sglang_morph.kunserve.live.mechanism",
+    "sglang_morph.amoebas.mechanism",
 )
 # More mechanism modules, comma-separated, for mechanisms that live outside this package.
 EXTRA_MECHANISMS_ENV = "SGLANG_MORPH_EXTRA_MECHANISMS"

@@ -274,6 +274,20 @@ KUNSERVE_SYMBOLS: tuple[Symbol, ...] = (
     Symbol("sglang.srt.layers.attention.torch_native_backend.TorchNativeAttnBackend", "call"),
 )
 
+# ----- AMOEBAs (amoebas/): the replica reads the pools, batches and the Llama model -----
+AMOEBAS_SYMBOLS: tuple[Symbol, ...] = (
+    *(Symbol(t, "hook") for t in (HOOK_RUNNER_FORWARD, HOOK_LLAMA_FORWARD)),
+    *_group(_SCHEDULER, "read", "server_args tp_worker token_to_kv_pool_allocator "
+            "req_to_token_pool tree_cache metrics_reporter"),
+    *_group(_SCHEDULER, "call", "is_fully_idle flush_cache", instance=False),
+    Symbol(f"{_SCHEDULER}._request_dispatcher", "write", True),
+    *_group(_RUNNER, "read", "model model_config"),
+    *_group(f"{_MEM}.memory_pool.MHATokenToKVPool", "read", "k_buffer v_buffer size"),
+    *_group("sglang.srt.models.llama.LlamaModel", "read", "layers embed_tokens norm"),
+    *_group(_FB, "read", "forward_mode seq_lens out_cache_loc req_pool_indices "
+            "extend_seq_lens extend_prefix_lens"),
+)
+
 # ----- the elastic core (plugin.py, elastic/): what every enabled server uses -----
 CORE_SYMBOLS: tuple[Symbol, ...] = (
     *HTTP_SYMBOLS,
@@ -293,7 +307,7 @@ PARALLEL_SYMBOLS: tuple[Symbol, ...] = tuple(
                                 HOOK_LLAMA_INIT, HOOK_LLAMA_LOAD_WEIGHTS))
 
 ALL_SYMBOLS: tuple[Symbol, ...] = tuple(dict.fromkeys(
-    CORE_SYMBOLS + MORPH_SYMBOLS + KUNSERVE_SYMBOLS + PARALLEL_SYMBOLS))
+    CORE_SYMBOLS + MORPH_SYMBOLS + KUNSERVE_SYMBOLS + AMOEBAS_SYMBOLS + PARALLEL_SYMBOLS))
 
 
 def _resolve(path: str) -> Any:

@@ -1,5 +1,11 @@
 """AMOEBAs: data-parallel replicas merged into one tensor-parallel group at runtime, split back.
 
+    config.py      --enable-amoebas: flags, the degrees the model and --dp-size allow, the
+                   groups (aligned runs of replicas), launch checks
     forward.py     the merged group's tensor-parallel forward: each member's heads and FFN
                    rows of an owner's batch, partial sums all-reduced (SGLang's tp_size stays 1)
+    replica.py     one replica's side: its links to the groups it may join, merge and split as
+                   voted transitions, the merged forward on its batches and the others'
+    messages.py, http.py   /amoebas/status, /amoebas/merge, /amoebas/split
+    mechanism.py   the registration with the plugin (flags, hooks, attach, routes)
 """

@@ -42,9 +42,12 @@ class GroupMember:
     """A scheduler's membership in the group of ``link``; mechanisms subclass it."""
 
     def __init__(self, scheduler: Any, link: GroupLink, mechanism: str,
-                 capacity_tokens: Callable[[], int]):
+                 capacity_tokens: Callable[[], int],
+                 compute_lock: threading.Lock | None = None):
+        """``compute_lock``: the process's lock when it is a member of several groups (one
+        lock per process, whatever the number of links)."""
         self.scheduler, self.link, self.mechanism = scheduler, link, mechanism
-        self.compute_lock = threading.Lock()
+        self.compute_lock = compute_lock if compute_lock is not None else threading.Lock()
         self.elastic = recorder(scheduler)
         self.group_transitions = GroupTransitions(
             link.all_gather, link.rank, link.replicas, mechanism, self.elastic, capacity_tokens)

@@ -1,0 +1,166 @@
+"""``--enable-amoebas``: its flags, its frozen config and the launch checks.
+
+Resolved in the launcher (``ServerArgs.from_cli_args``) before anything is spawned; the config
+rides the ``ServerArgs`` record into every scheduler process. The group degrees come from the
+model's head counts (read from its ``config.json``) and ``--dp-size``; the base rendezvous port
+of the members' gloo links is picked here so every replica reads the same one.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+from pathlib import Path
+from typing import Any
+
+from sglang_morph.config import ConfigError
+from sglang_morph.server.ports import free_late_bind_port
+
+SERVER_ARGS_ATTR = "_amoebas_config"
+
+
+class AmoebasConfigError(ConfigError):
+    """A launch AMOEBAs cannot serve; the message names the flag."""
+
+
+def allowed_degrees(num_q_heads: int, num_kv_heads: int, replicas: int) -> tuple[int, ...]:
+    """The group degrees a model allows on ``replicas`` data-parallel replicas: every d that
+    divides the KV heads, the query heads and the replica count (1 always)."""
+    return tuple(d for d in range(1, replicas + 1)
+                 if num_kv_heads % d == 0 and num_q_heads % d == 0 and replicas % d == 0)
+
+
+def degree_refusal(degree: int, num_q_heads: int, num_kv_heads: int, replicas: int) -> str | None:
+    """Why a group of ``degree`` replicas cannot be formed (one line), or None."""
+    if degree < 1 or degree > replicas:
+        return f"a group of {degree} replicas does not fit {replicas} replicas"
+    if num_kv_heads % degree or num_q_heads % degree:
+        return (f"a group of {degree} cannot split the model's {num_q_heads} query / "
+                f"{num_kv_heads} KV heads evenly (degrees allowed: "
+                f"{list(allowed_degrees(num_q_heads, num_kv_heads, replicas))})")
+    if replicas % degree:
+        return f"groups of {degree} do not tile {replicas} replicas"
+    return None
+
+
+@dataclasses.dataclass(frozen=True)
+class AmoebasConfig:
+    """Invariant (enabled): ``degrees`` starts with 1, has at least one degree above 1, and
+    each divides ``replicas`` and the model's query and KV heads."""
+
+    enabled: bool = False
+    replicas: int = 1
+    degrees: tuple[int, ...] = (1,)
+    link_port: int | None = None  # the first of one TCPStore port per possible group
+
+    def blocks(self) -> tuple[tuple[int, ...], ...]:
+        """Every group the replicas may form: for each degree d > 1, the aligned runs of d
+        replicas ``[k*d, (k+1)*d)``; in that order (the order every member builds its links)."""
+        return tuple(tuple(range(k * d, (k + 1) * d)) for d in self.degrees if d > 1
+                     for k in range(self.replicas // d))
+
+    def block_port(self, block: tuple[int, ...]) -> int:
+        return int(self.link_port) + self.blocks().index(tuple(block))
+
+    @classmethod
+    def from_cli_namespace(cls, args: argparse.Namespace, server_args: Any) -> "AmoebasConfig":
+        if not getattr(args, "enable_amoebas", False):
+            given = [f for f, on in (("--amoebas-degrees", args.amoebas_degrees is not None),
+                                     ("--amoebas-link-port",
+                                      args.amoebas_link_port is not None)) if on]
+            if given:
+                raise AmoebasConfigError(f"{', '.join(given)} "
+                                         f"{'needs' if len(given) == 1 else 'need'} "
+                                         f"--enable-amoebas")
+            return cls()
+        replicas = getattr(server_args, "dp_size", 1) or 1
+        q_heads, kv_heads = model_heads(server_args)
+        if args.amoebas_degrees is None:
+            degrees = allowed_degrees(q_heads, kv_heads, replicas)
+        else:
+            degrees = _parse_degrees(args.amoebas_degrees)
+            for d in degrees:
+                reason = degree_refusal(d, q_heads, kv_heads, replicas)
+                if reason is not None:
+                    raise AmoebasConfigError(f"--amoebas-degrees {d}: {reason}")
+            degrees = tuple(sorted({1, *degrees}))
+        if len(degrees) < 2:
+            raise AmoebasConfigError(
+                f"--enable-amoebas: no group of --dp-size {replicas} replicas can split the "
+                f"model's {q_heads} query / {kv_heads} KV heads evenly")
+        port = args.amoebas_link_port
+        return cls(enabled=True, replicas=replicas, degrees=degrees,
+                   link_port=port if port is not None else free_late_bind_port())
+
+
+def _parse_degrees(text: str) -> tuple[int, ...]:
+    try:
+        degrees = tuple(int(part) for part in text.split(",") if part.strip())
+    except ValueError:
+        raise AmoebasConfigError(f"--amoebas-degrees must be comma-separated integers, got "
+                                 f"{text!r}") from None
+    if not degrees:
+        raise AmoebasConfigError("--amoebas-degrees is empty")
+    return degrees
+
+
+def model_heads(server_args: Any) -> tuple[int, int]:
+    """The model's query and KV head counts, from its ``config.json``."""
+    path = Path(getattr(server_args, "model_path", "") or "") / "config.json"
+    try:
+        hf = json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError) as e:
+        raise AmoebasConfigError(f"--enable-amoebas needs the model's config.json: {e}") from e
+    hf = hf.get("text_config", hf)
+    q = int(hf["num_attention_heads"])
+    return q, int(hf.get("num_key_value_heads", q))
+
+
+def add_cli_args(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group(
+        "sglang-morph AMOEBAs", "Merge data-parallel replicas into one tensor-parallel group "
+        "at runtime and split it back (POST /amoebas/merge, /amoebas/split).")
+    group.add_argument(
+        "--enable-amoebas", action="store_true",
+        help="Enable AMOEBAs on --dp-size N (CPU, torch_native attention): replicas serve at "
+        "TP 1 and can merge into tensor-parallel groups that split the heads and the FFN.")
+    group.add_argument(
+        "--amoebas-degrees", default=None, metavar="D[,D...]",
+        help="The group sizes allowed (default: every size that divides --dp-size and the "
+        "model's query and KV heads; 1 is always allowed).")
+    group.add_argument(
+        "--amoebas-link-port", type=int, default=None, metavar="PORT",
+        help="First TCP port of the groups' gloo links on 127.0.0.1, one port per possible "
+        "group (default: a free port picked at launch).")
+
+
+def check_launch(server_args: Any, enabled_before: frozenset[str]) -> None:
+    """Raise AmoebasConfigError (one line, naming the flag) for what is not served."""
+    dp = getattr(server_args, "dp_size", 1) or 1
+    if dp < 2:
+        raise AmoebasConfigError(f"--enable-amoebas needs --dp-size of at least 2 (got {dp})")
+    for other in ("morph", "kunserve"):
+        if other in enabled_before:
+            raise AmoebasConfigError(
+                f"--enable-amoebas and --enable-{other} together are not supported: both "
+                f"resize the same KV pools")
+    for name in ("tp_size", "pp_size"):
+        if (getattr(server_args, name, 1) or 1) > 1:
+            raise AmoebasConfigError(f"--enable-amoebas does not support "
+                                     f"--{name.replace('_', '-')} > 1")
+    if str(getattr(server_args, "device", None)) != "cpu":
+        raise AmoebasConfigError("--enable-amoebas runs on --device cpu only (the links send "
+                                 "CPU tensors over gloo)")
+    if getattr(server_args, "attention_backend", None) != "torch_native":
+        raise AmoebasConfigError("--enable-amoebas needs --attention-backend torch_native")
+    if getattr(server_args, "speculative_algorithm", None) is not None:
+        raise AmoebasConfigError("--enable-amoebas does not support --speculative-algorithm")
+
+
+def attach(server_args: Any, cfg: AmoebasConfig) -> None:
+    setattr(server_args, SERVER_ARGS_ATTR, cfg)
+
+
+def get(server_args: Any) -> AmoebasConfig:
+    return getattr(server_args, SERVER_ARGS_ATTR, None) or AmoebasConfig()
