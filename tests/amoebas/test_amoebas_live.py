@@ -11,12 +11,13 @@ replicas' outputs before any merge (an untransformed DP server), checked on ever
   server allows;
 - bad input (not JSON, unknown fields, a group the server does not allow, a split of a group
   that does not exist, no key, a user key) gets 4xx with a message and changes nothing;
-- merge: every replica keeps one KV head and a third of the FFN rows, and its batches run on
-  all three; outputs on each replica, one at a time and all at once (the three members'
+- merge: every replica keeps one KV head and a third of the FFN rows, releases the other
+  two thirds in place (its RSS falls by at least 95% of those bytes) and gains exactly the KV
+  tokens they hold, and its batches run on all three; outputs on each replica, one at a time and all at once (the three members'
   batches interleaving), equal the reference token for token, chosen-token logprobs within
   1e-4 nats; a second merge is refused (409);
-- split: every replica serves alone again with the reference outputs; the transitions log says
-  what happened.
+- split: every replica serves alone again with its startup capacity, every FFN byte back (the
+  same digest) and the reference outputs; the transitions log says what happened.
 """
 
 from __future__ import annotations
@@ -115,8 +116,9 @@ def dp3(server_factory):
         "--api-key", "test-api-key", "--admin-api-key", "test-admin-key")
 
 
-def status(server) -> dict:
-    r = requests.get(f"{server.url}/amoebas/status", headers=USER, timeout=60)
+def status(server, digest: bool = False) -> dict:
+    r = requests.get(f"{server.url}/amoebas/status", headers=USER, timeout=60,
+                     params={"digest": 1} if digest else None)
     assert r.status_code == 200, r.text
     return r.json()
 
@@ -198,15 +200,35 @@ def test_bad_requests_get_4xx_and_change_nothing(dp3, route, body, headers, code
         b["transitions"] for b in before["replicas"]]
 
 
-def test_merge_and_split_keep_every_output(dp3, prompts, reference):
+def model_bytes(model_dir) -> tuple[int, int]:
+    """(FFN bytes a member of a group of 3 releases, KV bytes per token of every head and
+    layer), float32, from the model's shapes."""
+    cfg = json.loads((model_dir / "config.json").read_text())
+    layers, hidden, inter = (cfg["num_hidden_layers"], cfg["hidden_size"],
+                             cfg["intermediate_size"])
+    head_dim = hidden // cfg["num_attention_heads"]
+    ffn_bytes = layers * 3 * inter * hidden * 4
+    return ffn_bytes * 2 // 3, layers * 2 * cfg["num_key_value_heads"] * head_dim * 4
+
+
+def test_merge_and_split_keep_every_output(dp3, prompts, reference, default_model_path):
+    released, kv_bytes_per_token = model_bytes(default_model_path)
+    digests = [b["ffn_sha256"] for b in status(dp3, digest=True)["replicas"]]
     r = post(dp3, "merge", {"replicas": [0, 1, 2]})
     assert r.status_code == 200, r.text
     merged = r.json()
     assert merged["units"] == [[0, 1, 2]]
+    capacity = 1024 + released // kv_bytes_per_token
     for i, body in enumerate(merged["replicas"]):
         assert body["degree"] == 3 and body["group"] == [0, 1, 2]
         assert body["kv_heads"] == [i, i + 1] and body["ffn_rows"] == [512 * i, 512 * (i + 1)]
-        assert body["mirror_kv_capacity_tokens"] == {str(q): 1024 for q in REPLICAS if q != i}
+        # The FFN rows it no longer keeps are released in place and the bytes are KV tokens,
+        # exactly as the model's shapes say; the process really gave them back.
+        assert body["released_ffn_bytes"] == released
+        assert body["kv_capacity_tokens"] == capacity
+        assert body["mirror_kv_capacity_tokens"] == {str(q): capacity for q in REPLICAS
+                                                     if q != i}
+        assert body["transitions"][-1]["rss_drop_bytes"] >= 0.95 * released
     for got, ref in zip(every_output(dp3, prompts), reference * len(REPLICAS) * 2):
         assert_like_reference(got, ref)
     s = status(dp3)
@@ -218,6 +240,9 @@ def test_merge_and_split_keep_every_output(dp3, prompts, reference):
     r = post(dp3, "split", {"group": [0, 1, 2]})
     assert r.status_code == 200, r.text
     assert r.json()["units"] == [[0], [1], [2]]
+    after = status(dp3, digest=True)["replicas"]
+    assert [b["ffn_sha256"] for b in after] == digests  # every FFN byte back, bit for bit
+    assert all(b["kv_capacity_tokens"] == 1024 and b["released_ffn_bytes"] == 0 for b in after)
     for got, ref in zip(every_output(dp3, prompts), reference * len(REPLICAS) * 2):
         assert_like_reference(got, ref)
     for body in status(dp3)["replicas"]:

@@ -3,7 +3,8 @@
 A random Llama (8 query / 4 KV heads, transformers' ``LlamaModel``, float32) is the reference.
 The same weights in SGLang's tp_size-1 layout (fused QKV and gate/up, SGLang's own RMSNorm and
 rotary embedding) run through ``forward`` on every member of a group of 1, 2 and 4 (threads,
-an in-memory all-reduce): a prefill of two requests with different prompt lengths and then
+an in-memory all-reduce), the FFN rows read from the model's weights or, in place, from each
+member's page store that holds its shard only: a prefill of two requests with different prompt lengths and then
 decode steps, each member keeping its heads' KV in its own pool at the owner's slot numbers.
 The owner's final-normed hidden states equal transformers' last hidden states of the same
 positions, and every member's KV pool holds exactly its heads' rows of the reference's keys.
@@ -21,6 +22,7 @@ import torch
 os.environ.setdefault("SGLANG_USE_CPU_ENGINE", "1")  # SGLang's CPU rotary path (as serve.sh)
 
 from sglang_morph.amoebas.forward import Batch, Shard, forward, layer_shards  # noqa: E402
+from sglang_morph.amoebas.weights import MappedFfnWeights, keep_shard_layers  # noqa: E402
 
 HIDDEN, Q_HEADS, KV_HEADS, HEAD_DIM, FFN, LAYERS = 256, 8, 4, 32, 384, 3
 PROMPTS = ([5, 17, 3, 99, 42], [7, 7, 1, 250, 11, 64, 30, 2])
@@ -89,11 +91,20 @@ class ThreadAllReduce:
         return all_reduce
 
 
-def run_group(model, degree: int) -> tuple[list[torch.Tensor], list]:
+def run_group(model, degree: int, in_place: bool = False) -> tuple[list[torch.Tensor], list]:
     """Every step of the two requests on a group of ``degree`` (member 0 owns them); the
-    owner's hidden states of every step and each member's K pools."""
+    owner's hidden states of every step and each member's K pools. ``in_place``: each member's
+    FFN rows come from its own page store holding its shard only (the rest released)."""
     shards = [Shard(r, degree, Q_HEADS, KV_HEADS, FFN) for r in range(degree)]
-    views = [layer_shards(model, s, HEAD_DIM) for s in shards]
+    if in_place:
+        stores = [[MappedFfnWeights.from_tensors(layer.mlp.gate_up_proj.weight,
+                                                 layer.mlp.down_proj.weight, (1, 2, 4))
+                   for layer in model.layers] for _ in range(degree)]
+        for r, own in enumerate(stores):
+            keep_shard_layers(own, r, degree)
+        views = [layer_shards(model, s, HEAD_DIM, ffn=own) for s, own in zip(shards, stores)]
+    else:
+        views = [layer_shards(model, s, HEAD_DIM) for s in shards]
     pools = [([torch.zeros(SLOTS, KV_HEADS // degree, HEAD_DIM) for _ in range(LAYERS)],
               [torch.zeros(SLOTS, KV_HEADS // degree, HEAD_DIM) for _ in range(LAYERS)])
              for _ in range(degree)]
@@ -127,11 +138,12 @@ def run_group(model, degree: int) -> tuple[list[torch.Tensor], list]:
     return outputs, pools
 
 
-@pytest.mark.parametrize("degree", [1, 2, 4])
-def test_group_forward_equals_transformers(reference, degree):
+@pytest.mark.parametrize("degree, in_place", [(1, False), (2, False), (4, False), (2, True),
+                                               (4, True)])
+def test_group_forward_equals_transformers(reference, degree, in_place):
     config, hf = reference
     model = sglang_layout(config, hf)
-    outputs, pools = run_group(model, degree)
+    outputs, pools = run_group(model, degree, in_place)
     for i in range(2):
         ids = torch.tensor([PROMPTS[i] + DECODE_TOKENS[i]])
         with torch.no_grad():

@@ -4,6 +4,10 @@
                    groups (aligned runs of replicas), launch checks
     forward.py     the merged group's tensor-parallel forward: each member's heads and FFN
                    rows of an owner's batch, partial sums all-reduced (SGLang's tp_size stays 1)
+    pages.py       anonymous page mappings released with MADV_DONTNEED; the parallelism-aware
+                   padding of the FFN rows (every degree's shard boundary on a page)
+    weights.py     FFN weights in place: gate | up | down^T rows per layer in one mapping, a
+                   member's shard kept and the rest released, the peers' rows written back
     replica.py     one replica's side: its links to the groups it may join, merge and split as
                    voted transitions, the merged forward on its batches and the others'
     messages.py, http.py   /amoebas/status, /amoebas/merge, /amoebas/split

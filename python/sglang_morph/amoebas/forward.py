@@ -82,30 +82,38 @@ class LayerShard:
     down: torch.Tensor
 
 
-def layer_shards(model: Any, shard: Shard, head_dim: int) -> list[LayerShard]:
+def layer_shards(model: Any, shard: Shard, head_dim: int,
+                 ffn: Sequence[Any] | None = None) -> list[LayerShard]:
     """Views of ``model.layers``' weights (SGLang's Llama layout at tp_size 1: fused QKV rows
-    q|k|v, fused gate/up rows gate|up) for ``shard``. Raises NotImplementedError for a layer
-    this forward does not compute (biases)."""
+    q|k|v, fused gate/up rows gate|up) for ``shard``; with ``ffn`` (one
+    ``weights.FfnWeights`` per layer, holding at least the shard) the FFN rows are views of
+    those stores instead (gate, up and down^T rows, padded to ``shard.intermediate_size``).
+    Raises NotImplementedError for a layer this forward does not compute (biases)."""
     q_rows = _rows(shard.q_heads, head_dim)
     kv_rows = _rows(shard.kv_heads, head_dim)
     q_size, kv_size = shard.num_q_heads * head_dim, shard.num_kv_heads * head_dim
-    ffn = shard.ffn_rows
+    rows = shard.ffn_rows
     out = []
-    for layer in model.layers:
+    for i, layer in enumerate(model.layers):
         attn, mlp = layer.self_attn, layer.mlp
         for linear in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj):
             if getattr(linear, "bias", None) is not None:
                 raise NotImplementedError(f"{type(linear).__name__} with a bias")
+        if ffn is not None:
+            gate, up, down_t = ffn[i].rows(rows.start, rows.stop)
+            down = down_t.t()
+        else:
+            gate_up = mlp.gate_up_proj.weight
+            gate = gate_up[rows.start:rows.stop]
+            up = gate_up[shard.intermediate_size + rows.start:
+                         shard.intermediate_size + rows.stop]
+            down = mlp.down_proj.weight[:, rows.start:rows.stop]
         qkv = attn.qkv_proj.weight
-        gate_up = mlp.gate_up_proj.weight
         out.append(LayerShard(
             q=qkv[q_rows.start:q_rows.stop],
             k=qkv[q_size + kv_rows.start:q_size + kv_rows.stop],
             v=qkv[q_size + kv_size + kv_rows.start:q_size + kv_size + kv_rows.stop],
-            o=attn.o_proj.weight[:, q_rows.start:q_rows.stop],
-            gate=gate_up[ffn.start:ffn.stop],
-            up=gate_up[shard.intermediate_size + ffn.start:shard.intermediate_size + ffn.stop],
-            down=mlp.down_proj.weight[:, ffn.start:ffn.stop]))
+            o=attn.o_proj.weight[:, q_rows.start:q_rows.stop], gate=gate, up=up, down=down))
     return out
 
 

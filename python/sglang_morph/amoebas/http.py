@@ -51,14 +51,16 @@ def add_routes(app: Any) -> None:
     """Add the /amoebas routes to SGLang's FastAPI ``app`` (launcher process, before serving)."""
     from sglang.srt.utils.auth import AuthLevel, auth_level
 
-    async def amoebas_status():
+    async def amoebas_status(digest: bool = False):
         """Units (replicas serving alone and merged groups), each replica's group, degree,
-        KV capacity and use, and its recent transitions.
+        heads and FFN rows, KV capacity and use, FFN bytes released, and its recent
+        transitions. ``?digest=1`` adds ``ffn_sha256``, a digest of the FFN rows each replica
+        holds (to check that a merge and split gave every byte back).
 
         Answers: 200 with ``{"units": [[0, 1, 2]] or [[0], [1], [2]], "replicas": [...]}``,
         one status per replica; 503 when AMOEBAs is not running in this server.
         """
-        return await _forward(AmoebasStatusReq())
+        return await _forward(AmoebasStatusReq(digest=digest))
 
     @auth_level(AuthLevel.ADMIN_OPTIONAL)
     async def amoebas_merge(request: Request):

@@ -11,7 +11,10 @@ from sglang.srt.managers.io_struct import BaseReq, hook_custom_types
 
 
 class AmoebasStatusReq(BaseReq, kw_only=True):
-    """``GET /amoebas/status``."""
+    """``GET /amoebas/status`` (``?digest=1``: with a SHA-256 of the FFN rows each replica
+    holds)."""
+
+    digest: bool = False
 
 
 class AmoebasMergeReq(BaseReq, kw_only=True):

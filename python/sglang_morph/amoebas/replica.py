@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import datetime
 import functools
+import hashlib
 import logging
 import threading
 import time
@@ -40,11 +41,14 @@ import torch
 
 from sglang_morph.amoebas.config import AmoebasConfig
 from sglang_morph.amoebas.forward import Batch, Shard, forward, layer_shards
-from sglang_morph.elastic.contract import Outcome
+from sglang_morph.amoebas.pages import process_rss_bytes
+from sglang_morph.amoebas.weights import MappedFfnWeights, keep_shard_layers, restore_layers
+from sglang_morph.elastic.contract import ElasticError, Outcome
+from sglang_morph.elastic.kv_resizer import KVResizer
 from sglang_morph.elastic.control import ControlOutput, replica_index
 from sglang_morph.groups.link import GroupLink
 from sglang_morph.groups.member import GroupMember
-from sglang_morph.groups.transition import Phase, VotedTransition
+from sglang_morph.groups.transition import LastStep, Phase, VotedTransition
 
 logger = logging.getLogger("sglang_morph.amoebas")
 
@@ -71,8 +75,18 @@ class AmoebasReplica:
         self.pool = self.allocator.get_kvcache()
         self.num_q_heads = int(hf.num_attention_heads)
         self.num_kv_heads = int(getattr(hf, "num_key_value_heads", self.num_q_heads))
-        self.intermediate_size = int(hf.intermediate_size)
         self.head_dim = int(self.pool.k_buffer[0].shape[-1])
+        try:
+            self.ffn = [MappedFfnWeights.from_module(layer.mlp, cfg.degrees)
+                        for layer in self.model.layers]
+        except ElasticError as e:
+            raise NotImplementedError(str(e)) from e
+        # The FFN rows as stored: padded so every degree's shard boundary is on a page.
+        self.intermediate_size = self.ffn[0].layout.padded_intermediate
+        self.kv_capacity_tokens_whole = int(self.pool.size)
+        self.released_ffn_bytes = 0
+        self._shrunk_tokens = 0
+        self._rss_drop_bytes = 0
         if tuple(self.pool.k_buffer[0].shape[1:]) != (self.num_kv_heads, self.head_dim):
             raise NotImplementedError(f"KV buffers of shape {tuple(self.pool.k_buffer[0].shape)}"
                                       f" for {self.num_kv_heads} KV heads")
@@ -89,8 +103,6 @@ class AmoebasReplica:
         self.unit: tuple[int, ...] = (self.replica,)
         self.shard: Shard | None = None
         self._layers: list | None = None  # forward.LayerShard per layer while merged
-        self._own: tuple[list, list] | None = None
-        self.mirrors: dict[int, tuple[list, list]] = {}  # owner replica -> (K, V) per layer
         self.transitions: list[dict[str, Any]] = []
         self.batches_merged = self.batches_served_for_others = 0
         runner.amoebas = self
@@ -112,9 +124,26 @@ class AmoebasReplica:
         return int(self.pool.size) - int(self.allocator.available_size()) - int(
             self.scheduler.tree_cache.evictable_size())
 
-    def status(self) -> dict[str, Any]:
+    def kv_views(self, owner: int) -> tuple[list, list]:
+        """This member's heads of ``owner``'s requests, per layer ([slots, heads/d, dim] views
+        of the pool's buffers, at ``owner``'s slot numbers): the columns of this member's own
+        heads for its own requests, else the columns of ``owner``'s heads (its mirror)."""
+        d, i = len(self.unit), self.unit.index(owner)
+        span = Shard(i, d, self.num_q_heads, self.num_kv_heads, self.intermediate_size).kv_heads
+        return ([k[:, span.start:span.stop] for k in self.pool.k_buffer],
+                [v[:, span.start:span.stop] for v in self.pool.v_buffer])
+
+    def ffn_digest(self) -> str:
+        """SHA-256 of the FFN rows held, layer by layer (gate, up, down^T)."""
+        digest = hashlib.sha256()
+        for store in self.ffn:
+            digest.update(store.rows(*store.resident_rows).contiguous().view(torch.uint8)
+                          .numpy().tobytes())
+        return digest.hexdigest()
+
+    def status(self, digest: bool = False) -> dict[str, Any]:
         shard = self.shard
-        return {
+        return {**({"ffn_sha256": self.ffn_digest()} if digest else {}),
             "replica": self.replica,
             "group": list(self.unit),
             "degree": len(self.unit),
@@ -123,9 +152,12 @@ class AmoebasReplica:
             "ffn_rows": [shard.ffn_rows.start, shard.ffn_rows.stop] if shard
             else [0, self.intermediate_size],
             "kv_capacity_tokens": int(self.pool.size),
+            "kv_capacity_tokens_alone": self.kv_capacity_tokens_whole,
             "kv_used_tokens": self.used_tokens(),
-            "mirror_kv_capacity_tokens": {str(r): int(k[0].shape[0]) - 1
-                                          for r, (k, _) in self.mirrors.items()},
+            # Every member's mirror of q has the pool's rows: q's slot numbers all fit.
+            "mirror_kv_capacity_tokens": {str(r): int(self.pool.size)
+                                          for r in self.unit if r != self.replica},
+            "released_ffn_bytes": self.released_ffn_bytes,
             "batches_merged": self.batches_merged,
             "batches_served_for_others": self.batches_served_for_others,
             "groups_allowed": [list(b) for b in self.cfg.blocks()],
@@ -140,27 +172,34 @@ class AmoebasReplica:
     def check_integrity(self) -> None:
         for member in self.members.values():
             member.check_integrity()
+        for store in self.ffn:
+            store.check_integrity()
+        held = {store.resident_rows for store in self.ffn}
         if not self.merged:
-            assert self.shard is None and not self.mirrors and self._own is None, (
-                f"replica {self.replica} serves alone but keeps a shard or mirrors")
+            assert self.shard is None and self._layers is None, (
+                f"replica {self.replica} serves alone but keeps a shard")
+            assert held == {(0, self.intermediate_size)}, f"FFN rows held alone: {held}"
+            assert self.released_ffn_bytes == 0
             return
         assert self.unit in self.members, f"replica {self.replica} is in unknown group {self.unit}"
-        d, rows = len(self.unit), self.pool.k_buffer[0].shape[0]
-        assert self.shard is not None and self.shard.degree == d
-        assert sorted(self.mirrors) == [r for r in self.unit if r != self.replica], (
-            f"mirrors {sorted(self.mirrors)} for group {self.unit}")
-        for k, v in (self._own, *self.mirrors.values()):
-            for buf in (*k, *v):
-                assert tuple(buf.shape) == (rows, self.num_kv_heads // d, self.head_dim), (
-                    f"a KV view of shape {tuple(buf.shape)} in a group of {d}")
+        shard = self.shard
+        assert shard is not None and shard.degree == len(self.unit)
+        rows = shard.ffn_rows
+        assert held == {(rows.start, rows.stop)}, f"FFN rows held in a group: {held}"
 
     # ---- control requests (scheduler thread, between batches) ----
 
     def handle_control(self, req: Any) -> ControlOutput:
-        from sglang_morph.amoebas.messages import AmoebasMergeReq, AmoebasSplitReq
+        from sglang_morph.amoebas.messages import (
+            AmoebasMergeReq,
+            AmoebasSplitReq,
+            AmoebasStatusReq,
+        )
 
         code, body = _OK, None
-        if isinstance(req, AmoebasMergeReq):
+        if isinstance(req, AmoebasStatusReq):
+            body = self.status(digest=req.digest)
+        elif isinstance(req, AmoebasMergeReq):
             code, body = self._transition(tuple(req.replicas), merge=True)
         elif isinstance(req, AmoebasSplitReq):
             code, body = self._transition(tuple(req.group), merge=False)
@@ -180,11 +219,17 @@ class AmoebasReplica:
             phases = (Phase("the KV re-shard", self._drop_cached_kv, lambda: None),
                       Phase("the switch to the group", functools.partial(self._join, block),
                             self._leave))
+            # Releasing FFN rows cannot be undone without the peers: the commit step.
+            last = LastStep(self._release_ffn, "the group serves, but without the KV capacity "
+                                               "of the FFN rows it did not release")
         else:
             phases = (Phase("the KV re-shard back", self._drop_cached_kv, lambda: None),
+                      Phase("the KV shrink", self._shrink_kv, self._regrow_kv),
+                      Phase("the FFN gather", self._gather_ffn, self._release_ffn_again),
                       Phase("the switch back", self._leave, functools.partial(self._join, block)))
+            last = None
         record = member.group_transitions.run(
-            VotedTransition(action, "operator", self._refusal(block, merge), phases),
+            VotedTransition(action, "operator", self._refusal(block, merge), phases, last),
             applied=lambda seconds: self._applied(action, block, seconds))
         if record.outcome is Outcome.APPLIED:
             return _OK, None
@@ -211,32 +256,67 @@ class AmoebasReplica:
         self.transitions.append({"action": action, "group": list(block),
                                  "at_unix_s": round(time.time(), 3),
                                  "duration_s": round(seconds, 4),
-                                 "kv_capacity_tokens": int(self.pool.size)})
+                                 "kv_capacity_tokens": int(self.pool.size),
+                                 "released_ffn_bytes": self.released_ffn_bytes,
+                                 "rss_drop_bytes": self._rss_drop_bytes if action == "merge"
+                                 else None})
         logger.info("sglang-morph: AMOEBAs %s on replica %d: %s", action, self.replica,
                     self.transitions[-1])
         return self.transitions[-1]
 
-    # ---- joining and leaving a group (the views; no memory moves) ----
+    # ---- joining and leaving a group (the views) ----
 
     def _join(self, block: tuple[int, ...]) -> None:
         d, i = len(block), block.index(self.replica)
         shard = Shard(i, d, self.num_q_heads, self.num_kv_heads, self.intermediate_size)
-        layers = layer_shards(self.model, shard, self.head_dim)
-
-        def heads(rank: int) -> tuple[list, list]:
-            span = Shard(rank, d, self.num_q_heads, self.num_kv_heads,
-                         self.intermediate_size).kv_heads
-            return ([k[:, span.start:span.stop] for k in self.pool.k_buffer],
-                    [v[:, span.start:span.stop] for v in self.pool.v_buffer])
-
-        self.shard, self._layers, self._own = shard, layers, heads(i)
-        # Member q's mirror sits in the heads this replica no longer keeps for itself: q's.
-        self.mirrors = {r: heads(block.index(r)) for r in block if r != self.replica}
-        self.unit = block
+        self._layers = layer_shards(self.model, shard, self.head_dim, ffn=self.ffn)
+        self.shard, self.unit = shard, block
 
     def _leave(self) -> None:
-        self.unit, self.shard, self._layers, self._own = (self.replica,), None, None, None
-        self.mirrors = {}
+        self.unit, self.shard, self._layers = (self.replica,), None, None
+
+    # ---- memory: FFN rows released in place become KV capacity, and back ----
+
+    def _release_ffn(self) -> None:
+        """Keep this member's FFN rows only and turn the freed bytes into KV tokens (each
+        token's row holds every KV head: its own heads and the mirrors' columns)."""
+        rss_before = process_rss_bytes()
+        done = keep_shard_layers(self.ffn, self.shard.rank, self.shard.degree)
+        self.released_ffn_bytes = sum(t.freed_bytes for t in done)
+        # What the process gave back to the OS, measured (RSS), before the KV takes it.
+        self._rss_drop_bytes = rss_before - process_rss_bytes()
+        resizer = KVResizer(self.scheduler)
+        resizer.grow(self.released_ffn_bytes // resizer.kv_bytes_per_token)
+
+    def _shrink_kv(self) -> None:
+        resizer = KVResizer(self.scheduler)
+        self._shrunk_tokens = int(self.pool.size) - self.kv_capacity_tokens_whole
+        resizer.shrink(self._shrunk_tokens)
+
+    def _regrow_kv(self) -> None:
+        grown = int(self.pool.size) - self.kv_capacity_tokens_whole
+        KVResizer(self.scheduler).grow(self._shrunk_tokens - grown)
+
+    def _gather_ffn(self) -> None:
+        """Every member sends its FFN rows to every other (one all-gather per layer on the
+        group's control group) and writes the others' rows back into its pages."""
+        shard, pg = self.shard, self.member.link.control
+        d = shard.degree
+        payloads = []
+        for store in self.ffn:
+            mine = store.payload(shard.rank, d).contiguous()
+            outs = [torch.empty_like(mine) for _ in range(d)]
+            pg.allgather([outs], [mine]).wait()
+            payloads.append({store.layout.shard_rows(j, d): outs[j]
+                             for j in range(d) if j != shard.rank})
+        restore_layers(self.ffn, payloads)
+        self.released_ffn_bytes = 0
+
+    def _release_ffn_again(self) -> None:
+        if all(store.whole for store in self.ffn):
+            self.released_ffn_bytes = sum(
+                t.freed_bytes for t in keep_shard_layers(self.ffn, self.shard.rank,
+                                                         self.shard.degree))
 
     # ---- the merged forward ----
 
@@ -254,7 +334,8 @@ class AmoebasReplica:
                                          input_ids, positions)
         for other in member.link.others:
             member.call(other, batch.tensors())
-        hidden = forward(self.model, self._layers, self.shard, self.head_dim, batch, *self._own,
+        hidden = forward(self.model, self._layers, self.shard, self.head_dim, batch,
+                         *self.kv_views(self.replica),
                          self._all_reduce(member.link.calls[member.link.rank]), final_norm=True)
         for other in member.link.others:
             member.answer(other)
@@ -268,9 +349,8 @@ class AmoebasReplica:
         if self.unit != block:
             raise RuntimeError(f"a batch of group {list(block)} reached replica {self.replica} "
                                f"serving in {list(self.unit)}")
-        owner = block[caller]
         forward(self.model, self._layers, self.shard, self.head_dim,
-                Batch.from_tensors(tensors), *self.mirrors[owner],
+                Batch.from_tensors(tensors), *self.kv_views(block[caller]),
                 self._all_reduce(self.members[block].link.calls[caller]), final_norm=False)
         self.batches_served_for_others += 1
         return {}

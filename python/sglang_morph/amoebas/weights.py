@@ -1,0 +1,446 @@
+"""FFN weights in place: a merged member keeps its intermediate shard and frees the rest.
+
+A Llama MLP is ``down(silu(gate(x)) * up(x))``. Member ``r`` of a tensor-parallel group of
+degree ``d`` needs only rows ``[r*I/d, (r+1)*I/d)`` of ``gate`` and ``up`` and the same input
+columns of ``down``; its partial outputs summed over the members are the full output. The
+AMOEBAs paper frees the other shards in place (``cuMemUnmap`` of the weight granules, the
+address range kept) and maps them back on a split. Here each MLP's weights live in one
+anonymous mapping (``pages.AnonymousMapping``) laid out as three sections of
+``[I_pad, hidden]`` rows::
+
+    gate | up | down^T
+
+``down`` is stored transposed so that a shard of its input columns is a range of rows, like
+the shards of ``gate`` and ``up``. The padded intermediate size ``I_pad`` (the paper's Eq. 2,
+``pages.padded_intermediate``) makes every allowed degree's shard boundaries fall on pages, so
+freeing a shard is ``madvise(MADV_DONTNEED)`` of whole pages; the padding rows are zero.
+
+Installed into a module (``from_module``), ``gate_up_proj.weight`` becomes the view
+``[2*I_pad, hidden]`` of the first two sections (gate and up are adjacent, as SGLang's merged
+projection and ``SiluAndMul``'s split in the middle expect) and ``down_proj.weight`` the view
+``[hidden, I_pad]`` of the transposed third. Consequences (``benchmark/amoebas/
+weights_cost.py`` measures them): the gate/up projection reads the same layout, so it is
+bit-identical; the down projection reads a transposed operand, for which the BLAS may pick
+another kernel and sum the same products in another order (float32 rounding, not bits, is
+kept); with padding the module computes with ``I_pad`` rows, the zero rows adding exact zeros
+to a longer reduction, whose blocking, hence rounding, may differ too.
+
+The order a live transition must use (all-or-nothing over the layers: ``keep_shard_layers``
+and ``restore_layers`` validate every layer before touching any):
+
+- merge: vote; then every phase that can still be undone (KV re-sharding, the sharded
+  forward); then, as the commit step, ``keep_shard_layers``. A release cannot be undone
+  without the peers' shards, so nothing may fail after it; after validation it has no failure
+  mode (``madvise`` of page-aligned ranges inside a live private mapping).
+- split: vote; free the KV memory the weights come back into; gather the peers' shards
+  (``payload``, over gloo); ``restore_layers``, which checks shapes, dtypes and ranges of
+  every payload of every layer before writing any byte, and undoes the layers already
+  written if a write fails; only then switch the forward back to the module.
+
+``CopiedFfnWeights`` is the paper's base variant ("weight partial swap by copy") behind the
+same interface, for comparison: compact shard tensors are allocated and copied, and the full
+tensor dropped (peak = full + shard); a split allocates the full tensor again and copies back.
+"""
+
+from __future__ import annotations
+
+import abc
+import dataclasses
+import functools
+from collections.abc import Iterable, Mapping, Sequence
+
+import torch
+import torch.nn.functional as F
+
+from sglang_morph.amoebas.pages import (
+    PAGE_BYTES,
+    AnonymousMapping,
+    padded_intermediate,
+    padding_multiple,
+)
+from sglang_morph.elastic.contract import ElasticError
+
+SECTIONS = 3  # gate, up, down^T
+RowRange = tuple[int, int]
+
+
+@dataclasses.dataclass(frozen=True)
+class FfnLayout:
+    """One MLP's padded layout. ``degrees`` is normalised to a sorted tuple containing 1;
+    ``page_bytes`` (the release granularity the padding is for) is a multiple of the system
+    page so that every shard boundary is also a system page boundary."""
+
+    intermediate: int
+    hidden: int
+    dtype: torch.dtype
+    degrees: tuple[int, ...]
+    page_bytes: int = PAGE_BYTES
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "degrees", tuple(sorted({1, *self.degrees})))
+        if self.intermediate < 1:
+            raise ValueError(f"intermediate must be >= 1, got {self.intermediate}")
+        if self.page_bytes % PAGE_BYTES:
+            raise ValueError(f"page_bytes {self.page_bytes} is not a multiple of the system "
+                             f"page ({PAGE_BYTES} bytes)")
+        padding_multiple(self.hidden, self.dtype_bytes, self.degrees, self.page_bytes)
+
+    @property
+    def dtype_bytes(self) -> int:
+        return self.dtype.itemsize
+
+    @functools.cached_property
+    def padded_intermediate(self) -> int:
+        return padded_intermediate(self.intermediate, self.hidden, self.dtype_bytes,
+                                   self.degrees, self.page_bytes)
+
+    @property
+    def row_bytes(self) -> int:
+        return self.hidden * self.dtype_bytes
+
+    @property
+    def section_bytes(self) -> int:
+        return self.padded_intermediate * self.row_bytes
+
+    @property
+    def mapping_bytes(self) -> int:
+        return SECTIONS * self.section_bytes
+
+    def rows_bytes(self, rows: int) -> int:
+        """Bytes of ``rows`` rows in all three sections."""
+        return SECTIONS * rows * self.row_bytes
+
+    def shard_rows(self, rank: int, degree: int) -> RowRange:
+        """Rows ``[start, stop)`` of the padded intermediate that member ``rank`` keeps."""
+        if degree not in self.degrees or not 0 <= rank < degree:
+            raise ElasticError(f"no shard for rank {rank} of degree {degree} (allowed degrees "
+                               f"{self.degrees})", 400)
+        rows = self.padded_intermediate // degree
+        return rank * rows, (rank + 1) * rows
+
+    def is_shard(self, rows: RowRange) -> bool:
+        return any(rows == self.shard_rows(r, d) for d in self.degrees for r in range(d))
+
+
+@dataclasses.dataclass(frozen=True)
+class WeightTransition:
+    """One layer's ``keep_shard`` or ``restore``. ``peak_extra_bytes``: memory the transition
+    held at once beyond ``max(held before, held after)`` (payloads handed in not counted)."""
+
+    action: str
+    rows_before: RowRange
+    rows_after: RowRange
+    freed_bytes: int
+    restored_bytes: int
+    peak_extra_bytes: int
+
+
+class FfnWeights(abc.ABC):
+    """One MLP's gate, up and down^T rows, of which ``resident_rows`` are held.
+
+    Invariants (``check_integrity``): ``resident_rows`` is one range whose byte bounds lie on
+    pages; the padding rows ``[I, I_pad)`` held are zero; while every row is held, an
+    installed module's two weights are views of this store. Subclasses decide how rows are
+    dropped (``_drop``) and filled back (``_fill``); all checks happen here, before either.
+    """
+
+    def __init__(self, layout: FfnLayout):
+        self.layout = layout
+        self._resident: RowRange = (0, layout.padded_intermediate)
+        self._module: torch.nn.Module | None = None
+
+    @classmethod
+    def from_tensors(cls, gate_up: torch.Tensor, down: torch.Tensor, degrees: Iterable[int],
+                     page_bytes: int = PAGE_BYTES):
+        """A store holding ``gate_up`` ([2*I, hidden], gate rows then up rows) and ``down``
+        ([hidden, I]), padded for ``degrees``."""
+        if gate_up.dim() != 2 or down.dim() != 2 or gate_up.shape[0] % 2:
+            raise ElasticError(f"expected gate_up [2*I, hidden] and down [hidden, I], got "
+                               f"{list(gate_up.shape)} and {list(down.shape)}", 400)
+        intermediate, hidden = gate_up.shape[0] // 2, gate_up.shape[1]
+        if down.shape != (hidden, intermediate) or down.dtype != gate_up.dtype:
+            raise ElasticError(f"down {list(down.shape)} {down.dtype} does not match gate_up "
+                               f"{list(gate_up.shape)} {gate_up.dtype}", 400)
+        store = cls(FfnLayout(intermediate, hidden, gate_up.dtype, tuple(degrees), page_bytes))
+        rows = store.rows(0, intermediate)
+        with torch.no_grad():
+            rows[0].copy_(gate_up[:intermediate])
+            rows[1].copy_(gate_up[intermediate:])
+            rows[2].copy_(down.t())
+        return store
+
+    @classmethod
+    def from_module(cls, module: torch.nn.Module, degrees: Iterable[int],
+                    page_bytes: int = PAGE_BYTES):
+        """Move ``module.gate_up_proj.weight`` and ``module.down_proj.weight`` into a new store
+        and make them views of it (the Parameter objects stay, their data changes)."""
+        linears = (module.gate_up_proj, module.down_proj)
+        for linear in linears:
+            # SGLang's AMX path repacks weights into a VNNI block layout at load time; a view
+            # of plain rows would be read as packed blocks.
+            if getattr(linear, "use_intel_amx_backend", False):
+                raise ElasticError(f"{type(linear).__name__} runs SGLang's packed AMX weights; "
+                                   "their layout cannot be viewed from a row store", 400)
+            if linear.weight.device.type != "cpu" or not linear.weight.is_floating_point():
+                raise ElasticError(f"{type(linear).__name__}.weight is "
+                                   f"{linear.weight.dtype} on {linear.weight.device}; "
+                                   "expected floating point on the CPU", 400)
+        store = cls.from_tensors(linears[0].weight.detach(), linears[1].weight.detach(),
+                                 degrees, page_bytes)
+        store._module = module
+        store._point_module()
+        return store
+
+    @property
+    def resident_rows(self) -> RowRange:
+        return self._resident
+
+    @property
+    def whole(self) -> bool:
+        return self._resident == (0, self.layout.padded_intermediate)
+
+    def rows(self, start: int, stop: int) -> torch.Tensor:
+        """``[3, stop-start, hidden]`` view of held rows (gate, up, down^T)."""
+        r0, r1 = self._resident
+        if not r0 <= start <= stop <= r1:
+            raise ElasticError(f"rows [{start}, {stop}) are not all held (held [{r0}, {r1}))",
+                               409)
+        return self._held()[:, start - r0:stop - r0]
+
+    def payload(self, rank: int, degree: int) -> torch.Tensor:
+        """Member ``rank``'s shard, what it sends a peer that restores (``.contiguous()`` it
+        for a gloo send)."""
+        return self.rows(*self.layout.shard_rows(rank, degree))
+
+    def module_views(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """``gate_up`` ``[2*I_pad, hidden]`` and ``down`` ``[hidden, I_pad]`` over all rows."""
+        full = self.rows(0, self.layout.padded_intermediate)
+        return full[:2].reshape(-1, self.layout.hidden), full[2].t()
+
+    def ffn_partial(self, x: torch.Tensor, rank: int, degree: int) -> torch.Tensor:
+        """This member's term of the MLP output: ``down[:, shard] @ (silu(gate[shard] x) *
+        up[shard] x)``. The terms of all ranks of one degree sum to the MLP's output; at
+        degree 1 it runs the same GEMMs as the installed module."""
+        shard = self.rows(*self.layout.shard_rows(rank, degree))
+        hidden = F.silu(F.linear(x, shard[0])) * F.linear(x, shard[1])
+        return F.linear(hidden, shard[2].t())
+
+    def check_keep_shard(self, rank: int, degree: int) -> RowRange:
+        """The rows ``keep_shard`` would keep; raises (changing nothing) when it would refuse."""
+        start, stop = self.layout.shard_rows(rank, degree)
+        self.rows(start, stop)
+        return start, stop
+
+    def keep_shard(self, rank: int, degree: int) -> WeightTransition:
+        """Drop every held row outside member ``rank``'s shard. The commit step of a merge:
+        the dropped rows come back only from the peers (``restore``)."""
+        keep = self.check_keep_shard(rank, degree)
+        before = self._resident
+        peak_extra_bytes = self._drop(keep)
+        return WeightTransition("keep_shard", before, keep,
+                                self.layout.rows_bytes((before[1] - before[0])
+                                                       - (keep[1] - keep[0])),
+                                0, peak_extra_bytes)
+
+    def check_restore(self, rows_by_range: Mapping[RowRange, torch.Tensor]
+                      ) -> tuple[RowRange, list[tuple[RowRange, torch.Tensor]]]:
+        """The rows held after ``restore`` and its writes in row order; raises (changing
+        nothing) unless every payload is a CPU tensor of this dtype shaped
+        ``[3, stop-start, hidden]``, and the ranges with the held rows tile one shard (or all
+        rows) without overlap."""
+        if not rows_by_range:
+            raise ElasticError("restore needs at least one row range", 400)
+        writes = []
+        for key, payload in rows_by_range.items():
+            if (not isinstance(key, tuple) or len(key) != 2
+                    or not all(isinstance(v, int) for v in key) or not 0 <= key[0] < key[1]):
+                raise ElasticError(f"row range {key!r} is not (start, stop) with "
+                                   "0 <= start < stop", 400)
+            want = (SECTIONS, key[1] - key[0], self.layout.hidden)
+            if (not isinstance(payload, torch.Tensor) or payload.device.type != "cpu"
+                    or payload.dtype != self.layout.dtype or tuple(payload.shape) != want):
+                got = (f"{type(payload).__name__}" if not isinstance(payload, torch.Tensor)
+                       else f"{list(payload.shape)} {payload.dtype} on {payload.device}")
+                raise ElasticError(f"payload for rows {key} is {got}; expected {list(want)} "
+                                   f"{self.layout.dtype} on cpu", 400)
+            writes.append((key, payload))
+        writes.sort(key=lambda w: w[0])
+        pieces = sorted([self._resident, *(key for key, _ in writes)])
+        for (_, stop), (start, _) in zip(pieces, pieces[1:]):
+            if start != stop:
+                raise ElasticError(f"row ranges {pieces} (held rows included) "
+                                   f"{'overlap' if start < stop else 'leave a gap'}", 409)
+        after = (pieces[0][0], pieces[-1][1])
+        if not self.layout.is_shard(after):
+            raise ElasticError(f"rows {after} after the restore are no shard of the degrees "
+                               f"{self.layout.degrees}", 409)
+        return after, writes
+
+    def restore(self, rows_by_range: Mapping[RowRange, torch.Tensor]) -> WeightTransition:
+        """Write the peers' rows back (bit for bit), after ``check_restore``. All or nothing:
+        a write that fails leaves the rows held before, and only those."""
+        after, writes = self.check_restore(rows_by_range)
+        before = self._resident
+        peak_extra_bytes = self._fill(after, writes)
+        return WeightTransition("restore", before, after, 0,
+                                self.layout.rows_bytes(sum(b - a for (a, b), _ in writes)),
+                                peak_extra_bytes)
+
+    def check_integrity(self) -> None:
+        layout, (r0, r1) = self.layout, self._resident
+        assert 0 <= r0 <= r1 <= layout.padded_intermediate, f"held rows {self._resident}"
+        assert r0 * layout.row_bytes % layout.page_bytes == 0, f"rows from {r0} off a page"
+        assert r1 * layout.row_bytes % layout.page_bytes == 0, f"rows to {r1} off a page"
+        held = self._held()
+        assert tuple(held.shape) == (SECTIONS, r1 - r0, layout.hidden), list(held.shape)
+        padding = held[:, max(layout.intermediate, r0) - r0:]
+        assert not padding.any(), "padding rows hold non-zero values"
+        if self._module is not None and self.whole:
+            gate_up, down = self.module_views()
+            for name, param, view in (("gate_up_proj", self._module.gate_up_proj.weight,
+                                       gate_up),
+                                      ("down_proj", self._module.down_proj.weight, down)):
+                assert (param.data_ptr(), param.shape, param.stride()) == (
+                    view.data_ptr(), view.shape, view.stride()), f"{name}.weight left the store"
+
+    def _point_module(self) -> None:
+        gate_up, down = self.module_views()
+        self._module.gate_up_proj.weight.data = gate_up
+        self._module.down_proj.weight.data = down
+
+    @abc.abstractmethod
+    def _held(self) -> torch.Tensor:
+        """``[3, held rows, hidden]``: the rows ``resident_rows`` names."""
+
+    @abc.abstractmethod
+    def _drop(self, keep: RowRange) -> int:
+        """Hold only ``keep`` (inside the held rows); returns the peak extra bytes."""
+
+    @abc.abstractmethod
+    def _fill(self, after: RowRange, writes: list[tuple[RowRange, torch.Tensor]]) -> int:
+        """Hold ``after``, the held rows plus ``writes``; all or nothing; returns the peak extra
+        bytes."""
+
+
+class MappedFfnWeights(FfnWeights):
+    """Rows in one anonymous mapping at a fixed address; dropped rows are released pages.
+
+    The module's views stay valid across ``keep_shard`` (same addresses, as the paper's
+    unmapped granules keep captured graphs valid), but rows outside the shard read as zeros:
+    a merged member runs ``ffn_partial``, never the module's full forward.
+    """
+
+    def __init__(self, layout: FfnLayout):
+        super().__init__(layout)
+        self.mapping = AnonymousMapping(layout.mapping_bytes)
+        self._all = self.mapping.tensor(layout.dtype).view(SECTIONS, layout.padded_intermediate,
+                                                            layout.hidden)
+
+    def _held(self) -> torch.Tensor:
+        return self._all[:, self._resident[0]:self._resident[1]]
+
+    def _release(self, rows: RowRange) -> None:
+        start, stop = (r * self.layout.row_bytes for r in rows)
+        for section in range(SECTIONS):
+            offset = section * self.layout.section_bytes
+            self.mapping.release(offset + start, offset + stop)
+
+    def _drop(self, keep: RowRange) -> int:
+        before = self._resident
+        # The held range shrinks before the pages go: a release failing part-way leaves a
+        # store that holds more than it claims, never less.
+        self._resident = keep
+        self._release((before[0], keep[0]))
+        self._release((keep[1], before[1]))
+        return 0
+
+    def _fill(self, after: RowRange, writes: list[tuple[RowRange, torch.Tensor]]) -> int:
+        try:
+            with torch.no_grad():
+                for (start, stop), payload in writes:
+                    self._all[:, start:stop].copy_(payload)
+        except BaseException as e:
+            # Released again, written rows are as before the restore: zeros costing no memory.
+            for rows, _ in writes:
+                self._release(rows)
+            if not isinstance(e, Exception):
+                raise
+            raise ElasticError(f"restore failed and was undone: {e!r}", 500) from e
+        self._resident = after
+        return 0
+
+    def check_integrity(self) -> None:
+        super().check_integrity()
+        assert self._all.data_ptr() == self.mapping.address, "rows left the mapping"
+
+
+class CopiedFfnWeights(FfnWeights):
+    """The paper's base variant: rows in an ordinary tensor; a shard is a compact copy.
+
+    ``keep_shard`` copies the kept rows into a new tensor, then drops the old one (peak: old
+    + shard); ``restore`` allocates the new range, copies the held and the given rows in, then
+    drops the old (peak: new + old). While not every row is held, an installed module's
+    weights are empty tensors, so that the dropped full tensor is really freed.
+    """
+
+    def __init__(self, layout: FfnLayout):
+        super().__init__(layout)
+        self._tensor = torch.zeros(SECTIONS, layout.padded_intermediate, layout.hidden,
+                                   dtype=layout.dtype)
+
+    def _held(self) -> torch.Tensor:
+        return self._tensor
+
+    def _drop(self, keep: RowRange) -> int:
+        r0 = self._resident[0]
+        shard = self._tensor[:, keep[0] - r0:keep[1] - r0].clone()
+        if self._module is not None:
+            self._module.gate_up_proj.weight.data = shard.new_empty(0, self.layout.hidden)
+            self._module.down_proj.weight.data = shard.new_empty(self.layout.hidden, 0)
+        self._tensor, self._resident = shard, keep
+        return shard.nbytes
+
+    def _fill(self, after: RowRange, writes: list[tuple[RowRange, torch.Tensor]]) -> int:
+        old, (r0, r1) = self._tensor, self._resident
+        new = old.new_empty(SECTIONS, after[1] - after[0], self.layout.hidden)
+        try:
+            with torch.no_grad():
+                new[:, r0 - after[0]:r1 - after[0]].copy_(old)
+                for (start, stop), payload in writes:
+                    new[:, start - after[0]:stop - after[0]].copy_(payload)
+        except Exception as e:
+            raise ElasticError(f"restore failed and was undone: {e!r}", 500) from e
+        self._tensor, self._resident = new, after
+        if self._module is not None and self.whole:
+            self._point_module()
+        return old.nbytes
+
+
+def keep_shard_layers(layers: Sequence[FfnWeights], rank: int, degree: int
+                      ) -> list[WeightTransition]:
+    """``keep_shard`` on every layer, after checking that none would refuse."""
+    for weights in layers:
+        weights.check_keep_shard(rank, degree)
+    return [weights.keep_shard(rank, degree) for weights in layers]
+
+
+def restore_layers(layers: Sequence[FfnWeights],
+                   rows_by_range_per_layer: Sequence[Mapping[RowRange, torch.Tensor]]
+                   ) -> list[WeightTransition]:
+    """``restore`` on every layer, all or nothing: every payload of every layer is checked
+    before any is written, and a layer failing drops the layers restored before it back to
+    the rows they held."""
+    if len(layers) != len(rows_by_range_per_layer):
+        raise ElasticError(f"{len(rows_by_range_per_layer)} payload sets for {len(layers)} "
+                           "layers", 400)
+    for weights, rows_by_range in zip(layers, rows_by_range_per_layer):
+        weights.check_restore(rows_by_range)
+    done: list[WeightTransition] = []
+    try:
+        for weights, rows_by_range in zip(layers, rows_by_range_per_layer):
+            done.append(weights.restore(rows_by_range))
+    except BaseException:
+        for weights, transition in zip(layers, done):
+            weights._drop(transition.rows_before)
+        raise
+    return done
