@@ -10,7 +10,11 @@ after the scheduler finished its startup. Steps, in the order a transition runs 
   pages are handed out);
 - ``shrink``: shrinking the KV pool (raised after cache eviction and the move of live KV below
   the boundary, before the buffers are cut);
-- ``up``: putting full-precision weights back (raised before the last linear is switched).
+- ``up``: putting full-precision weights back (raised before the last linear is switched);
+- AMOEBAs' re-shard of the KV by head (``amoebas/kv_reshard.py``): ``kv_prepare`` (the new
+  own layout placed), ``kv_stage`` (a pair's rows staged, before they are sent), ``kv_write``
+  (received rows written), ``kv_install`` (the new pools installed); ``ffn_gather`` (a
+  split's FFN rows gathered back, before they are written).
 
 Each point is where a real failure would leave the most half-done state behind, which is what
 the tests need to show is undone. Off by default: the check is one attribute test when no fault
@@ -23,7 +27,8 @@ import contextlib
 import os
 
 ENV_VAR = "SGLANG_MORPH_FAULT"
-STEPS = ("down", "grow", "shrink", "up")
+STEPS = ("down", "grow", "shrink", "up", "kv_prepare", "kv_stage", "kv_write", "kv_install",
+         "ffn_gather")
 
 
 class InjectedFault(RuntimeError):

@@ -96,6 +96,7 @@ HOOK_FROM_CLI_ARGS = f"{_SERVER_ARGS}.from_cli_args"
 HOOK_SCHEDULER_INIT = f"{_SCHEDULER}.__init__"
 HOOK_LOAD_MODEL = f"{_RUNNER}.load_model"
 HOOK_NEXT_BATCH = f"{_SCHEDULER}.get_next_batch_to_run"
+HOOK_SCHEDULER_GENERATE = f"{_SCHEDULER}.handle_generate_request"
 HOOK_RETRACT_DECODE = f"{_BATCH}.ScheduleBatch.retract_decode"
 HOOK_TOKENIZER_MANAGER_INIT = f"{_TOKENIZER_MANAGER}.__init__"
 # TP rank 0's local inputs (SGLang's timeout aborts), broadcast to every rank with the step's.
@@ -276,9 +277,11 @@ KUNSERVE_SYMBOLS: tuple[Symbol, ...] = (
 
 # ----- AMOEBAs (amoebas/): the replica reads the pools, batches and the Llama model -----
 AMOEBAS_SYMBOLS: tuple[Symbol, ...] = (
-    *(Symbol(t, "hook") for t in (HOOK_RUNNER_FORWARD, HOOK_LLAMA_FORWARD)),
+    *(Symbol(t, "hook") for t in (HOOK_RUNNER_FORWARD, HOOK_LLAMA_FORWARD,
+                                  HOOK_SCHEDULER_GENERATE)),
     *_group(_SCHEDULER, "read", "server_args tp_worker token_to_kv_pool_allocator "
-            "req_to_token_pool tree_cache metrics_reporter"),
+            "req_to_token_pool tree_cache metrics_reporter model_config max_req_len "
+            "max_req_input_len waiting_queue running_batch last_batch chunked_req"),
     *_group(_SCHEDULER, "call", "is_fully_idle flush_cache", instance=False),
     Symbol(f"{_SCHEDULER}._request_dispatcher", "write", True),
     *_group(_RUNNER, "read", "model model_config"),

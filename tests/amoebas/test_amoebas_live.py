@@ -11,13 +11,20 @@ replicas' outputs before any merge (an untransformed DP server), checked on ever
   server allows;
 - bad input (not JSON, unknown fields, a group the server does not allow, a split of a group
   that does not exist, no key, a user key) gets 4xx with a message and changes nothing;
-- merge: every replica keeps one KV head and a third of the FFN rows, releases the other
+- a merge that fails on one member (an injected fault in its KV write, after the others wrote
+  theirs) answers 500 and leaves every member as it was; a request streaming on each replica
+  meanwhile finishes with the reference output;
+- merge, while a request streams on each replica: every replica keeps one KV head (its
+  requests' other heads move to the members that keep them, live rows only) and a third of
+  the FFN rows, releases the other
   two thirds in place (its RSS falls by at least 95% of those bytes) and gains exactly the KV
   tokens they hold, and its batches run on all three; outputs on each replica, one at a time and all at once (the three members'
   batches interleaving), equal the reference token for token, chosen-token logprobs within
   1e-4 nats; a second merge is refused (409);
-- split: every replica serves alone again with its startup capacity, every FFN byte back (the
-  same digest) and the reference outputs; the transitions log says what happened.
+- a split that fails on one member's FFN gather leaves the group merged and unchanged;
+- split, while a request streams on each replica: every replica serves alone again with its
+  startup capacity, every FFN byte back (the same digest) and the reference outputs; the
+  transitions log says what happened.
 """
 
 from __future__ import annotations
@@ -32,6 +39,7 @@ import requests
 
 from sglang_morph.amoebas import config as amoebas_config
 from sglang_morph.amoebas.mechanism import MECHANISM as AMOEBAS
+from sglang_morph.amoebas.replica import FAULT_REPLICA_ENV
 from sglang_morph.plugin import configure
 from sglang_morph.surface import PluginError
 # (corpus_ids and tokenizer are that module's fixtures)
@@ -111,9 +119,13 @@ def test_without_the_flag_nothing_changes(default_model_path):
 
 @pytest.fixture(scope="module")
 def dp3(server_factory):
+    # Replica 1 fails the first merge's KV write and the first split's FFN gather (test-only
+    # fault points), after the other members completed theirs.
     return server_factory(
-        "--dtype", "float32", "--dp-size", "3", "--enable-amoebas", "--max-total-tokens", "1024",
-        "--api-key", "test-api-key", "--admin-api-key", "test-admin-key")
+        "--dtype", "float32", "--dp-size", "3", "--enable-amoebas", "--amoebas-manual",
+        "--max-total-tokens", "1024", "--api-key", "test-api-key", "--admin-api-key",
+        "test-admin-key", env={"SGLANG_MORPH_FAULT": "kv_write,ffn_gather",
+                               FAULT_REPLICA_ENV: "1"})
 
 
 def status(server, digest: bool = False) -> dict:
@@ -211,10 +223,33 @@ def model_bytes(model_dir) -> tuple[int, int]:
     return ffn_bytes * 2 // 3, layers * 2 * cfg["num_key_value_heads"] * head_dim * 4
 
 
+def streams_across(server, route: str, body, prompts, reference) -> requests.Response:
+    """``route`` while prompt ``r`` streams on replica ``r`` (each a few tokens in); the
+    streams finish with their reference outputs. The transition's answer."""
+    streams = [Stream(server, prompts[r], N_NEW, routed_dp_rank=r) for r in REPLICAS]
+    for stream in streams:
+        stream.wait_for(3)
+    r = post(server, route, body)
+    assert [stream.join() for stream in streams] == [reference[r][0] for r in REPLICAS]
+    return r
+
+
+def snapshot(server) -> list:
+    """What a failed transition must leave as it was: each replica's group, capacity, FFN
+    bytes (digest) and transitions applied."""
+    return [(b["group"], b["kv_capacity_tokens"], b["released_ffn_bytes"], b["ffn_sha256"],
+             [t["action"] for t in b["transitions"]]) for b in status(server, digest=True)["replicas"]]
+
+
 def test_merge_and_split_keep_every_output(dp3, prompts, reference, default_model_path):
     released, kv_bytes_per_token = model_bytes(default_model_path)
-    digests = [b["ffn_sha256"] for b in status(dp3, digest=True)["replicas"]]
-    r = post(dp3, "merge", {"replicas": [0, 1, 2]})
+    before = snapshot(dp3)
+    # The first merge fails on replica 1 after the others wrote their rows: undone on all.
+    r = streams_across(dp3, "merge", {"replicas": [0, 1, 2]}, prompts, reference)
+    assert r.status_code == 500 and "undone" in r.text and "kv_write" in r.text, r.text
+    assert snapshot(dp3) == before
+
+    r = streams_across(dp3, "merge", {"replicas": [0, 1, 2]}, prompts, reference)
     assert r.status_code == 200, r.text
     merged = r.json()
     assert merged["units"] == [[0, 1, 2]]
@@ -237,12 +272,17 @@ def test_merge_and_split_keep_every_output(dp3, prompts, reference, default_mode
     again = post(dp3, "merge", {"replicas": [0, 1, 2]})
     assert again.status_code == 409 and "already serves in group [0, 1, 2]" in again.text
 
-    r = post(dp3, "split", {"group": [0, 1, 2]})
+    # The first split fails on replica 1's FFN gather: every member stays merged, unchanged.
+    merged_state = snapshot(dp3)
+    r = streams_across(dp3, "split", {"group": [0, 1, 2]}, prompts, reference)
+    assert r.status_code == 500 and "ffn_gather" in r.text, r.text
+    assert snapshot(dp3) == merged_state
+
+    r = streams_across(dp3, "split", {"group": [0, 1, 2]}, prompts, reference)
     assert r.status_code == 200, r.text
     assert r.json()["units"] == [[0], [1], [2]]
-    after = status(dp3, digest=True)["replicas"]
-    assert [b["ffn_sha256"] for b in after] == digests  # every FFN byte back, bit for bit
-    assert all(b["kv_capacity_tokens"] == 1024 and b["released_ffn_bytes"] == 0 for b in after)
+    after = snapshot(dp3)
+    assert [a[:4] for a in after] == [b[:4] for b in before]  # every FFN byte back, bit for bit
     for got, ref in zip(every_output(dp3, prompts), reference * len(REPLICAS) * 2):
         assert_like_reference(got, ref)
     for body in status(dp3)["replicas"]:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import socket
 from pathlib import Path
 from typing import Any
 
@@ -18,6 +19,8 @@ from sglang_morph.config import ConfigError
 from sglang_morph.server.ports import free_late_bind_port
 
 SERVER_ARGS_ATTR = "_amoebas_config"
+VARIANTS = ("amoebas", "base")
+_PORT_ATTEMPTS = 16
 
 
 class AmoebasConfigError(ConfigError):
@@ -53,6 +56,10 @@ class AmoebasConfig:
     replicas: int = 1
     degrees: tuple[int, ...] = (1,)
     link_port: int | None = None  # the first of one TCPStore port per possible group
+    auto: bool = True  # merge for a prompt no replica holds, split when done (auto.py)
+    # "amoebas": KV by head and FFN released in place; "base": the paper's base variant
+    # (token-first KV copied on every transition, FFN shards swapped by copy)
+    variant: str = "amoebas"
 
     def blocks(self) -> tuple[tuple[int, ...], ...]:
         """Every group the replicas may form: for each degree d > 1, the aligned runs of d
@@ -63,12 +70,20 @@ class AmoebasConfig:
     def block_port(self, block: tuple[int, ...]) -> int:
         return int(self.link_port) + self.blocks().index(tuple(block))
 
+    def board_port(self) -> int:
+        """The automatic transitions' board, after the links' ports."""
+        return int(self.link_port) + len(self.blocks())
+
     @classmethod
     def from_cli_namespace(cls, args: argparse.Namespace, server_args: Any) -> "AmoebasConfig":
         if not getattr(args, "enable_amoebas", False):
             given = [f for f, on in (("--amoebas-degrees", args.amoebas_degrees is not None),
                                      ("--amoebas-link-port",
-                                      args.amoebas_link_port is not None)) if on]
+                                      args.amoebas_link_port is not None),
+                                     ("--amoebas-manual",
+                                      getattr(args, "amoebas_manual", False)),
+                                     ("--amoebas-variant",
+                                      getattr(args, "amoebas_variant", None) is not None)) if on]
             if given:
                 raise AmoebasConfigError(f"{', '.join(given)} "
                                          f"{'needs' if len(given) == 1 else 'need'} "
@@ -90,8 +105,26 @@ class AmoebasConfig:
                 f"--enable-amoebas: no group of --dp-size {replicas} replicas can split the "
                 f"model's {q_heads} query / {kv_heads} KV heads evenly")
         port = args.amoebas_link_port
+        ports_needed = len(cls(True, replicas, degrees, 0).blocks()) + 1
         return cls(enabled=True, replicas=replicas, degrees=degrees,
-                   link_port=port if port is not None else free_late_bind_port())
+                   link_port=port if port is not None else _free_ports(ports_needed),
+                   auto=not getattr(args, "amoebas_manual", False),
+                   variant=getattr(args, "amoebas_variant", None) or "amoebas")
+
+
+def _free_ports(count: int) -> int:
+    """The first of ``count`` consecutive ports free now on 127.0.0.1 (for later binds)."""
+    for _ in range(_PORT_ATTEMPTS):
+        first = free_late_bind_port()
+        try:
+            for port in range(first + 1, first + count):
+                with socket.socket() as sock:
+                    sock.bind(("127.0.0.1", port))
+        except OSError:
+            continue
+        return first
+    raise AmoebasConfigError(f"--enable-amoebas: no {count} consecutive free ports found; "
+                             f"pass --amoebas-link-port")
 
 
 def _parse_degrees(text: str) -> tuple[int, ...]:
@@ -132,7 +165,20 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument(
         "--amoebas-link-port", type=int, default=None, metavar="PORT",
         help="First TCP port of the groups' gloo links on 127.0.0.1, one port per possible "
-        "group (default: a free port picked at launch).")
+        "group and one more for the automatic transitions (default: a free port picked at "
+        "launch).")
+    group.add_argument(
+        "--amoebas-variant", choices=VARIANTS, default=None,
+        help="amoebas (default): the KV of each head in its own range, re-sharded by moving "
+        "live rows only, and the FFN rows released in place; base: the AMOEBAs paper's base "
+        "variant for comparison (token-first KV copied whole on every transition, FFN shards "
+        "swapped by copy).")
+    group.add_argument(
+        "--amoebas-manual", action="store_true",
+        help="No automatic transitions: replicas merge and split only on POST /amoebas/merge "
+        "and /amoebas/split (by default a prompt no replica can hold merges the smallest "
+        "group that can, and a group splits once its long requests are done and its KV is "
+        "at least half free).")
 
 
 def check_launch(server_args: Any, enabled_before: frozenset[str]) -> None:

@@ -54,8 +54,10 @@ def add_routes(app: Any) -> None:
     async def amoebas_status(digest: bool = False):
         """Units (replicas serving alone and merged groups), each replica's group, degree,
         heads and FFN rows, KV capacity and use, FFN bytes released, and its recent
-        transitions. ``?digest=1`` adds ``ffn_sha256``, a digest of the FFN rows each replica
-        holds (to check that a merge and split gave every byte back).
+        transitions.
+
+        Body: none. The query parameter ``digest=1`` adds ``ffn_sha256``, a digest of the FFN
+        rows each replica holds (to check that a merge and split gave every byte back).
 
         Answers: 200 with ``{"units": [[0, 1, 2]] or [[0], [1], [2]], "replicas": [...]}``,
         one status per replica; 503 when AMOEBAs is not running in this server.

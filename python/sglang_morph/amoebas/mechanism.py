@@ -9,7 +9,13 @@ from sglang_morph import surface as sym
 from sglang_morph.amoebas import config as amoebas_config
 from sglang_morph.amoebas import messages  # noqa: F401  (registers its IPC types)
 from sglang_morph.elastic.registry import Mechanism
-from sglang_morph.surface import HOOK_LLAMA_FORWARD, HOOK_RUNNER_FORWARD, IN_SCHEDULER, Hook
+from sglang_morph.surface import (
+    HOOK_LLAMA_FORWARD,
+    HOOK_RUNNER_FORWARD,
+    HOOK_SCHEDULER_GENERATE,
+    IN_SCHEDULER,
+    Hook,
+)
 
 
 def configure(server_args: Any, args: Any, enabled_before: frozenset[str]) -> bool:
@@ -50,7 +56,7 @@ def attach(scheduler: Any):
     scheduler._request_dispatcher += TypeBasedDispatcher(
         [(req_type, replica.handle_control) for req_type in AMOEBAS_REQUESTS])
     scheduler.amoebas = replica
-    return None, replica.elastic_state
+    return (replica.auto.on_step if replica.auto is not None else None), replica.elastic_state
 
 
 def around_runner_forward(original: Callable[..., Any], runner: Any, *args: Any,
@@ -71,9 +77,20 @@ def around_llama_forward(original: Callable[..., Any], model: Any, *args: Any,
     return replica.forward_merged(*args, **kwargs)
 
 
+def around_generate_request(original: Callable[..., Any], scheduler: Any, recv_req: Any,
+                            *args: Any, **kwargs: Any) -> Any:
+    replica = scheduler.__dict__.get("amoebas")
+    if replica is None or replica.auto is None or args or kwargs:
+        return original(scheduler, recv_req, *args, **kwargs)
+    # A prompt no replica alone holds may wait for a merge (auto.py).
+    return replica.auto.admit(original, scheduler, recv_req)
+
+
 HOOKS: tuple[Hook, ...] = (
     Hook(HOOK_RUNNER_FORWARD, around_runner_forward, "AROUND", only_if_imported=IN_SCHEDULER),
     Hook(HOOK_LLAMA_FORWARD, around_llama_forward, "AROUND", only_if_imported=IN_SCHEDULER),
+    Hook(HOOK_SCHEDULER_GENERATE, around_generate_request, "AROUND",
+         only_if_imported=IN_SCHEDULER),
 )
 
 MECHANISM = Mechanism(

@@ -33,6 +33,7 @@ import datetime
 import functools
 import hashlib
 import logging
+import os
 import threading
 import time
 from typing import Any
@@ -42,9 +43,17 @@ import torch
 from sglang_morph.amoebas.config import AmoebasConfig
 from sglang_morph.amoebas.forward import Batch, Shard, forward, layer_shards
 from sglang_morph.amoebas.pages import process_rss_bytes
-from sglang_morph.amoebas.weights import MappedFfnWeights, keep_shard_layers, restore_layers
+from sglang_morph.amoebas.kv_layout import KVLayoutConfig
+from sglang_morph.amoebas.kv_reshard import KVReshard, Transport
+from sglang_morph.amoebas.weights import (
+    CopiedFfnWeights,
+    MappedFfnWeights,
+    keep_shard_layers,
+    restore_layers,
+)
 from sglang_morph.elastic.contract import ElasticError, Outcome
 from sglang_morph.elastic.kv_resizer import KVResizer
+from sglang_morph.faults import FaultInjector
 from sglang_morph.elastic.control import ControlOutput, replica_index
 from sglang_morph.groups.link import GroupLink
 from sglang_morph.groups.member import GroupMember
@@ -57,6 +66,9 @@ _OK, _BAD, _REFUSED, _FAILED = 200, 400, 409, 500
 # all-reduce forever; past this they raise and their scheduler stops with the error.
 _ALL_REDUCE_TIMEOUT = datetime.timedelta(minutes=5)
 _RECENT_TRANSITIONS = 20
+# Tests only: the replica whose fault points (SGLANG_MORPH_FAULT) are armed, so that one member
+# fails a step the others completed.
+FAULT_REPLICA_ENV = "SGLANG_AMOEBAS_FAULT_REPLICA"
 
 
 class AmoebasReplica:
@@ -76,20 +88,30 @@ class AmoebasReplica:
         self.num_q_heads = int(hf.num_attention_heads)
         self.num_kv_heads = int(getattr(hf, "num_key_value_heads", self.num_q_heads))
         self.head_dim = int(self.pool.k_buffer[0].shape[-1])
+        if tuple(self.pool.k_buffer[0].shape[1:]) != (self.num_kv_heads, self.head_dim):
+            raise NotImplementedError(f"KV buffers of shape {tuple(self.pool.k_buffer[0].shape)}"
+                                      f" for {self.num_kv_heads} KV heads")
+        # Every KV head of one token in every layer (the group's pools together hold this).
+        self.kv_bytes_per_token = sum(b[0].numel() * b.element_size()
+                                      for b in (*self.pool.k_buffer, *self.pool.v_buffer))
+        weights = CopiedFfnWeights if cfg.variant == "base" else MappedFfnWeights
         try:
-            self.ffn = [MappedFfnWeights.from_module(layer.mlp, cfg.degrees)
-                        for layer in self.model.layers]
+            self.ffn = [weights.from_module(layer.mlp, cfg.degrees) for layer in self.model.layers]
         except ElasticError as e:
             raise NotImplementedError(str(e)) from e
         # The FFN rows as stored: padded so every degree's shard boundary is on a page.
         self.intermediate_size = self.ffn[0].layout.padded_intermediate
         self.kv_capacity_tokens_whole = int(self.pool.size)
         self.released_ffn_bytes = 0
-        self._shrunk_tokens = 0
         self._rss_drop_bytes = 0
-        if tuple(self.pool.k_buffer[0].shape[1:]) != (self.num_kv_heads, self.head_dim):
-            raise NotImplementedError(f"KV buffers of shape {tuple(self.pool.k_buffer[0].shape)}"
-                                      f" for {self.num_kv_heads} KV heads")
+        self.faults = FaultInjector()
+        ps = self.allocator.page_size
+        most = max(self.capacity_after_merge(d) for d in cfg.degrees) // ps * ps
+        # The pool's rows move into the head-by-head layout here (or stay token-first: the
+        # base variant); SGLang's attention reads them through strided views.
+        self.kv = KVReshard(self.pool, KVLayoutConfig.of_pool(self.pool, most),
+                            "token_first" if cfg.variant == "base" else "head_centric",
+                            faults=self.faults)
         self.replica = replica_index()
         self.lock = threading.Lock()
         self.members: dict[tuple[int, ...], GroupMember] = {}
@@ -100,13 +122,25 @@ class AmoebasReplica:
                 self.members[block] = GroupMember(scheduler, link, "amoebas",
                                                   lambda: int(self.pool.size),
                                                   compute_lock=self.lock)
+        self.context_len = int(scheduler.model_config.context_len)
+        # What SGLang keeps between the longest request and the longest prompt.
+        self.input_len_margin = int(scheduler.max_req_len - scheduler.max_req_input_len)
+        self.max_prompt_tokens_alone = int(scheduler.max_req_input_len)
+        self.auto = None
+        if cfg.auto:
+            from sglang_morph.amoebas.auto import AutoControl, Board
+
+            self.auto = AutoControl(self, Board(self.replica, cfg.replicas, cfg.board_port()))
         self.unit: tuple[int, ...] = (self.replica,)
+        self.merged_at = 0.0
         self.shard: Shard | None = None
         self._layers: list | None = None  # forward.LayerShard per layer while merged
         self.transitions: list[dict[str, Any]] = []
         self.batches_merged = self.batches_served_for_others = 0
         runner.amoebas = self
         self.model.amoebas = self
+        if os.environ.get(FAULT_REPLICA_ENV) == str(self.replica):
+            self.faults.arm_from_env()
         for block, member in self.members.items():
             member.start_services(functools.partial(self._run_for, block))
 
@@ -120,18 +154,46 @@ class AmoebasReplica:
     def member(self) -> GroupMember:
         return self.members[self.unit]
 
+    def capacity_after_merge(self, degree: int) -> int:
+        """KV tokens of this replica's pool in a group of ``degree``: its startup pool plus the
+        FFN rows it releases, at the bytes per token of every KV head (its own heads and the
+        mirrors' share one row)."""
+        store = self.ffn[0].layout
+        released = len(self.ffn) * store.rows_bytes(
+            store.padded_intermediate - store.padded_intermediate // degree)
+        return self.kv_capacity_tokens_whole + released // self.kv_bytes_per_token
+
+    def group_for_prompt(self, prompt_tokens: int) -> tuple[int, ...] | None:
+        """The smallest group holding this replica whose pool would admit the prompt (as
+        SGLang admits: under the capacity and the context length, less its margin)."""
+        for block in sorted(self.members, key=len):
+            longest = min(self.context_len, self.capacity_after_merge(len(block))) - 1
+            if prompt_tokens < longest - self.input_len_margin:
+                return block
+        return None
+
+    def load(self) -> dict[str, Any]:
+        """What the board shows of this replica: its group, KV use and capacity, and its
+        requests a replica alone could not hold (running or waiting)."""
+        member = next(iter(self.members.values()))
+        requests = [*member.live_requests(), *self.scheduler.waiting_queue]
+        return {"group": list(self.unit), "kv_used_tokens": self.used_tokens(),
+                "kv_capacity_tokens": int(self.pool.size),
+                "kv_capacity_tokens_alone": self.kv_capacity_tokens_whole,
+                "long_requests": sum(len(r.origin_input_ids) >= self.max_prompt_tokens_alone
+                                     for r in requests)}
+
     def used_tokens(self) -> int:
         return int(self.pool.size) - int(self.allocator.available_size()) - int(
             self.scheduler.tree_cache.evictable_size())
 
     def kv_views(self, owner: int) -> tuple[list, list]:
-        """This member's heads of ``owner``'s requests, per layer ([slots, heads/d, dim] views
-        of the pool's buffers, at ``owner``'s slot numbers): the columns of this member's own
-        heads for its own requests, else the columns of ``owner``'s heads (its mirror)."""
-        d, i = len(self.unit), self.unit.index(owner)
-        span = Shard(i, d, self.num_q_heads, self.num_kv_heads, self.intermediate_size).kv_heads
-        return ([k[:, span.start:span.stop] for k in self.pool.k_buffer],
-                [v[:, span.start:span.stop] for v in self.pool.v_buffer])
+        """This member's heads of ``owner``'s requests, per layer, at ``owner``'s slot
+        numbers: its own pool for its own requests, else its mirror of ``owner``."""
+        if owner == self.replica:
+            return self.pool.k_buffer, self.pool.v_buffer
+        mirror = self.kv.mirrors[self.unit.index(owner)]
+        return mirror.k_buffer, mirror.v_buffer
 
     def ffn_digest(self) -> str:
         """SHA-256 of the FFN rows held, layer by layer (gate, up, down^T)."""
@@ -155,8 +217,11 @@ class AmoebasReplica:
             "kv_capacity_tokens_alone": self.kv_capacity_tokens_whole,
             "kv_used_tokens": self.used_tokens(),
             # Every member's mirror of q has the pool's rows: q's slot numbers all fit.
-            "mirror_kv_capacity_tokens": {str(r): int(self.pool.size)
-                                          for r in self.unit if r != self.replica},
+            "mirror_kv_capacity_tokens": {str(self.unit[q]): int(m.size)
+                                          for q, m in sorted(self.kv.mirrors.items())},
+            "kv_variant": self.kv.variant,
+            "kv_resident_bytes": self.kv.placement.arena.resident_bytes()
+            if hasattr(self.kv.placement, "arena") else None,
             "released_ffn_bytes": self.released_ffn_bytes,
             "batches_merged": self.batches_merged,
             "batches_served_for_others": self.batches_served_for_others,
@@ -174,6 +239,7 @@ class AmoebasReplica:
             member.check_integrity()
         for store in self.ffn:
             store.check_integrity()
+        self.kv.check_integrity()
         held = {store.resident_rows for store in self.ffn}
         if not self.merged:
             assert self.shard is None and self._layers is None, (
@@ -200,13 +266,18 @@ class AmoebasReplica:
         if isinstance(req, AmoebasStatusReq):
             body = self.status(digest=req.digest)
         elif isinstance(req, AmoebasMergeReq):
-            code, body = self._transition(tuple(req.replicas), merge=True)
+            code, body = self.transition(tuple(req.replicas), merge=True)
         elif isinstance(req, AmoebasSplitReq):
-            code, body = self._transition(tuple(req.group), merge=False)
+            code, body = self.transition(tuple(req.group), merge=False)
         return ControlOutput(rid=req.rid, status_code=code,
                              body=self.status() if body is None else body, replica=self.replica)
 
-    def _transition(self, block: tuple[int, ...], merge: bool) -> tuple[int, dict | None]:
+    def transition(self, block: tuple[int, ...], merge: bool, trigger: str = "operator",
+                   reason: str | None = None) -> tuple[int, dict | None]:
+        """Merge replicas ``block`` (serving alone) into one group, or split that group: a
+        voted transition of the block's members, between batches (an operator's request or a
+        proposal on the board, ``trigger`` "auto" with its ``reason``). The HTTP status and
+        the error body (None: this replica's status)."""
         action = "merge" if merge else "split"
         if block not in self.cfg.blocks():
             return _BAD, {"error": f"{list(block)} is not a group this server allows "
@@ -215,22 +286,34 @@ class AmoebasReplica:
         if self.replica not in block:
             return _OK, None  # another group's transition: this replica answers its status
         member = self.members[block]
+        refusal = self._refusal(block, merge)
         if merge:
-            phases = (Phase("the KV re-shard", self._drop_cached_kv, lambda: None),
+            kv = self.kv.merge_transition(self._held_slots(), Transport.over_link(member.link),
+                                          reason=reason or trigger)
+            phases = (*kv.phases,
                       Phase("the switch to the group", functools.partial(self._join, block),
                             self._leave))
-            # Releasing FFN rows cannot be undone without the peers: the commit step.
-            last = LastStep(self._release_ffn, "the group serves, but without the KV capacity "
-                                               "of the FFN rows it did not release")
+            # The KV commit, then the FFN release, which cannot be undone without the peers.
+            last = LastStep(functools.partial(self._commit_merge, kv.last),
+                            "the group serves, but without (all) the KV capacity of the FFN "
+                            "rows it releases")
         else:
-            phases = (Phase("the KV re-shard back", self._drop_cached_kv, lambda: None),
-                      Phase("the KV shrink", self._shrink_kv, self._regrow_kv),
+            self._evict_cache()  # the re-shard moves what requests hold, not the cache
+            resizer = KVResizer(self.scheduler)  # built on the pool as it is now
+            held = self._held_slots()
+            kv = self.kv.split_transition(held, reason=reason or trigger)
+            locked = resizer.locked_nodes() if refusal is None and kv.refusal is None else []
+            phases = (*kv.phases,
                       Phase("the FFN gather", self._gather_ffn, self._release_ffn_again),
                       Phase("the switch back", self._leave, functools.partial(self._join, block)))
-            last = None
+            last = LastStep(functools.partial(self._commit_split, kv.last, resizer, locked, held),
+                            "every head and FFN row is back, but the pool's capacity and "
+                            "slots may not be")
         record = member.group_transitions.run(
-            VotedTransition(action, "operator", self._refusal(block, merge), phases, last),
-            applied=lambda seconds: self._applied(action, block, seconds))
+            VotedTransition(action, reason or trigger, refusal or kv.refusal, phases, last,
+                            detail={"trigger": trigger, "variant": self.cfg.variant},
+                            exclusive=self.lock),
+            applied=lambda seconds: self._applied(action, block, seconds, trigger, reason))
         if record.outcome is Outcome.APPLIED:
             return _OK, None
         code = _REFUSED if record.outcome is Outcome.REFUSED else _FAILED
@@ -241,19 +324,31 @@ class AmoebasReplica:
             return f"replica {self.replica} already serves in group {list(self.unit)}"
         if not merge and self.unit != block:
             return f"replica {self.replica} is not in group {list(block)}"
-        if not self.scheduler.is_fully_idle():
-            return (f"replica {self.replica} has requests in flight; this build re-shards no "
-                    f"live KV yet: retry when idle")
         return None
 
-    def _drop_cached_kv(self) -> None:
-        """The radix cache's rows would mix with the other heads' mirrors: flushed (idle)."""
-        if not self.scheduler.flush_cache(empty_cache=False):
-            raise RuntimeError(f"replica {self.replica} got requests during the vote")
+    def _held_slots(self) -> torch.Tensor:
+        """Every slot not free: what requests hold and what the radix cache keeps."""
+        allocator, ps = self.allocator, self.allocator.page_size
+        allocator.merge_and_sort_free()
+        used = torch.ones(int(self.pool.size) // ps + 1, dtype=torch.bool)
+        used[0] = False  # SGLang's padding page
+        used[allocator.free_pages.long()] = False
+        pages = torch.nonzero(used).flatten()
+        return (pages[:, None] * ps + torch.arange(ps)).flatten()
 
-    def _applied(self, action: str, block: tuple[int, ...], seconds: float) -> dict[str, Any]:
+    def _evict_cache(self) -> None:
+        from sglang.srt.mem_cache.base_prefix_cache import EvictParams
+
+        tree = self.scheduler.tree_cache
+        if tree.evictable_size():
+            tree.evict(EvictParams(num_tokens=int(tree.evictable_size())))
+            self.allocator.merge_and_sort_free()
+
+    def _applied(self, action: str, block: tuple[int, ...], seconds: float, trigger: str,
+                 reason: str | None) -> dict[str, Any]:
         self.check_integrity()
-        self.transitions.append({"action": action, "group": list(block),
+        self.transitions.append({"action": action, "group": list(block), "trigger": trigger,
+                                 "reason": reason,
                                  "at_unix_s": round(time.time(), 3),
                                  "duration_s": round(seconds, 4),
                                  "kv_capacity_tokens": int(self.pool.size),
@@ -270,32 +365,49 @@ class AmoebasReplica:
         d, i = len(block), block.index(self.replica)
         shard = Shard(i, d, self.num_q_heads, self.num_kv_heads, self.intermediate_size)
         self._layers = layer_shards(self.model, shard, self.head_dim, ffn=self.ffn)
-        self.shard, self.unit = shard, block
+        self.shard, self.unit, self.merged_at = shard, block, time.monotonic()
 
     def _leave(self) -> None:
         self.unit, self.shard, self._layers = (self.replica,), None, None
 
     # ---- memory: FFN rows released in place become KV capacity, and back ----
 
-    def _release_ffn(self) -> None:
-        """Keep this member's FFN rows only and turn the freed bytes into KV tokens (each
-        token's row holds every KV head: its own heads and the mirrors' columns)."""
+    def _commit_merge(self, kv_commit: LastStep) -> None:
+        """After every member installed the group: the KV layout's commit, then this member
+        keeps its FFN rows only and the freed bytes become KV tokens in its pool and in each
+        mirror alike (each member grows by the same count, so a mirror always has its owner's
+        rows)."""
+        kv_commit.do()
+        resizer = KVResizer(self.scheduler)
         rss_before = process_rss_bytes()
         done = keep_shard_layers(self.ffn, self.shard.rank, self.shard.degree)
         self.released_ffn_bytes = sum(t.freed_bytes for t in done)
         # What the process gave back to the OS, measured (RSS), before the KV takes it.
         self._rss_drop_bytes = rss_before - process_rss_bytes()
-        resizer = KVResizer(self.scheduler)
-        resizer.grow(self.released_ffn_bytes // resizer.kv_bytes_per_token)
+        ps, old = self.allocator.page_size, int(self.pool.size)
+        new = self.capacity_after_merge(self.shard.degree) // ps * ps
+        self.kv.resize(new)
+        for q in self.kv.mirrors:
+            self.kv.resize(new, owner=q)
+        added = torch.arange(old // ps + 1, new // ps + 1, dtype=torch.int64)
+        resizer.set_capacity(new, torch.cat((self.allocator.free_pages, added)))
 
-    def _shrink_kv(self) -> None:
-        resizer = KVResizer(self.scheduler)
-        self._shrunk_tokens = int(self.pool.size) - self.kv_capacity_tokens_whole
-        resizer.shrink(self._shrunk_tokens)
-
-    def _regrow_kv(self) -> None:
-        grown = int(self.pool.size) - self.kv_capacity_tokens_whole
-        KVResizer(self.scheduler).grow(self._shrunk_tokens - grown)
+    def _commit_split(self, kv_commit: LastStep, resizer: KVResizer, locked: list,
+                      held: torch.Tensor) -> None:
+        """After every member has its heads and FFN rows back: the KV layout's commit, SGLang's
+        holders of the slots the split compacted pointed at their new places, and the pool's
+        startup capacity published with the free list of what is not held."""
+        kv_commit.do()
+        stats = self.kv.last_stats
+        resizer.remap_holders(stats.moved_src, stats.moved_dst, locked)
+        ps, capacity = self.allocator.page_size, self.kv_capacity_tokens_whole
+        moved = torch.isin(held, stats.moved_src)
+        held = held.clone()
+        held[moved] = stats.moved_dst[torch.searchsorted(stats.moved_src, held[moved])]
+        pages = torch.arange(1, capacity // ps + 1, dtype=torch.int64)
+        free = pages[~torch.isin(pages, torch.unique(held // ps))]
+        resizer.set_capacity(capacity, free)
+        self.released_ffn_bytes = 0
 
     def _gather_ffn(self) -> None:
         """Every member sends its FFN rows to every other (one all-gather per layer on the
@@ -309,6 +421,7 @@ class AmoebasReplica:
             pg.allgather([outs], [mine]).wait()
             payloads.append({store.layout.shard_rows(j, d): outs[j]
                              for j in range(d) if j != shard.rank})
+        self.faults.check("ffn_gather")
         restore_layers(self.ffn, payloads)
         self.released_ffn_bytes = 0
 

@@ -344,14 +344,7 @@ class KVResizer:
         for k, v in zip(self.pool.k_buffer, self.pool.v_buffer):
             k[dst] = k[src]
             v[dst] = v[src]
-        remap = torch.arange(self.capacity_tokens + ps, dtype=torch.int64, device=free.device)
-        remap[src] = dst
-        holders = [self.scheduler.req_to_token_pool.req_to_token,
-                   *self._locked_values(locked_nodes),
-                   *(batch.out_cache_loc for batch in self._batches(extra_batches)
-                     if isinstance(batch.out_cache_loc, torch.Tensor))]
-        rewritten = [_remapped(h, remap) if (h >= first_row_out).any() else None
-                     for h in holders]
+        holders, rewritten = self._rewritten_holders(src, dst, locked_nodes, extra_batches)
         locked_above = sum(int((v >= first_row_out).sum()) for v in self._locked_values(locked_nodes))
         left = int((self.tree.all_values_flatten() >= first_row_out).sum()) - locked_above
         if left:
@@ -361,6 +354,55 @@ class KVResizer:
             if value is not None:
                 holder.copy_(value)
         return src.numel()
+
+    def _rewritten_holders(self, src: torch.Tensor, dst: torch.Tensor, locked_nodes: list,
+                           extra_batches: list) -> tuple[list, list]:
+        """Every holder of KV indices and its value with ``src[i]`` replaced by ``dst[i]``
+        (None where it holds none of ``src``); nothing is written yet."""
+        # (src may lie above the pool's current rows: a group's re-shard compacted them there)
+        rows = max(self.capacity_tokens + self.page_size,
+                   int(src.max()) + 1 if src.numel() else 0)
+        remap = torch.arange(rows, dtype=torch.int64, device=src.device)
+        remap[src] = dst
+        holders = [self.scheduler.req_to_token_pool.req_to_token,
+                   *self._locked_values(locked_nodes),
+                   *(batch.out_cache_loc for batch in self._batches(extra_batches)
+                     if isinstance(batch.out_cache_loc, torch.Tensor))]
+        moved = torch.zeros(rows, dtype=torch.bool, device=src.device)
+        moved[src] = True
+        rewritten = [_remapped(h, remap) if moved[h.long().clamp(max=moved.numel() - 1)].any()
+                     else None for h in holders]
+        return holders, rewritten
+
+    # ---- the slots themselves moved elsewhere (a group's re-shard compacted them) ----
+
+    def locked_nodes(self, extra_batches: Iterable = ()) -> list:
+        """The tree nodes the scheduler's requests lock (what ``remap_holders`` rewrites)."""
+        refusal, nodes = self._shrink_refusal(0, list(extra_batches))
+        if refusal is not None:
+            raise KVResizeRefused(refusal)
+        return nodes
+
+    def remap_holders(self, src: torch.Tensor, dst: torch.Tensor, locked_nodes: list,
+                      extra_batches: Iterable = ()) -> None:
+        """Point every holder of the KV indices ``src`` (requests' rows, the locked cache, the
+        batches' output locations) at ``dst``, after the rows were moved there by someone
+        else. Unlocked cache must hold none of ``src`` (evict it first)."""
+        if not src.numel():
+            return
+        holders, rewritten = self._rewritten_holders(src.long(), dst.long(), locked_nodes,
+                                                     list(extra_batches))
+        for holder, value in zip(holders, rewritten):
+            if value is not None:
+                holder.copy_(value)
+
+    def set_capacity(self, capacity_tokens: int, free_pages: torch.Tensor) -> None:
+        """Publish a capacity whose buffers someone else installed, with its free list."""
+        self.allocator.free_pages = free_pages
+        self._publish_capacity(capacity_tokens)
+        for batch in (self.scheduler.running_batch,
+                      *(getattr(self.scheduler, "running_mbs", None) or [])):
+            batch.batch_is_full = False
 
     # ---- shared ----
 

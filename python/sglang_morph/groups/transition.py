@@ -24,6 +24,7 @@ group (``GroupLink.all_gather``); tests pass any all-gather.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import time
@@ -68,6 +69,10 @@ class VotedTransition:
     phases: tuple[Phase, ...]
     last: LastStep | None = None
     detail: Mapping[str, Any] = dataclasses.field(default_factory=dict)
+    # Held from the end of the vote to the end of the transition (the member's compute lock):
+    # once every member voted none is inside a forward, but a member that finishes first
+    # serves again and may call the others' service threads while they still undo or commit.
+    exclusive: Any = None
 
 
 class GroupTransitions:
@@ -111,6 +116,10 @@ class GroupTransitions:
         voted_at = time.perf_counter()
         if any(v is not None for v in votes):
             return Outcome.REFUSED, self._refused_text(t.action, votes), voted_at
+        with t.exclusive if t.exclusive is not None else contextlib.nullcontext():
+            return self._run_phases(t, voted_at)
+
+    def _run_phases(self, t: VotedTransition, voted_at: float) -> tuple[Outcome, str, float]:
         for k, phase in enumerate(t.phases):
             error = self._attempt(phase)
             outcomes = self.gather(error)

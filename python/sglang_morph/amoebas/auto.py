@@ -1,0 +1,149 @@
+"""AMOEBAs' automatic transitions: a prompt no replica can hold merges a group; the group splits
+once its long requests are done and its KV is at least half free.
+
+A *board* (one TCPStore of all replicas, on the port after the groups' links) carries
+proposals in one global order: a proposal is a numbered key (``proposal/<n>``, numbers from an
+atomic counter), and every replica reads every proposal in number order between its batches
+(``on_step``, at most every ``_POLL_S``; an idle scheduler wakes at least every second). The
+members of the group a proposal names run it as the operator's transition
+(``AmoebasReplica.transition``: vote, phases, undo); the others skip it. One global order is
+what keeps members of overlapping groups (replica 0 in [0, 1] and in [0, 1, 2, 3]) from
+waiting for each other in two different votes.
+
+- **Merge on arrival.** ``Scheduler.handle_generate_request`` is wrapped: a prompt longer than
+  this replica's pool admits but within what its smallest group would hold after a merge
+  (``capacity_after_merge``) is parked and a merge of that group is proposed; once the
+  transition is over (applied or not) the parked requests go through SGLang's own handling
+  again, which admits them or answers 400 as it would have.
+- **Split when done.** Each member publishes, at most every ``_PUBLISH_S``, its live long
+  requests (those a replica alone could not hold) and its KV use; the group's first member
+  proposes the split when no member has a long request, the group's KV is at least
+  ``split_free_fraction`` free, every member's own requests fit a replica alone, and the group
+  has been merged for ``min_dwell_s``.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import logging
+import time
+from typing import Any
+
+logger = logging.getLogger("sglang_morph.amoebas")
+
+_POLL_S = 0.01
+_PUBLISH_S = 0.1
+_COUNT_KEY = "proposals"
+_BOARD_TIMEOUT = datetime.timedelta(minutes=10)
+
+
+class Board:
+    """Proposals and member states shared by every replica (a TCPStore, replica 0 hosts it)."""
+
+    def __init__(self, replica: int, replicas: int, port: int, host: str = "127.0.0.1"):
+        from torch.distributed import TCPStore
+
+        self.store = TCPStore(host, port, replicas, is_master=replica == 0,
+                              timeout=_BOARD_TIMEOUT)
+
+    def propose(self, proposal: dict[str, Any]) -> int:
+        number = int(self.store.add(_COUNT_KEY, 1))
+        self.store.set(f"proposal/{number}", json.dumps(proposal))
+        return number
+
+    def proposals_after(self, seen: int) -> list[tuple[int, dict[str, Any]]]:
+        latest = int(self.store.add(_COUNT_KEY, 0))
+        return [(n, json.loads(self.store.get(f"proposal/{n}")))
+                for n in range(seen + 1, latest + 1)]
+
+    def publish(self, replica: int, state: dict[str, Any]) -> None:
+        self.store.set(f"state/{replica}", json.dumps(state))
+
+    def states(self, replicas: tuple[int, ...]) -> dict[int, dict[str, Any]] | None:
+        keys = [f"state/{r}" for r in replicas]
+        if not self.store.check(keys):
+            return None
+        return {r: json.loads(self.store.get(k)) for r, k in zip(replicas, keys)}
+
+
+class AutoControl:
+    """One replica's side of the automatic transitions (scheduler thread)."""
+
+    def __init__(self, replica: Any, board: Board, split_free_fraction: float = 0.5,
+                 min_dwell_s: float = 2.0):
+        self.replica, self.board = replica, board
+        self.split_free_fraction, self.min_dwell_s = split_free_fraction, min_dwell_s
+        self.parked: list[Any] = []  # requests waiting for a proposed merge
+        self._tried: set[str] = set()  # rids parked once: never parked again
+        self._seen = 0
+        self._next_poll = self._next_publish = 0.0
+        self._split_proposed_for: tuple[int, ...] | None = None
+        self._split_retry_at = 0.0
+        self.merges_proposed = self.splits_proposed = 0
+
+    # ---- arrival of a request (wraps SGLang's handler) ----
+
+    def admit(self, original: Any, scheduler: Any, recv_req: Any) -> Any:
+        n = len(getattr(recv_req, "input_ids", None) or ())
+        rid = getattr(recv_req, "rid", None)
+        if n < scheduler.max_req_input_len or rid in self._tried:
+            return original(scheduler, recv_req)
+        group = self.replica.group_for_prompt(n)
+        if group is None:
+            return original(scheduler, recv_req)  # no group holds it: SGLang answers 400
+        self._tried.add(rid)
+        self.parked.append(recv_req)
+        self.board.propose({"action": "merge", "group": list(group), "by":
+                            self.replica.replica, "reason": f"a {n}-token prompt"})
+        self.merges_proposed += 1
+        logger.info("sglang-morph: AMOEBAs replica %d parks a %d-token prompt and proposes "
+                    "merging %s", self.replica.replica, n, list(group))
+        return None
+
+    # ---- between batches ----
+
+    def on_step(self) -> None:
+        now = time.monotonic()
+        if now >= self._next_publish:
+            self._next_publish = now + _PUBLISH_S
+            self.board.publish(self.replica.replica, self.replica.load())
+            self._maybe_propose_split(now)
+        if now < self._next_poll:
+            return
+        self._next_poll = now + _POLL_S
+        for number, proposal in self.board.proposals_after(self._seen):
+            self._seen = number
+            group = tuple(proposal["group"])
+            if self.replica.replica in group:
+                self.replica.transition(group, merge=proposal["action"] == "merge",
+                                        trigger="auto", reason=proposal["reason"])
+            if group == self._split_proposed_for and proposal["action"] == "split":
+                # Applied or refused (e.g. a member holds more than it could alone): the next
+                # proposal waits a dwell.
+                self._split_proposed_for = None
+                self._split_retry_at = time.monotonic() + self.min_dwell_s
+        if self.parked:
+            parked, self.parked = self.parked, []
+            for recv_req in parked:
+                self.replica.scheduler.handle_generate_request(recv_req)
+
+    def _maybe_propose_split(self, now: float) -> None:
+        r = self.replica
+        if (not r.merged or r.unit[0] != r.replica or self._split_proposed_for == r.unit
+                or now - r.merged_at < self.min_dwell_s or now < self._split_retry_at):
+            return
+        states = self.board.states(r.unit)
+        if states is None or any(tuple(s["group"]) != r.unit for s in states.values()):
+            return  # a member has not published since the merge
+        used = sum(s["kv_used_tokens"] for s in states.values())
+        capacity = sum(s["kv_capacity_tokens"] for s in states.values())
+        if (any(s["long_requests"] for s in states.values())
+                or used > (1 - self.split_free_fraction) * capacity
+                or any(s["kv_used_tokens"] > s["kv_capacity_tokens_alone"]
+                       for s in states.values())):
+            return
+        self._split_proposed_for = r.unit
+        self.splits_proposed += 1
+        self.board.propose({"action": "split", "group": list(r.unit), "by": r.replica,
+                            "reason": f"no long request; KV {used}/{capacity} used"})
