@@ -212,6 +212,15 @@ def test_bad_requests_get_4xx_and_change_nothing(dp3, route, body, headers, code
         b["transitions"] for b in before["replicas"]]
 
 
+def test_a_prompt_no_replica_holds_is_refused_without_automatic_transitions(dp3, corpus_ids):
+    """As on plain data-parallel replicas (``--amoebas-manual`` never merges by itself)."""
+    r = requests.post(f"{dp3.url}/generate", headers=USER, timeout=600, json={
+        "input_ids": prompt_ids(corpus_ids, seed=60, n_tokens=1500),
+        "sampling_params": {"temperature": 0, "max_new_tokens": 8}})
+    assert r.status_code == 400 and "exceeds the maximum allowed length" in r.text, r.text
+    assert status(dp3)["units"] == [[0], [1], [2]]
+
+
 def model_bytes(model_dir) -> tuple[int, int]:
     """(FFN bytes a member of a group of 3 releases, KV bytes per token of every head and
     layer), float32, from the model's shapes."""

@@ -1,5 +1,9 @@
 """AMOEBAs: data-parallel replicas merged into one tensor-parallel group at runtime, split back.
 
+    capacity.py    what a member of a group of degree d keeps and how many KV tokens its own
+                   requests may hold (plain integers: the policy and the simulator use it)
+    policy.py      the transformation-aware scheduler's decisions (dispatch, merge, wait,
+                   refuse, split) and the merge-on-demand baselines, on frozen dataclasses
     config.py      --enable-amoebas: flags, the degrees the model and --dp-size allow, the
                    groups (aligned runs of replicas), launch checks
     forward.py     the merged group's tensor-parallel forward: each member's heads and FFN
