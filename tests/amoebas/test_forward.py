@@ -1,8 +1,9 @@
 """The merged group's tensor-parallel forward (``amoebas/forward.py``) against transformers.
 
 A random Llama (8 query / 4 KV heads, transformers' ``LlamaModel``, float32) is the reference.
-The same weights in SGLang's tp_size-1 layout (fused QKV and gate/up, SGLang's own RMSNorm and
-rotary embedding) run through ``forward`` on every member of a group of 1, 2 and 4 (threads,
+The same weights in SGLang's tp_size-1 layout (fused QKV and gate/up; norms with SGLang's
+calling convention, ``norm(x)`` and ``norm(x, residual) -> (normed, x + residual)``, and the
+rotary embedding computing transformers' own) run through ``forward`` on every member of a group of 1, 2 and 4 (threads,
 an in-memory all-reduce), the FFN rows read from the model's weights or, in place, from each
 member's page store that holds its shard only: a prefill of two requests with different prompt lengths and then
 decode steps, each member keeping its heads' KV in its own pool at the owner's slot numbers.
@@ -12,17 +13,14 @@ positions, and every member's KV pool holds exactly its heads' rows of the refer
 
 from __future__ import annotations
 
-import os
 import threading
 import types
 
 import pytest
 import torch
 
-os.environ.setdefault("SGLANG_USE_CPU_ENGINE", "1")  # SGLang's CPU rotary path (as serve.sh)
-
-from sglang_morph.amoebas.forward import Batch, Shard, forward, layer_shards  # noqa: E402
-from sglang_morph.amoebas.weights import MappedFfnWeights, keep_shard_layers  # noqa: E402
+from sglang_morph.amoebas.forward import Batch, Shard, forward, layer_shards
+from sglang_morph.amoebas.weights import MappedFfnWeights, keep_shard_layers
 
 HIDDEN, Q_HEADS, KV_HEADS, HEAD_DIM, FFN, LAYERS = 256, 8, 4, 32, 384, 3
 PROMPTS = ([5, 17, 3, 99, 42], [7, 7, 1, 250, 11, 64, 30, 2])
@@ -43,35 +41,56 @@ def reference():
     return config, model
 
 
+class SGLangNorm:
+    """transformers' RMSNorm behind SGLang's calling convention (the residual add fused)."""
+
+    def __init__(self, norm):
+        self.norm = norm
+
+    def __call__(self, x, residual=None):
+        if residual is None:
+            return self.norm(x)
+        x = x + residual
+        return self.norm(x), x
+
+
+def hf_rope(hf):
+    """``rotary_emb(positions, q, k)`` on flat [tokens, heads * dim] rows, with transformers'
+    cos/sin and rotation (neox style, as Llama)."""
+    from transformers.models.llama.modeling_llama import rotate_half
+
+    def rope(positions, q, k):
+        cos, sin = hf.rotary_emb(q, positions[None])
+        cos, sin = cos[0][:, None], sin[0][:, None]  # [tokens, 1, dim]
+
+        def rotate(x):
+            x = x.view(x.shape[0], -1, HEAD_DIM)
+            return (x * cos + rotate_half(x) * sin).flatten(1)
+        return rotate(q), rotate(k)
+    return rope
+
+
 def sglang_layout(config, hf) -> types.SimpleNamespace:
     """The reference's weights as SGLang's Llama holds them at tp_size 1."""
-    from sglang.srt.layers.layernorm import RMSNorm
-    from sglang.srt.layers.rotary_embedding import get_rope
 
     def linear(weight):
         return types.SimpleNamespace(weight=weight.detach(), bias=None)
 
-    def norm(module):
-        n = RMSNorm(HIDDEN, eps=config.rms_norm_eps)
-        n.weight.data.copy_(module.weight.detach())
-        return n
-
-    rope = get_rope(HEAD_DIM, rotary_dim=HEAD_DIM, max_position=256,
-                    base=config.rope_theta if hasattr(config, "rope_theta") else 10000,
-                    is_neox_style=True)
+    rope = hf_rope(hf)
     layers = []
     for layer in hf.layers:
         a, m = layer.self_attn, layer.mlp
         layers.append(types.SimpleNamespace(
-            input_layernorm=norm(layer.input_layernorm),
-            post_attention_layernorm=norm(layer.post_attention_layernorm),
+            input_layernorm=SGLangNorm(layer.input_layernorm),
+            post_attention_layernorm=SGLangNorm(layer.post_attention_layernorm),
             self_attn=types.SimpleNamespace(
                 qkv_proj=linear(torch.cat([a.q_proj.weight, a.k_proj.weight, a.v_proj.weight])),
                 o_proj=linear(a.o_proj.weight), rotary_emb=rope, scaling=HEAD_DIM ** -0.5),
             mlp=types.SimpleNamespace(
                 gate_up_proj=linear(torch.cat([m.gate_proj.weight, m.up_proj.weight])),
                 down_proj=linear(m.down_proj.weight))))
-    return types.SimpleNamespace(embed_tokens=hf.embed_tokens, layers=layers, norm=norm(hf.norm))
+    return types.SimpleNamespace(embed_tokens=hf.embed_tokens, layers=layers,
+                                 norm=SGLangNorm(hf.norm))
 
 
 class ThreadAllReduce:

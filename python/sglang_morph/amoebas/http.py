@@ -13,21 +13,11 @@ from fastapi import Request
 from fastapi.responses import JSONResponse
 
 from sglang_morph.amoebas.messages import AmoebasMergeReq, AmoebasSplitReq, AmoebasStatusReq
-from sglang_morph.elastic.control import control_client, json_object, not_running
+from sglang_morph.elastic.control import answer_of_every_replica, json_object
 
 
 async def _forward(req: Any) -> JSONResponse:
-    client = control_client()
-    if client is None:
-        return not_running("AMOEBAs")
-    outs = await client.call(req)
-    bodies = [o.body for o in outs]
-    failed = [o for o in outs if o.status_code != 200]
-    if failed:
-        return JSONResponse({"error": " / ".join(o.body.get("error", "") for o in failed),
-                             "replicas": bodies}, status_code=failed[0].status_code)
-    units = sorted({tuple(b["group"]) for b in bodies})
-    return JSONResponse({"units": [list(u) for u in units], "replicas": bodies})
+    return await answer_of_every_replica(req, "AMOEBAs", "units")
 
 
 async def _replica_list(request: Request, field: str) -> tuple[list[int] | None, str | None]:

@@ -286,31 +286,14 @@ class AmoebasReplica:
         if self.replica not in block:
             return _OK, None  # another group's transition: this replica answers its status
         member = self.members[block]
-        refusal = self._refusal(block, merge)
-        if merge:
-            kv = self.kv.merge_transition(self._held_slots(), Transport.over_link(member.link),
-                                          reason=reason or trigger)
-            phases = (*kv.phases,
-                      Phase("the switch to the group", functools.partial(self._join, block),
-                            self._leave))
-            # The KV commit, then the FFN release, which cannot be undone without the peers.
-            last = LastStep(functools.partial(self._commit_merge, kv.last),
-                            "the group serves, but without (all) the KV capacity of the FFN "
-                            "rows it releases")
-        else:
-            self._evict_cache()  # the re-shard moves what requests hold, not the cache
-            resizer = KVResizer(self.scheduler)  # built on the pool as it is now
-            held = self._held_slots()
-            kv = self.kv.split_transition(held, reason=reason or trigger)
-            locked = resizer.locked_nodes() if refusal is None and kv.refusal is None else []
-            phases = (*kv.phases,
-                      Phase("the FFN gather", self._gather_ffn, self._release_ffn_again),
-                      Phase("the switch back", self._leave, functools.partial(self._join, block)))
-            last = LastStep(functools.partial(self._commit_split, kv.last, resizer, locked, held),
-                            "every head and FFN row is back, but the pool's capacity and "
-                            "slots may not be")
+        try:
+            refusal, phases, last = self._plan(block, merge, member, reason or trigger)
+        except Exception as e:  # still vote: the other members wait for this one's vote
+            logger.exception("sglang-morph: AMOEBAs replica %d cannot plan the %s",
+                             self.replica, action)
+            refusal, phases, last = f"replica {self.replica} cannot {action}: {e}", (), None
         record = member.group_transitions.run(
-            VotedTransition(action, reason or trigger, refusal or kv.refusal, phases, last,
+            VotedTransition(action, reason or trigger, refusal, phases, last,
                             detail={"trigger": trigger, "variant": self.cfg.variant},
                             exclusive=self.lock),
             applied=lambda seconds: self._applied(action, block, seconds, trigger, reason))
@@ -318,6 +301,35 @@ class AmoebasReplica:
             return _OK, None
         code = _REFUSED if record.outcome is Outcome.REFUSED else _FAILED
         return code, {"error": record.error, "replica": self.replica}
+
+    def _plan(self, block: tuple[int, ...], merge: bool, member: GroupMember,
+              reason: str) -> tuple[str | None, tuple, LastStep | None]:
+        """This member's vote, phases and commit step for the transition."""
+        refusal = self._refusal(block, merge)
+        if refusal is not None:  # every member votes; one refusal refuses it everywhere
+            return refusal, (), None
+        if merge:
+            kv = self.kv.merge_transition(self._held_slots(), Transport.over_link(member.link),
+                                          reason=reason)
+            phases = (*kv.phases,
+                      Phase("the switch to the group", functools.partial(self._join, block),
+                            self._leave))
+            # The KV commit, then the FFN release, which cannot be undone without the peers.
+            return kv.refusal, phases, LastStep(
+                functools.partial(self._commit_merge, kv.last),
+                "the group serves, but without (all) the KV capacity of the FFN rows it "
+                "releases")
+        self._evict_cache()  # the re-shard moves what requests hold, not the cache
+        resizer = KVResizer(self.scheduler)  # built on the pool as it is now
+        held = self._held_slots()
+        kv = self.kv.split_transition(held, reason=reason)
+        locked = resizer.locked_nodes() if kv.refusal is None else []
+        phases = (*kv.phases,
+                  Phase("the FFN gather", self._gather_ffn, self._release_ffn_again),
+                  Phase("the switch back", self._leave, functools.partial(self._join, block)))
+        return kv.refusal, phases, LastStep(
+            functools.partial(self._commit_split, kv.last, resizer, locked, held),
+            "every head and FFN row is back, but the pool's capacity and slots may not be")
 
     def _refusal(self, block: tuple[int, ...], merge: bool) -> str | None:
         if merge and self.merged:

@@ -122,3 +122,23 @@ async def json_object(request: Any) -> dict[str, Any] | None:
     except (ValueError, UnicodeDecodeError):
         return None
     return body if isinstance(body, dict) else None
+
+
+async def answer_of_every_replica(req: Any, what: str, units_key: str) -> Any:
+    """A group mechanism's route: ``req`` to every replica, one JSON answer. 200 with
+    ``{units_key: [sorted groups], "replicas": [each replica's body]}`` (every body has its
+    ``group``); the first failing replica's status with ``{"error": ..., "replicas": [...]}``
+    when any failed; 503 where ``what`` is not running in this server."""
+    from fastapi.responses import JSONResponse
+
+    client = control_client()
+    if client is None:
+        return not_running(what)
+    outs = await client.call(req)
+    bodies = [o.body for o in outs]
+    failed = [o for o in outs if o.status_code != 200]
+    if failed:
+        return JSONResponse({"error": " / ".join(o.body.get("error", "") for o in failed),
+                             "replicas": bodies}, status_code=failed[0].status_code)
+    units = sorted({tuple(b["group"]) for b in bodies})
+    return JSONResponse({units_key: [list(u) for u in units], "replicas": bodies})

@@ -16,21 +16,11 @@ from sglang_morph.kunserve.live.messages import (
     KunServeRestoreReq,
     KunServeStatusReq,
 )
-from sglang_morph.elastic.control import control_client, json_object, not_running
+from sglang_morph.elastic.control import answer_of_every_replica, json_object
 
 
 async def _forward(req: Any) -> JSONResponse:
-    client = control_client()
-    if client is None:
-        return not_running("KunServe")
-    outs = await client.call(req)
-    bodies = [o.body for o in outs]
-    failed = [o for o in outs if o.status_code != 200]
-    if failed:
-        return JSONResponse({"error": " / ".join(o.body.get("error", "") for o in failed),
-                             "replicas": bodies}, status_code=failed[0].status_code)
-    groups = sorted({tuple(b["group"]) for b in bodies})
-    return JSONResponse({"groups": [list(g) for g in groups], "replicas": bodies})
+    return await answer_of_every_replica(req, "KunServe", "groups")
 
 
 async def _empty_body(request: Request) -> str | None:
