@@ -17,9 +17,10 @@ waiting for each other in two different votes.
   again, which admits them or answers 400 as it would have.
 - **Split when done.** Each member publishes, at most every ``_PUBLISH_S``, its live long
   requests (those a replica alone could not hold) and its KV use; the group's first member
-  proposes the split when no member has a long request, the group's KV is at least
-  ``split_free_fraction`` free, every member's own requests fit a replica alone, and the group
-  has been merged for ``min_dwell_s``.
+  hands the group it sees to the scheduler's policy (``policy.AmoebasPolicy.maintenance``,
+  the code the simulator drives), which splits a group with no long request left, at least
+  ``split_free_fraction`` of its KV free and every member's own requests fitting a replica
+  alone; proposals wait ``min_dwell_s`` after a merge and after a refused split.
 """
 
 from __future__ import annotations
@@ -70,10 +71,10 @@ class Board:
 class AutoControl:
     """One replica's side of the automatic transitions (scheduler thread)."""
 
-    def __init__(self, replica: Any, board: Board, split_free_fraction: float = 0.5,
-                 min_dwell_s: float = 2.0):
-        self.replica, self.board = replica, board
-        self.split_free_fraction, self.min_dwell_s = split_free_fraction, min_dwell_s
+    def __init__(self, replica: Any, board: Board, policy: Any, min_dwell_s: float = 2.0):
+        """``policy``: ``policy.AmoebasPolicy`` over this replica's capacity model."""
+        self.replica, self.board, self.policy = replica, board, policy
+        self.min_dwell_s = min_dwell_s
         self.parked: list[Any] = []  # requests waiting for a proposed merge
         self._tried: set[str] = set()  # rids parked once: never parked again
         self._seen = 0
@@ -129,6 +130,10 @@ class AutoControl:
                 self.replica.scheduler.handle_generate_request(recv_req)
 
     def _maybe_propose_split(self, now: float) -> None:
+        """The group's first member asks the scheduler's policy (``policy.py``, the code the
+        simulator drives) whether the group it sees on the board is ready to split."""
+        from sglang_morph.amoebas.policy import Fleet, Unit, UnitRequest
+
         r = self.replica
         if (not r.merged or r.unit[0] != r.replica or self._split_proposed_for == r.unit
                 or now - r.merged_at < self.min_dwell_s or now < self._split_retry_at):
@@ -136,14 +141,18 @@ class AutoControl:
         states = self.board.states(r.unit)
         if states is None or any(tuple(s["group"]) != r.unit for s in states.values()):
             return  # a member has not published since the merge
-        used = sum(s["kv_used_tokens"] for s in states.values())
-        capacity = sum(s["kv_capacity_tokens"] for s in states.values())
-        if (any(s["long_requests"] for s in states.values())
-                or used > (1 - self.split_free_fraction) * capacity
-                or any(s["kv_used_tokens"] > s["kv_capacity_tokens_alone"]
-                       for s in states.values())):
+        members = [states[m] for m in r.unit]
+        unit = Unit(members=r.unit, degree=len(r.unit),
+                    kv_capacity_tokens=tuple(s["kv_capacity_tokens"] for s in members),
+                    kv_used_tokens=tuple(s["kv_used_tokens"] for s in members),
+                    kv_queued_tokens=(0,) * len(members),
+                    requests=tuple(UnitRequest(f"{m}/{i}", k, 0, long=True)
+                                   for k, (m, s) in enumerate(zip(r.unit, members))
+                                   for i in range(s["long_requests"])))
+        splits = self.policy.maintenance(Fleet((unit,)))
+        if not splits:
             return
         self._split_proposed_for = r.unit
         self.splits_proposed += 1
         self.board.propose({"action": "split", "group": list(r.unit), "by": r.replica,
-                            "reason": f"no long request; KV {used}/{capacity} used"})
+                            "reason": splits[0].reason})

@@ -130,7 +130,8 @@ class AmoebasReplica:
         if cfg.auto:
             from sglang_morph.amoebas.auto import AutoControl, Board
 
-            self.auto = AutoControl(self, Board(self.replica, cfg.replicas, cfg.board_port()))
+            self.auto = AutoControl(self, Board(self.replica, cfg.replicas, cfg.board_port()),
+                                    self._policy(runner, cfg))
         self.unit: tuple[int, ...] = (self.replica,)
         self.merged_at = 0.0
         self.shard: Shard | None = None
@@ -153,6 +154,18 @@ class AmoebasReplica:
     @property
     def member(self) -> GroupMember:
         return self.members[self.unit]
+
+    def _policy(self, runner: Any, cfg: AmoebasConfig) -> Any:
+        """The scheduler's policy over this replica's capacity model (every replica has the
+        same: one model, one pool size)."""
+        from sglang_morph.amoebas.capacity import CapacityModel
+        from sglang_morph.amoebas.policy import AmoebasPolicy
+        from sglang_morph.models.spec import ModelSpec
+
+        spec = ModelSpec.from_hf_config(runner.model_config.hf_config.to_dict(),
+                                        dtype_bytes=runner.dtype.itemsize)
+        return AmoebasPolicy(CapacityModel.from_kv_pool(
+            spec, cfg.replicas, self.kv_capacity_tokens_whole, self.allocator.page_size))
 
     def capacity_after_merge(self, degree: int) -> int:
         """KV tokens of this replica's pool in a group of ``degree``: its startup pool plus the
