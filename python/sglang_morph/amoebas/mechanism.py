@@ -8,7 +8,7 @@ from typing import Any, Callable
 from sglang_morph import surface as sym
 from sglang_morph.amoebas import config as amoebas_config
 from sglang_morph.amoebas import messages  # noqa: F401  (registers its IPC types)
-from sglang_morph.elastic.registry import Mechanism
+from sglang_morph.elastic.registry import Mechanism, routes_in_launcher
 from sglang_morph.surface import (
     HOOK_LLAMA_FORWARD,
     HOOK_RUNNER_FORWARD,
@@ -32,12 +32,6 @@ def add_routes(app: Any) -> None:
     from sglang_morph.amoebas.http import add_routes as add
 
     add(app)
-
-
-def launcher_setup(server_args: Any) -> None:
-    from sglang.srt.entrypoints.http_server import app
-
-    add_routes(app)
 
 
 def attach(scheduler: Any):
@@ -101,7 +95,7 @@ MECHANISM = Mechanism(
     enabled=lambda server_args: amoebas_config.get(server_args).enabled,
     hooks=lambda: HOOKS,
     symbols=lambda: sym.AMOEBAS_SYMBOLS,
-    launcher_setup=launcher_setup,
+    launcher_setup=routes_in_launcher(add_routes),
     attach=attach,
     add_routes=add_routes,
 )

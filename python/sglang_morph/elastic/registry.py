@@ -46,6 +46,15 @@ class Mechanism:
     transitions_between_batches: bool = True
 
 
+def routes_in_launcher(add_routes: Callable[[Any], None]) -> Callable[[Any], None]:
+    """A mechanism's ``launcher_setup`` that adds its routes to SGLang's FastAPI app."""
+    def launcher_setup(server_args: Any) -> None:
+        from sglang.srt.entrypoints.http_server import app
+
+        add_routes(app)
+    return launcher_setup
+
+
 @dataclasses.dataclass(frozen=True)
 class ElasticConfig:
     """The core's own flags: one JSONL log of every mechanism's transitions."""

@@ -6,7 +6,7 @@ from __future__ import annotations
 from typing import Any
 
 from sglang_morph import surface as sym
-from sglang_morph.elastic.registry import Mechanism
+from sglang_morph.elastic.registry import Mechanism, routes_in_launcher
 from sglang_morph.kunserve.live import config as kunserve_config
 from sglang_morph.kunserve.live import messages  # noqa: F401  (registers its IPC types)
 from sglang_morph.surface import Hook, PluginError
@@ -26,12 +26,6 @@ def add_routes(app: Any) -> None:
     from sglang_morph.kunserve.live.http import add_routes as add
 
     add(app)
-
-
-def launcher_setup(server_args: Any) -> None:
-    from sglang.srt.entrypoints.http_server import app
-
-    add_routes(app)
 
 
 def attach(scheduler: Any):
@@ -65,7 +59,7 @@ MECHANISM = Mechanism(
     enabled=lambda server_args: kunserve_config.get(server_args).enabled,
     hooks=hooks,
     symbols=lambda: sym.KUNSERVE_SYMBOLS,
-    launcher_setup=launcher_setup,
+    launcher_setup=routes_in_launcher(add_routes),
     attach=attach,
     add_routes=add_routes,
 )
