@@ -281,7 +281,7 @@ class KunServeReplica(GroupMember):
         before = int(self.pool.size)
         record = self.group_transitions.run(
             VotedTransition(action, reason or trigger, self._refusal(merge), phases, last,
-                            detail={"trigger": trigger}),
+                            detail={"trigger": trigger}, exclusive=self.compute_lock),
             applied=lambda seconds: self._applied(action, trigger, reason, before, seconds))
         self.last_transition = record
         if record.outcome is Outcome.APPLIED:
