@@ -68,6 +68,20 @@ class Board:
         return {r: json.loads(self.store.get(k)) for r, k in zip(replicas, keys)}
 
 
+def replica_policy(runner: Any, replicas: int, kv_capacity_tokens: int,
+                   page_size_tokens: int) -> Any:
+    """The scheduler's policy over a replica's capacity model (every replica has the same:
+    one model, one pool size)."""
+    from sglang_morph.amoebas.capacity import CapacityModel
+    from sglang_morph.amoebas.policy import AmoebasPolicy
+    from sglang_morph.models.spec import ModelSpec
+
+    spec = ModelSpec.from_hf_config(runner.model_config.hf_config.to_dict(),
+                                    dtype_bytes=runner.dtype.itemsize)
+    return AmoebasPolicy(CapacityModel.from_kv_pool(spec, replicas, kv_capacity_tokens,
+                                                    page_size_tokens))
+
+
 class AutoControl:
     """One replica's side of the automatic transitions (scheduler thread)."""
 
@@ -90,7 +104,7 @@ class AutoControl:
         rid = getattr(recv_req, "rid", None)
         if n < scheduler.max_req_input_len or rid in self._tried:
             return original(scheduler, recv_req)
-        group = self.replica.group_for_prompt(n)
+        group = self.group_for_prompt(n)
         if group is None:
             return original(scheduler, recv_req)  # no group holds it: SGLang answers 400
         self._tried.add(rid)
@@ -102,13 +116,35 @@ class AutoControl:
                     "merging %s", self.replica.replica, n, list(group))
         return None
 
+    def group_for_prompt(self, prompt_tokens: int) -> tuple[int, ...] | None:
+        """The smallest group holding this replica whose pool would admit the prompt (as
+        SGLang admits: under the capacity and the context length, less its margin)."""
+        r = self.replica
+        for block in sorted(r.members, key=len):
+            longest = min(r.context_len, r.capacity_after_merge(len(block))) - 1
+            if prompt_tokens < longest - r.input_len_margin:
+                return block
+        return None
+
+    def load(self) -> dict[str, Any]:
+        """What the board shows of this replica: its group, KV use and capacity, and its
+        requests a replica alone could not hold (running or waiting)."""
+        r = self.replica
+        member = next(iter(r.members.values()))
+        requests = [*member.live_requests(), *r.scheduler.waiting_queue]
+        return {"group": list(r.unit), "kv_used_tokens": r.used_tokens(),
+                "kv_capacity_tokens": int(r.pool.size),
+                "kv_capacity_tokens_alone": r.kv_capacity_tokens_whole,
+                "long_requests": sum(len(q.origin_input_ids) >= r.max_prompt_tokens_alone
+                                     for q in requests)}
+
     # ---- between batches ----
 
     def on_step(self) -> None:
         now = time.monotonic()
         if now >= self._next_publish:
             self._next_publish = now + _PUBLISH_S
-            self.board.publish(self.replica.replica, self.replica.load())
+            self.board.publish(self.replica.replica, self.load())
             self._maybe_propose_split(now)
         if now < self._next_poll:
             return

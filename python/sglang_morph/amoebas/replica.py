@@ -128,10 +128,12 @@ class AmoebasReplica:
         self.max_prompt_tokens_alone = int(scheduler.max_req_input_len)
         self.auto = None
         if cfg.auto:
-            from sglang_morph.amoebas.auto import AutoControl, Board
+            from sglang_morph.amoebas.auto import AutoControl, Board, replica_policy
 
             self.auto = AutoControl(self, Board(self.replica, cfg.replicas, cfg.board_port()),
-                                    self._policy(runner, cfg))
+                                    replica_policy(runner, cfg.replicas,
+                                                   self.kv_capacity_tokens_whole,
+                                                   self.allocator.page_size))
         self.unit: tuple[int, ...] = (self.replica,)
         self.merged_at = 0.0
         self.shard: Shard | None = None
@@ -155,18 +157,6 @@ class AmoebasReplica:
     def member(self) -> GroupMember:
         return self.members[self.unit]
 
-    def _policy(self, runner: Any, cfg: AmoebasConfig) -> Any:
-        """The scheduler's policy over this replica's capacity model (every replica has the
-        same: one model, one pool size)."""
-        from sglang_morph.amoebas.capacity import CapacityModel
-        from sglang_morph.amoebas.policy import AmoebasPolicy
-        from sglang_morph.models.spec import ModelSpec
-
-        spec = ModelSpec.from_hf_config(runner.model_config.hf_config.to_dict(),
-                                        dtype_bytes=runner.dtype.itemsize)
-        return AmoebasPolicy(CapacityModel.from_kv_pool(
-            spec, cfg.replicas, self.kv_capacity_tokens_whole, self.allocator.page_size))
-
     def capacity_after_merge(self, degree: int) -> int:
         """KV tokens of this replica's pool in a group of ``degree``: its startup pool plus the
         FFN rows it releases, at the bytes per token of every KV head (its own heads and the
@@ -175,26 +165,6 @@ class AmoebasReplica:
         released = len(self.ffn) * store.rows_bytes(
             store.padded_intermediate - store.padded_intermediate // degree)
         return self.kv_capacity_tokens_whole + released // self.kv_bytes_per_token
-
-    def group_for_prompt(self, prompt_tokens: int) -> tuple[int, ...] | None:
-        """The smallest group holding this replica whose pool would admit the prompt (as
-        SGLang admits: under the capacity and the context length, less its margin)."""
-        for block in sorted(self.members, key=len):
-            longest = min(self.context_len, self.capacity_after_merge(len(block))) - 1
-            if prompt_tokens < longest - self.input_len_margin:
-                return block
-        return None
-
-    def load(self) -> dict[str, Any]:
-        """What the board shows of this replica: its group, KV use and capacity, and its
-        requests a replica alone could not hold (running or waiting)."""
-        member = next(iter(self.members.values()))
-        requests = [*member.live_requests(), *self.scheduler.waiting_queue]
-        return {"group": list(self.unit), "kv_used_tokens": self.used_tokens(),
-                "kv_capacity_tokens": int(self.pool.size),
-                "kv_capacity_tokens_alone": self.kv_capacity_tokens_whole,
-                "long_requests": sum(len(r.origin_input_ids) >= self.max_prompt_tokens_alone
-                                     for r in requests)}
 
     def used_tokens(self) -> int:
         return int(self.pool.size) - int(self.allocator.available_size()) - int(
