@@ -27,8 +27,11 @@ import contextlib
 import os
 
 ENV_VAR = "SGLANG_MORPH_FAULT"
-STEPS = ("down", "grow", "shrink", "up", "kv_prepare", "kv_stage", "kv_write", "kv_install",
-         "ffn_gather")
+# A MorphServe swap and restore, and the core's KV resizer (every mechanism's grow and shrink).
+RUNTIME_STEPS = ("down", "grow", "shrink", "up")
+# AMOEBAs' merge and split of a group.
+GROUP_STEPS = ("kv_prepare", "kv_stage", "kv_write", "kv_install", "ffn_gather")
+STEPS = RUNTIME_STEPS + GROUP_STEPS
 
 
 class InjectedFault(RuntimeError):

@@ -32,7 +32,7 @@ from sglang_morph.engines.manifest import (
     variant_file_name,
 )
 from sglang_morph.engines import variants
-from sglang_morph.faults import STEPS, FaultInjector, InjectedFault, parse_spec
+from sglang_morph.faults import RUNTIME_STEPS, FaultInjector, InjectedFault, parse_spec
 from sglang_morph.engines.variants import (
     FUSED_LINEARS,
     LayerVariantInstaller,
@@ -297,7 +297,7 @@ def live_kv_above_the_start_capacity(s) -> list:
     return [high]
 
 
-@pytest.mark.parametrize("step", STEPS)
+@pytest.mark.parametrize("step", RUNTIME_STEPS)
 def test_runtime_fault_in_each_step_changes_nothing(staged, step):
     from sglang_morph.morph.executor.runtime import MorphRequestError
 
