@@ -31,6 +31,8 @@ import logging
 import time
 from typing import Any
 
+from sglang_morph.elastic.kv_resizer import max_request_tokens
+
 logger = logging.getLogger("sglang_morph.amoebas")
 
 _POLL_S = 0.01
@@ -121,7 +123,7 @@ class AutoControl:
         SGLang admits: under the capacity and the context length, less its margin)."""
         r = self.replica
         for block in sorted(r.members, key=len):
-            longest = min(r.context_len, r.capacity_after_merge(len(block))) - 1
+            longest = max_request_tokens(r.context_len, r.capacity_after_merge(len(block)))
             if prompt_tokens < longest - r.input_len_margin:
                 return block
         return None

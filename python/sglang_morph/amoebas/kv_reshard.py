@@ -106,6 +106,7 @@ class ReshardStats:
     phase_s: Mapping[str, float]
     moved_src: torch.Tensor
     moved_dst: torch.Tensor
+    live_after: torch.Tensor  # the live slots after the transition, in the order given
 
 
 @dataclasses.dataclass
@@ -440,7 +441,7 @@ class KVReshard(MemberKV):
             variant=self.variant, action=txn.action, degree=txn.transport.size,
             live_tokens=int(txn.live.numel()), **txn.counts, peak_extra_bytes=txn.peak_bytes,
             released_bytes=released, phase_s=dict(txn.phase_s), moved_src=txn.moved[0],
-            moved_dst=txn.moved[1])
+            moved_dst=txn.moved[1], live_after=txn.new_live)
         txn.pool_before, txn.mirrors_before, txn.new_own = None, {}, None
         txn.mirror_targets, txn.undo = {}, {}
         self.in_flight = None

@@ -52,7 +52,7 @@ from sglang_morph.amoebas.weights import (
     restore_layers,
 )
 from sglang_morph.elastic.contract import ElasticError, Outcome
-from sglang_morph.elastic.kv_resizer import KVResizer
+from sglang_morph.elastic.kv_resizer import KVResizer, held_kv_tokens
 from sglang_morph.faults import FaultInjector
 from sglang_morph.elastic.control import ControlOutput, replica_index
 from sglang_morph.groups.link import GroupLink
@@ -167,8 +167,7 @@ class AmoebasReplica:
         return self.kv_capacity_tokens_whole + released // self.kv_bytes_per_token
 
     def used_tokens(self) -> int:
-        return int(self.pool.size) - int(self.allocator.available_size()) - int(
-            self.scheduler.tree_cache.evictable_size())
+        return held_kv_tokens(self.scheduler)
 
     def kv_views(self, owner: int) -> tuple[list, list]:
         """This member's heads of ``owner``'s requests, per layer, at ``owner``'s slot
@@ -199,7 +198,7 @@ class AmoebasReplica:
             "kv_capacity_tokens": int(self.pool.size),
             "kv_capacity_tokens_alone": self.kv_capacity_tokens_whole,
             "kv_used_tokens": self.used_tokens(),
-            # Every member's mirror of q has the pool's rows: q's slot numbers all fit.
+            # Each member grows alike, so the mirror of q has q's capacity.
             "mirror_kv_capacity_tokens": {str(self.unit[q]): int(m.size)
                                           for q, m in sorted(self.kv.mirrors.items())},
             "kv_variant": self.kv.variant,
@@ -304,14 +303,13 @@ class AmoebasReplica:
                 "releases")
         self._evict_cache()  # the re-shard moves what requests hold, not the cache
         resizer = KVResizer(self.scheduler)  # built on the pool as it is now
-        held = self._held_slots()
-        kv = self.kv.split_transition(held, reason=reason)
+        kv = self.kv.split_transition(self._held_slots(), reason=reason)
         locked = resizer.locked_nodes() if kv.refusal is None else []
         phases = (*kv.phases,
                   Phase("the FFN gather", self._gather_ffn, self._release_ffn_again),
                   Phase("the switch back", self._leave, functools.partial(self._join, block)))
         return kv.refusal, phases, LastStep(
-            functools.partial(self._commit_split, kv.last, resizer, locked, held),
+            functools.partial(self._commit_split, kv.last, resizer, locked),
             "every head and FFN row is back, but the pool's capacity and slots may not be")
 
     def _refusal(self, block: tuple[int, ...], merge: bool) -> str | None:
@@ -387,8 +385,7 @@ class AmoebasReplica:
         added = torch.arange(old // ps + 1, new // ps + 1, dtype=torch.int64)
         resizer.set_capacity(new, torch.cat((self.allocator.free_pages, added)))
 
-    def _commit_split(self, kv_commit: LastStep, resizer: KVResizer, locked: list,
-                      held: torch.Tensor) -> None:
+    def _commit_split(self, kv_commit: LastStep, resizer: KVResizer, locked: list) -> None:
         """After every member has its heads and FFN rows back: the KV layout's commit, SGLang's
         holders of the slots the split compacted pointed at their new places, and the pool's
         startup capacity published with the free list of what is not held."""
@@ -396,11 +393,8 @@ class AmoebasReplica:
         stats = self.kv.last_stats
         resizer.remap_holders(stats.moved_src, stats.moved_dst, locked)
         ps, capacity = self.allocator.page_size, self.kv_capacity_tokens_whole
-        moved = torch.isin(held, stats.moved_src)
-        held = held.clone()
-        held[moved] = stats.moved_dst[torch.searchsorted(stats.moved_src, held[moved])]
         pages = torch.arange(1, capacity // ps + 1, dtype=torch.int64)
-        free = pages[~torch.isin(pages, torch.unique(held // ps))]
+        free = pages[~torch.isin(pages, torch.unique(stats.live_after // ps))]
         resizer.set_capacity(capacity, free)
         self.released_ffn_bytes = 0
 

@@ -185,7 +185,7 @@ class KVResizer:
     @property
     def held_tokens(self) -> int:
         """Tokens held by requests and locked cache: neither free nor evictable."""
-        return self.capacity_tokens - self.allocator.available_size() - self.tree.evictable_size()
+        return held_kv_tokens(self.scheduler)
 
     # ---- grow ----
 
@@ -454,7 +454,7 @@ class KVResizer:
         set_pool_buffers(pool, new_k_buffers, new_v_buffers)
 
     def _max_req_len(self, capacity_tokens: int) -> int:
-        return min(self.context_len - 1, capacity_tokens - 1)
+        return max_request_tokens(self.context_len, capacity_tokens)
 
     def _publish_capacity(self, capacity_tokens: int) -> None:
         """Set every copy of the capacity (plain assignments, after the pool is resized)."""
@@ -510,6 +510,18 @@ class KVResizer:
         assert total == capacity, (
             f"free {free_tokens} + evictable {evictable} + locked {locked} + request-private "
             f"{private_tokens} = {total} tokens, capacity {capacity}")
+
+
+def held_kv_tokens(scheduler: Any) -> int:
+    """KV tokens a scheduler's requests and locked cache hold: neither free nor evictable."""
+    pool = scheduler.token_to_kv_pool_allocator
+    return (int(pool.get_kvcache().size) - int(pool.available_size())
+            - int(scheduler.tree_cache.evictable_size()))
+
+
+def max_request_tokens(context_len: int, capacity_tokens: int) -> int:
+    """The longest request SGLang admits (``max_req_len``) at a pool of ``capacity_tokens``."""
+    return min(context_len - 1, capacity_tokens - 1)
 
 
 def _remapped(indices: torch.Tensor, remap: torch.Tensor) -> torch.Tensor:

@@ -55,7 +55,7 @@ from typing import Any
 import torch
 
 from sglang_morph.faults import FaultInjector
-from sglang_morph.elastic.kv_resizer import KVResizer, set_pool_buffers
+from sglang_morph.elastic.kv_resizer import KVResizer, held_kv_tokens, set_pool_buffers
 from sglang_morph.kunserve.live.attention import new_rows_backend
 from sglang_morph.kunserve.live.link import PeerLink
 from sglang_morph.kunserve.planner import DropPlannerConfig, MemberLayout, make_group
@@ -183,8 +183,7 @@ class KunServeReplica(GroupMember):
 
         layers = self.member.layers if self.merged else range(self.num_layers)
         own = int(self.pool.size)
-        used = own - int(self.allocator.available_size()) - int(
-            self.scheduler.tree_cache.evictable_size())
+        used = held_kv_tokens(self.scheduler)
         peer = int(self.mirror.size) if self.mirror is not None else 0
         pool_bytes = int(sum(self.pool.get_kv_size_bytes())) + (
             int(sum(self.mirror.get_kv_size_bytes())) if self.mirror is not None else 0)
