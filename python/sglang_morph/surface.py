@@ -35,6 +35,10 @@ class PluginError(SystemExit):
 # tokenizer and detokenizer never do.
 IN_SCHEDULER = "sglang.srt.managers.scheduler"
 DP_CONTROLLER_MODULE = "sglang.srt.managers.data_parallel_controller"
+# A mechanism that holds requests in the data-parallel controller sets this attribute on it: a
+# callable that places what waits and returns the milliseconds until the controller's loop
+# should call it again (None: at the next request). The CPU loop (parallel/cpu.py) calls it.
+DP_CONTROLLER_TICK_ATTR = "sglang_morph_tick"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -109,6 +113,8 @@ HOOK_LLAMA_FORWARD = "sglang.srt.models.llama.LlamaModel.forward"
 HOOK_INIT_GROUP = "sglang.srt.distributed.parallel_state.init_model_parallel_group"
 HOOK_THREADS_BINDING = "sglang.srt.utils.numa_utils.init_threads_binding"
 HOOK_DP_EVENT_LOOP = f"{DP_CONTROLLER_MODULE}.DataParallelController.event_loop"
+# AMOEBAs places requests itself once the controller built its dispatcher.
+HOOK_DP_INIT_DISPATCHER = f"{DP_CONTROLLER_MODULE}.DataParallelController.init_dispatcher"
 HOOK_LLAMA_INIT = "sglang.srt.models.llama.LlamaForCausalLM.__init__"
 HOOK_LLAMA_LOAD_WEIGHTS = "sglang.srt.models.llama.LlamaForCausalLM.load_weights"
 
@@ -278,7 +284,14 @@ KUNSERVE_SYMBOLS: tuple[Symbol, ...] = (
 # ----- AMOEBAs (amoebas/): the replica reads the pools, batches and the Llama model -----
 AMOEBAS_SYMBOLS: tuple[Symbol, ...] = (
     *(Symbol(t, "hook") for t in (HOOK_RUNNER_FORWARD, HOOK_LLAMA_FORWARD,
-                                  HOOK_SCHEDULER_GENERATE)),
+                                  HOOK_SCHEDULER_GENERATE, HOOK_DP_INIT_DISPATCHER)),
+    # The controller's placement (dispatch.py): its dispatch function, sockets and routing.
+    *_group(f"{DP_CONTROLLER_MODULE}.DataParallelController", "write", "dispatching"),
+    *_group(f"{DP_CONTROLLER_MODULE}.DataParallelController", "read", "workers server_args"),
+    Symbol(f"{DP_CONTROLLER_MODULE}.DataParallelController.maybe_external_dp_rank_routing",
+           "call"),
+    Symbol("sglang.srt.managers.io_struct.sock_send", "call"),
+    Symbol("sglang.srt.managers.utils.is_health_check_generate_req", "call"),
     *_group(_SCHEDULER, "read", "server_args tp_worker token_to_kv_pool_allocator "
             "req_to_token_pool tree_cache metrics_reporter model_config max_req_len "
             "max_req_input_len waiting_queue running_batch last_batch chunked_req"),

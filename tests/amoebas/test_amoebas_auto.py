@@ -9,6 +9,8 @@
   and finishes with the output it has on a replica serving alone.
 - Once the long request is done and the group's KV is at least half free, the group splits by
   itself; every replica is back at 512 tokens with every FFN byte (the same digest).
+- The data-parallel controller places requests by the policy: by free KV, holding what fits
+  nowhere until a request finishes.
 The same prompt on AMOEBAs without automatic transitions (as on plain data-parallel replicas)
 is refused with SGLang's 400 in ``test_amoebas_live.py``.
 """
@@ -83,3 +85,43 @@ def test_a_prompt_no_replica_holds_merges_the_group_and_is_served(
     assert all(b["kv_capacity_tokens"] == 512 for b in after)
     assert all(b["transitions"][-1]["action"] == "split"
                and b["transitions"][-1]["trigger"] == "auto" for b in after)
+
+
+def place(server, ids, n_new: int) -> tuple[list[int], int]:
+    """Greedy output ids of ``ids`` placed by the data-parallel controller, and its replica."""
+    r = requests.post(f"{server.url}/generate", headers=USER, timeout=900, json={
+        "input_ids": ids, "sampling_params": {
+            "temperature": 0, "max_new_tokens": n_new, "ignore_eos": True}})
+    assert r.status_code == 200, r.text
+    return r.json()["output_ids"], r.json()["meta_info"]["dp_rank"]
+
+
+def test_the_controller_places_by_free_kv_and_holds_what_fits_nowhere(dp3_small, corpus_ids):
+    """A replica whose pool a running request nearly fills gets no short request (round-robin
+    would send it every third); requests no pool has room for wait in the controller and are
+    placed once a request finishes."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    deadline = time.monotonic() + 120
+    while status(dp3_small)["units"] != [[0], [1], [2]]:
+        assert time.monotonic() < deadline, status(dp3_small)
+        time.sleep(0.5)
+    big = [prompt_ids(corpus_ids, seed=80 + k, n_tokens=420) for k in range(4)]  # +40: 460
+    short = [prompt_ids(corpus_ids, seed=90 + k, n_tokens=60) for k in range(4)]  # +20: 80
+    with ThreadPoolExecutor(8) as pool:
+        first = pool.submit(place, dp3_small, big[0], 40)
+        deadline = time.monotonic() + 120
+        while not any(b["kv_used_tokens"] >= 420 for b in status(dp3_small)["replicas"]):
+            assert not first.done() and time.monotonic() < deadline, status(dp3_small)
+            time.sleep(0.05)
+        busy = next(b["replica"] for b in status(dp3_small)["replicas"]
+                    if b["kv_used_tokens"] >= 420)
+        shorts = [pool.submit(place, dp3_small, ids, 20) for ids in short]
+        time.sleep(0.5)  # the shorts reach the controller first
+        bigs = [pool.submit(place, dp3_small, ids, 40) for ids in big[1:]]
+        placed_shorts = [f.result() for f in shorts]
+        placed_bigs = [f.result() for f in (first, *bigs)]
+    assert all(len(ids) == 20 for ids, _ in placed_shorts)
+    assert busy not in {rank for _, rank in placed_shorts}, (busy, placed_shorts)
+    assert all(len(ids) == 40 for ids, _ in placed_bigs)
+    assert placed_bigs[0][1] == busy

@@ -21,6 +21,11 @@ waiting for each other in two different votes.
   the code the simulator drives), which splits a group with no long request left, at least
   ``split_free_fraction`` of its KV free and every member's own requests fitting a replica
   alone; proposals wait ``min_dwell_s`` after a merge and after a refused split.
+- **What the controller places by.** The published load also carries the tokens requests
+  reserve, how many requests the replica received and the last proposal it ran; the policy's
+  parameters (``policy_params``: the pool each degree gives, SGLang's longest prompt there)
+  are on the board once, so the data-parallel controller (``dispatch.py``) builds the same
+  policy.
 """
 
 from __future__ import annotations
@@ -31,6 +36,8 @@ import logging
 import time
 from typing import Any
 
+from sglang.srt.managers.utils import is_health_check_generate_req
+
 from sglang_morph.elastic.kv_resizer import max_request_tokens
 
 logger = logging.getLogger("sglang_morph.amoebas")
@@ -38,17 +45,23 @@ logger = logging.getLogger("sglang_morph.amoebas")
 _POLL_S = 0.01
 _PUBLISH_S = 0.1
 _COUNT_KEY = "proposals"
+_POLICY_KEY = "policy"
 _BOARD_TIMEOUT = datetime.timedelta(minutes=10)
 
 
 class Board:
     """Proposals and member states shared by every replica (a TCPStore, replica 0 hosts it)."""
 
-    def __init__(self, replica: int, replicas: int, port: int, host: str = "127.0.0.1"):
+    def __init__(self, replica: int | None, replicas: int, port: int, host: str = "127.0.0.1"):
+        """``replica`` None: a reader outside the replicas (the data-parallel controller)."""
         from torch.distributed import TCPStore
 
-        self.store = TCPStore(host, port, replicas, is_master=replica == 0,
-                              timeout=_BOARD_TIMEOUT)
+        if replica is None:  # replica 0 hosts it by the time the controller places requests
+            self.store = TCPStore(host, port, is_master=False,
+                                  timeout=datetime.timedelta(seconds=30))
+        else:
+            self.store = TCPStore(host, port, replicas, is_master=replica == 0,
+                                  timeout=_BOARD_TIMEOUT)
 
     def propose(self, proposal: dict[str, Any]) -> int:
         number = int(self.store.add(_COUNT_KEY, 1))
@@ -63,6 +76,14 @@ class Board:
     def publish(self, replica: int, state: dict[str, Any]) -> None:
         self.store.set(f"state/{replica}", json.dumps(state))
 
+    def publish_policy(self, params: dict[str, Any]) -> None:
+        self.store.set(_POLICY_KEY, json.dumps(params))
+
+    def policy_params(self) -> dict[str, Any] | None:
+        if not self.store.check([_POLICY_KEY]):
+            return None
+        return json.loads(self.store.get(_POLICY_KEY))
+
     def states(self, replicas: tuple[int, ...]) -> dict[int, dict[str, Any]] | None:
         keys = [f"state/{r}" for r in replicas]
         if not self.store.check(keys):
@@ -70,26 +91,56 @@ class Board:
         return {r: json.loads(self.store.get(k)) for r, k in zip(replicas, keys)}
 
 
-def replica_policy(runner: Any, replicas: int, kv_capacity_tokens: int,
-                   page_size_tokens: int) -> Any:
-    """The scheduler's policy over a replica's capacity model (every replica has the same:
-    one model, one pool size)."""
+def policy_params(replica: Any) -> dict[str, Any]:
+    """What the scheduler's policy needs of a replica (every replica has the same: one model,
+    one pool size), as the board carries it to the data-parallel controller: the pool each
+    degree gives a member's own requests (what a merge grows it to) and the longest prompt
+    SGLang admits at that pool."""
+    runner = replica.scheduler.tp_worker.model_runner
+    ps = replica.allocator.page_size
+    owner = {d: (replica.kv_capacity_tokens_whole if d == 1
+                 else replica.capacity_after_merge(d) // ps * ps) for d in replica.cfg.degrees}
+    return {"model": runner.model_config.hf_config.to_dict(),
+            "dtype_bytes": runner.dtype.itemsize, "replicas": replica.cfg.replicas,
+            "page_size_tokens": ps, "groups": [list(b) for b in replica.cfg.blocks()],
+            "owner_tokens": [[d, n] for d, n in owner.items()],
+            "max_prompt_tokens": [[d, max_request_tokens(replica.context_len, n)
+                                   - replica.input_len_margin] for d, n in owner.items()]}
+
+
+def live_policy(params: dict[str, Any]) -> Any:
+    """The scheduler's policy over a live replica's numbers (``policy_params``): the same
+    object in every replica (splits) and in the data-parallel controller (placement)."""
     from sglang_morph.amoebas.capacity import CapacityModel
     from sglang_morph.amoebas.policy import AmoebasPolicy
     from sglang_morph.models.spec import ModelSpec
 
-    spec = ModelSpec.from_hf_config(runner.model_config.hf_config.to_dict(),
-                                    dtype_bytes=runner.dtype.itemsize)
-    return AmoebasPolicy(CapacityModel.from_kv_pool(spec, replicas, kv_capacity_tokens,
-                                                    page_size_tokens))
+    spec = ModelSpec.from_hf_config(params["model"], dtype_bytes=params["dtype_bytes"])
+    owner = tuple((int(d), int(n)) for d, n in params["owner_tokens"])
+    capacity = CapacityModel.from_kv_pool(spec, params["replicas"], dict(owner)[1],
+                                          params["page_size_tokens"],
+                                          measured_owner_tokens=owner)
+    # A live group forms from TP 1 replicas only (replica.py refuses a merge of merged ones).
+    return AmoebasPolicy(capacity, groups=tuple(tuple(g) for g in params["groups"]),
+                         merge_from_degrees=(1,))
+
+
+def _reserved_tokens(req: Any) -> int:
+    """Prompt + max_new_tokens of a scheduler's Req or a tokenized request not admitted yet."""
+    prompt = getattr(req, "origin_input_ids", None)
+    if prompt is None:
+        prompt = req.input_ids
+    return len(prompt) + int(req.sampling_params.max_new_tokens or 0)
 
 
 class AutoControl:
     """One replica's side of the automatic transitions (scheduler thread)."""
 
-    def __init__(self, replica: Any, board: Board, policy: Any, min_dwell_s: float = 2.0):
-        """``policy``: ``policy.AmoebasPolicy`` over this replica's capacity model."""
-        self.replica, self.board, self.policy = replica, board, policy
+    def __init__(self, replica: Any, board: Board, min_dwell_s: float = 2.0):
+        params = policy_params(replica)
+        self.replica, self.board, self.policy = replica, board, live_policy(params)
+        board.publish_policy(params)  # for the data-parallel controller's dispatch
+        self.received_requests = 0  # generate requests this replica was sent (not re-entries)
         self.min_dwell_s = min_dwell_s
         self.parked: list[Any] = []  # requests waiting for a proposed merge
         self._tried: set[str] = set()  # rids parked once: never parked again
@@ -104,6 +155,8 @@ class AutoControl:
     def admit(self, original: Any, scheduler: Any, recv_req: Any) -> Any:
         n = len(getattr(recv_req, "input_ids", None) or ())
         rid = getattr(recv_req, "rid", None)
+        if rid not in self._tried and not is_health_check_generate_req(recv_req):
+            self.received_requests += 1  # what the controller placed here (dispatch.py)
         if n < scheduler.max_req_input_len or rid in self._tried:
             return original(scheduler, recv_req)
         group = self.group_for_prompt(n)
@@ -133,12 +186,18 @@ class AutoControl:
         requests a replica alone could not hold (running or waiting)."""
         r = self.replica
         member = next(iter(r.members.values()))
-        requests = [*member.live_requests(), *r.scheduler.waiting_queue]
+        running, waiting = member.live_requests(), list(r.scheduler.waiting_queue)
         return {"group": list(r.unit), "kv_used_tokens": r.used_tokens(),
                 "kv_capacity_tokens": int(r.pool.size),
                 "kv_capacity_tokens_alone": r.kv_capacity_tokens_whole,
                 "long_requests": sum(len(q.origin_input_ids) >= r.max_prompt_tokens_alone
-                                     for q in requests)}
+                                     for q in (*running, *waiting)),
+                # What the controller's policy places by: tokens admission reserves (prompt
+                # + max_new_tokens) of the running requests, and of the waiting and parked
+                "kv_reserved_tokens": sum(map(_reserved_tokens, running)),
+                "kv_queued_tokens": sum(map(_reserved_tokens, (*waiting, *self.parked))),
+                "received_requests": self.received_requests,
+                "proposals_seen": self._seen}
 
     # ---- between batches ----
 

@@ -55,6 +55,10 @@ class CapacityModel:
     page_size_tokens: int = 1
     # (degree, padded intermediate size) where the weights are padded so the degree divides it
     padded_intermediate_sizes: tuple[tuple[int, int], ...] = ()
+    # (degree, tokens) a live replica reports for its own pool at that degree (what its
+    # transition grows the pool to): taken over the formula, so the live dispatcher and the
+    # replica cannot disagree by a page
+    measured_owner_tokens: tuple[tuple[int, int], ...] = ()
 
     def __post_init__(self) -> None:
         self.check_integrity()
@@ -62,13 +66,15 @@ class CapacityModel:
     @classmethod
     def from_kv_pool(cls, model: "ModelSpec", replicas: int, kv_capacity_tokens_tp1: int,
                      page_size_tokens: int = 1,
-                     padded_intermediate_sizes: tuple[tuple[int, int], ...] = ()
+                     padded_intermediate_sizes: tuple[tuple[int, int], ...] = (),
+                     measured_owner_tokens: tuple[tuple[int, int], ...] = ()
                      ) -> "CapacityModel":
         """The budget of a replica that starts at TP 1 with a pool of ``kv_capacity_tokens_tp1``
         tokens (what ``--max-total-tokens`` gave it)."""
         probe = cls(model, replicas, 1 << 62, page_size_tokens, padded_intermediate_sizes)
         budget = probe.member_weight_bytes(1) + kv_capacity_tokens_tp1 * probe.kv_bytes_per_token
-        return cls(model, replicas, budget, page_size_tokens, padded_intermediate_sizes)
+        return cls(model, replicas, budget, page_size_tokens, padded_intermediate_sizes,
+                   measured_owner_tokens)
 
     # ---- degrees ----------------------------------------------------------------------------
 
@@ -135,7 +141,8 @@ class CapacityModel:
 
     @functools.cached_property
     def _owner_tokens(self) -> dict[int, int]:
-        return {d: self._owner_capacity_tokens(d) for d in self.allowed_degrees}
+        measured = dict(self.measured_owner_tokens)
+        return {d: measured.get(d, self._owner_capacity_tokens(d)) for d in self.allowed_degrees}
 
     def _owner_capacity_tokens(self, degree: int) -> int:
         pool_bytes = self.member_kv_bytes(degree) // degree

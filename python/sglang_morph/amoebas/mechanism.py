@@ -10,6 +10,8 @@ from sglang_morph.amoebas import config as amoebas_config
 from sglang_morph.amoebas import messages  # noqa: F401  (registers its IPC types)
 from sglang_morph.elastic.registry import Mechanism, routes_in_launcher
 from sglang_morph.surface import (
+    DP_CONTROLLER_MODULE,
+    HOOK_DP_INIT_DISPATCHER,
     HOOK_LLAMA_FORWARD,
     HOOK_RUNNER_FORWARD,
     HOOK_SCHEDULER_GENERATE,
@@ -80,11 +82,24 @@ def around_generate_request(original: Callable[..., Any], scheduler: Any, recv_r
     return replica.auto.admit(original, scheduler, recv_req)
 
 
+def after_init_dispatcher(_result: None, controller: Any) -> None:
+    """The data-parallel controller places requests by AMOEBAs' policy (dispatch.py) when the
+    transitions are automatic; an operator's manual mode keeps SGLang's round-robin."""
+    cfg = amoebas_config.get(controller.server_args)
+    if not (cfg.enabled and cfg.auto):
+        return
+    from sglang_morph.amoebas.dispatch import AmoebasDispatcher
+
+    AmoebasDispatcher.install(controller, cfg)
+
+
 HOOKS: tuple[Hook, ...] = (
     Hook(HOOK_RUNNER_FORWARD, around_runner_forward, "AROUND", only_if_imported=IN_SCHEDULER),
     Hook(HOOK_LLAMA_FORWARD, around_llama_forward, "AROUND", only_if_imported=IN_SCHEDULER),
     Hook(HOOK_SCHEDULER_GENERATE, around_generate_request, "AROUND",
          only_if_imported=IN_SCHEDULER),
+    Hook(HOOK_DP_INIT_DISPATCHER, after_init_dispatcher, "AFTER",
+         only_if_imported=DP_CONTROLLER_MODULE),
 )
 
 MECHANISM = Mechanism(

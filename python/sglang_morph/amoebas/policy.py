@@ -26,8 +26,10 @@ request left is *draining*: it takes no new requests and waits to split.
   factor follows from the allowed degrees: 1 -> 3 for the default model, 1 -> 2, 2 -> 4 or
   1 -> 4 for the tiny one). With ``prefer_merged`` the largest such d is tried first (two TP 2
   groups make a TP 4 before four TP 1 replicas do). The owner is the least-loaded member whose
-  pool at D holds the request now; the other units are the least-loaded of degree d. Units of
-  different degrees never merge (a TP 2 group and two TP 1 replicas do not make a TP 4).
+  pool at D holds the request now; the other units are the least-loaded of degree d (on a
+  live server, ``groups``: the units covering the allowed group of D that holds the owner).
+  Units of different degrees never merge (a TP 2 group and two TP 1 replicas do not make a
+  TP 4).
 - **Wait** at a member when no owner has room now: with ``prefer_merged`` in a group already
   merged whose pools hold the request (on the member with the most free tokens, no
   transition), else behind a merge on its least-loaded owner (the order flips without
@@ -270,6 +272,11 @@ class AmoebasPolicy:
     split_free_fraction: float = 0.5
     prefer_merged: bool = True
     name: str = "amoebas"
+    # The groups a merge may form (a live server's aligned blocks, ``AmoebasConfig.blocks``);
+    # empty: any units of one degree (the simulator's clusters)
+    groups: tuple[tuple[int, ...], ...] = ()
+    # The degrees units may merge from (empty: any); a live server merges TP 1 replicas only
+    merge_from_degrees: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         if not 0.0 <= self.split_free_fraction <= 1.0:
@@ -316,7 +323,8 @@ class AmoebasPolicy:
         the least-loaded member (with room at that degree now, when ``room_now``)."""
         target = self.capacity.degree_for(request.kv_tokens)
         pool = self.capacity.owner_capacity_tokens(target)
-        sources = [d for d in self.capacity.allowed_degrees if d < target and target % d == 0]
+        sources = [d for d in self.capacity.allowed_degrees if d < target and target % d == 0
+                   and (not self.merge_from_degrees or d in self.merge_from_degrees)]
         for d in sorted(sources, reverse=self.prefer_merged):
             units = [u for u in fleet.units if u.degree == d and u.state is not
                      UnitState.TRANSITIONING]
@@ -324,13 +332,27 @@ class AmoebasPolicy:
                       if not room_now or pool - u.load_tokens(k) >= request.kv_tokens]
             if len(units) < target // d or not owners:
                 continue
-            _, owner, home = min(owners, key=lambda o: (o[0], o[1]))
+            for _, owner, home in sorted(owners, key=lambda o: (o[0], o[1])):
+                chosen = self._sources(units, home, target // d, target)
+                if chosen:
+                    return Merge(tuple(sorted(m for u in chosen for m in u.members)), target,
+                                 owner, tuple(sorted(u.members for u in chosen)))
+        return None
+
+    def _sources(self, units: list[Unit], home: Unit, count: int, target: int
+                 ) -> list[Unit] | None:
+        """``home`` and the least-loaded other units that merge with it: with ``groups``,
+        exactly the units covering the allowed group of ``target`` that holds ``home``."""
+        if not self.groups:
             others = sorted((u for u in units if u is not home),
                             key=lambda u: (u.unit_load_fraction, u.members[0]))
-            chosen = [home, *others[:target // d - 1]]
-            return Merge(tuple(sorted(m for u in chosen for m in u.members)), target, owner,
-                         tuple(sorted(u.members for u in chosen)))
-        return None
+            return [home, *others[:count - 1]]
+        group = next((set(g) for g in self.groups
+                      if len(g) == target and set(home.members) <= set(g)), None)
+        covering = [u for u in units if set(u.members) <= (group or set())]
+        if group is None or sum(u.degree for u in covering) != target:
+            return None  # a unit of another degree (or transitioning) sits in the group
+        return covering
 
     def maintenance(self, fleet: Fleet) -> list[Split]:
         return _splits(self.capacity, fleet, self.split_free_fraction)

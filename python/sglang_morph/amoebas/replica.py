@@ -128,12 +128,9 @@ class AmoebasReplica:
         self.max_prompt_tokens_alone = int(scheduler.max_req_input_len)
         self.auto = None
         if cfg.auto:
-            from sglang_morph.amoebas.auto import AutoControl, Board, replica_policy
+            from sglang_morph.amoebas.auto import AutoControl, Board
 
-            self.auto = AutoControl(self, Board(self.replica, cfg.replicas, cfg.board_port()),
-                                    replica_policy(runner, cfg.replicas,
-                                                   self.kv_capacity_tokens_whole,
-                                                   self.allocator.page_size))
+            self.auto = AutoControl(self, Board(self.replica, cfg.replicas, cfg.board_port()))
         self.unit: tuple[int, ...] = (self.replica,)
         self.merged_at = 0.0
         self.shard: Shard | None = None

@@ -20,7 +20,8 @@ x86-64 or arm64), with or without ``--enable-morph``; on CUDA they call SGLang u
   On a GPU host that is one core of many; on this 2-core machine it is half the machine, taken
   from the two schedulers whenever they compute. The hook runs the same dispatch, but blocks
   in ``zmq.Poller.poll`` until a request arrives (or ``DP_POLL_TIMEOUT_MS`` passes, to feed
-  SGLang's soft watchdog as its loop does).
+  SGLang's soft watchdog as its loop does). A mechanism that holds requests in the controller
+  (``surface.DP_CONTROLLER_TICK_ATTR``) is called after each round and may wake it sooner.
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ import os
 from typing import Any, Callable
 
 from sglang_morph.parallel.binding import parse_core_list
+from sglang_morph.surface import DP_CONTROLLER_TICK_ATTR
 
 logger = logging.getLogger("sglang_morph.parallel")
 
@@ -93,6 +95,8 @@ def around_dp_event_loop(original: Callable[..., Any], controller: Any) -> Any:
     socket = controller.recv_from_tokenizer
     poller = zmq.Poller()
     poller.register(socket, zmq.POLLIN)
+    # A mechanism holding requests here (AMOEBAs' placement) is called between requests.
+    tick = getattr(controller, DP_CONTROLLER_TICK_ATTR, None)
     while True:
         controller.soft_watchdog.feed()
         while True:
@@ -101,4 +105,5 @@ def around_dp_event_loop(original: Callable[..., Any], controller: Any) -> Any:
             except zmq.ZMQError:  # nothing waiting (zmq.Again)
                 break
             controller._request_dispatcher(request)
-        poller.poll(DP_POLL_TIMEOUT_MS)
+        wake_ms = tick() if tick is not None else None
+        poller.poll(DP_POLL_TIMEOUT_MS if wake_ms is None else wake_ms)
