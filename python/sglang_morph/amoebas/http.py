@@ -47,7 +47,9 @@ def add_routes(app: Any) -> None:
         transitions.
 
         Body: none. The query parameter ``digest=1`` adds ``ffn_sha256``, a digest of the FFN
-        rows each replica holds (to check that a merge and split gave every byte back).
+        rows each replica holds (to check that a merge and split gave every byte back), and
+        ``kv_resident_bytes``, the KV mapping's bytes backed by memory; both read every page,
+        so a client polling the status leaves it off.
 
         Answers: 200 with ``{"units": [[0, 1, 2]] or [[0], [1], [2]], "replicas": [...]}``,
         one status per replica; 503 when AMOEBAs is not running in this server.

@@ -184,7 +184,12 @@ class AmoebasReplica:
 
     def status(self, digest: bool = False) -> dict[str, Any]:
         shard = self.shard
-        return {**({"ffn_sha256": self.ffn_digest()} if digest else {}),
+        # The digest and the resident KV bytes read every FFN row and the KV mapping's page
+        # table: only on request, so a client polling the status costs the replicas little.
+        detail = {"ffn_sha256": self.ffn_digest(),
+                  "kv_resident_bytes": self.kv.placement.arena.resident_bytes()
+                  if hasattr(self.kv.placement, "arena") else None} if digest else {}
+        return {**detail,
             "replica": self.replica,
             "group": list(self.unit),
             "degree": len(self.unit),
@@ -199,8 +204,6 @@ class AmoebasReplica:
             "mirror_kv_capacity_tokens": {str(self.unit[q]): int(m.size)
                                           for q, m in sorted(self.kv.mirrors.items())},
             "kv_variant": self.kv.variant,
-            "kv_resident_bytes": self.kv.placement.arena.resident_bytes()
-            if hasattr(self.kv.placement, "arena") else None,
             "released_ffn_bytes": self.released_ffn_bytes,
             "batches_merged": self.batches_merged,
             "batches_served_for_others": self.batches_served_for_others,
