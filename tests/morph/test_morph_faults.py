@@ -397,6 +397,12 @@ def test_operator_swaps_are_pinned_until_handed_back(staged):
     runtime.loop._next_s = 0.0  # the next step samples again
     runtime.on_step()
     assert controller.pinned[-1] == frozenset({0})
+    # A swap that moves nothing changes nothing unless it asks to pin.
+    before = runtime.status()
+    runtime.swap_from_api([1], 16)  # already at full precision
+    assert runtime.pinned == {0} and runtime.status()["layers"] == before["layers"]
+    runtime.swap_from_api([1], 16, pin=True)
+    assert runtime.pinned == {0, 1}
 
 
 # ----- a live server -------------------------------------------------------------------------

@@ -83,8 +83,10 @@ def add_routes(app: Any) -> None:
         what the returning weights need.
 
         Body: a JSON object ``{"layers": [0, 3], "bits": 4}``; bits 16 restores full
-        precision. The layers stay pinned where the operator put them (the controller does not
-        move them) unless ``"pin": false``, which hands them back to the controller. Under
+        precision. The layers the swap moves stay pinned where the operator put them (the
+        controller does not move them); ``"pin": true`` pins every layer named, moved or not,
+        and ``"pin": false`` hands them back to the controller; a layer already at ``bits``
+        with no ``"pin"`` keeps its state. Under
         ``--dp-size N`` the body names the ``"replica"`` (0 to N-1) that swaps.
 
         Answers: 200 with the new status (as ``GET /morph/status``; nothing moves when every
@@ -108,8 +110,8 @@ def add_routes(app: Any) -> None:
             return _bad_request("'layers' must be a non-empty list of layer indices")
         if not isinstance(bits, int) or isinstance(bits, bool):
             return _bad_request("'bits' must be an integer bit-width (16 restores)")
-        pin = body.get("pin", True)
-        if not isinstance(pin, bool):
+        pin = body.get("pin")
+        if pin is not None and not isinstance(pin, bool):
             return _bad_request("'pin' must be true or false")
         replica, error = _replica_field(body, _replicas(), required=True)
         if error is not None:

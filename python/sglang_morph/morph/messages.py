@@ -26,12 +26,13 @@ class MorphStatusReq(_MorphReq, kw_only=True):
 
 class MorphSwapReq(_MorphReq, kw_only=True):
     """``POST /morph/swap``: serve ``layers`` at ``bits`` (16 restores). ``pin``: the
-    controller leaves these layers where the operator put them (False hands them back).
-    ``replica``: the data-parallel replica that swaps (the others answer ``SKIPPED``)."""
+    controller leaves these layers where the operator put them (False hands them back; None,
+    the default: the layers the swap moves are pinned, a layer already at ``bits`` keeps its
+    state). ``replica``: the data-parallel replica that swaps (the others answer ``SKIPPED``)."""
 
     layers: list[int]
     bits: int
-    pin: bool = True
+    pin: bool | None = None
     replica: int | None = None
 
 

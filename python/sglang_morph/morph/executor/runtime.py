@@ -489,15 +489,19 @@ class MorphRuntime:
         if self.controller is not None:
             self.controller.set_policy(policy)
 
-    def swap_from_api(self, layers: list[int], bits: int, pin: bool = True) -> Transition | None:
-        """An operator's swap: applied like the controller's, then the layers are pinned (or,
-        with ``pin=False``, handed back to the controller), and the controller's cooldown and
-        quiet window restart from it."""
-        transition = self.apply(self.validate_swap(layers, bits), source="api")
-        if pin:
-            self.pinned.update(layers)
-        else:
+    def swap_from_api(self, layers: list[int], bits: int, pin: bool | None = None
+                      ) -> Transition | None:
+        """An operator's swap: applied like the controller's, then the layers it moved are
+        pinned (``pin=True``: every layer named, moved or not; ``pin=False``: every layer named
+        is handed back to the controller), and the controller's cooldown and quiet window
+        restart from it. A swap that moves nothing and names no ``pin`` changes nothing."""
+        swap = self.validate_swap(layers, bits)
+        moved = [i for i in layers if self.layer_bits[i] != bits]
+        transition = self.apply(swap, source="api")
+        if pin is False:
             self.pinned.difference_update(layers)
+        else:
+            self.pinned.update(layers if pin else moved)
         if transition is not None and self.controller is not None:
             self.controller.note_transition(time.monotonic())  # the snapshots' clock
         return transition
