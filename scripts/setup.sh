@@ -39,7 +39,8 @@ STAMP="$(stamp_of_inputs)"
 if [[ -x "$PY" && -f "$STAMP_FILE" && "$(cat "$STAMP_FILE")" == "$STAMP" ]] \
    && "$PY" -c "import importlib.util as u, sys; sys.exit(not all(u.find_spec(m) for m in
        ('torch', 'torchvision', 'sglang', 'sgl_kernel', 'morph_kernels', 'sglang_morph',
-        'matplotlib', 'rouge_score', 'sglang_router', 'importlinter', 'xdist')))" \
+        'matplotlib', 'rouge_score', 'sglang_router', 'importlinter', 'xdist',
+        'hypothesis')))" \
        2>/dev/null; then
   log "environment up to date ($VENV)"
 else

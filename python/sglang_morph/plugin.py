@@ -10,7 +10,8 @@ In the launcher each mechanism parses and checks its flags before anything is sp
 line naming the flag on error), the SGLang symbols of every enabled mechanism are checked, and
 the enabled ones install their routes. In each scheduler the enabled ones attach and get their
 per-step entry called between batches. With no mechanism enabled the hooks only add our CLI
-flags and SGLang's behaviour is unchanged.
+flags and refuse token ids outside the vocabulary (``server/guard.py``: SGLang would crash on
+them); otherwise SGLang's behaviour is unchanged.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from sglang_morph import surface as sym
 from sglang_morph.config import ConfigError
 from sglang_morph.elastic import registry
 from sglang_morph.elastic.registry import Mechanism
+from sglang_morph.server import guard
 from sglang_morph.surface import IN_SCHEDULER, Hook, PluginError
 
 logger = logging.getLogger("sglang_morph")
@@ -83,11 +85,20 @@ def _after_add_cli_args(_result: None, parser: Any) -> None:
 
 
 def _after_from_cli_args(server_args: Any, _cls: Any, args: Any) -> None:
-    registry.attach_config(server_args, registry.ElasticConfig.from_cli_namespace(args))
+    elastic = registry.ElasticConfig.from_cli_namespace(args)
+    registry.attach_config(server_args, elastic)
     enabled: list[Mechanism] = []
     for mechanism in mechanisms():
         if configure(mechanism, server_args, args, frozenset(m.name for m in enabled)):
             enabled.append(mechanism)
+    # A token id outside the vocabulary would kill a scheduler, and with it the server.
+    sym.register_and_verify((Hook(sym.HOOK_VALIDATE_REQUEST,
+                                  guard.before_validate_one_request, "BEFORE"),))
+    if enabled or elastic.metrics_auth:
+        from sglang.srt.entrypoints.http_server import app
+
+        keys = (server_args.api_key, server_args.admin_api_key) if elastic.metrics_auth else ()
+        guard.install_http_guard(app, tuple(f"/{m.name}/" for m in mechanisms()), keys)
     if not enabled:
         return
     missing = sym.missing_symbols(

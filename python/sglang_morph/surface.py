@@ -103,6 +103,8 @@ HOOK_NEXT_BATCH = f"{_SCHEDULER}.get_next_batch_to_run"
 HOOK_SCHEDULER_GENERATE = f"{_SCHEDULER}.handle_generate_request"
 HOOK_RETRACT_DECODE = f"{_BATCH}.ScheduleBatch.retract_decode"
 HOOK_TOKENIZER_MANAGER_INIT = f"{_TOKENIZER_MANAGER}.__init__"
+# Every request that reaches a scheduler passes here (server/guard.py: token ids in range).
+HOOK_VALIDATE_REQUEST = f"{_TOKENIZER_MANAGER}._validate_one_request"
 # TP rank 0's local inputs (SGLang's timeout aborts), broadcast to every rank with the step's.
 HOOK_RANK0_LOCAL_INPUTS = f"{_SCHEDULER}._poll_timeout_aborts"
 # The forward passes KunServe routes through a merged group (and the cost benchmark times).
@@ -121,7 +123,9 @@ HOOK_LLAMA_LOAD_WEIGHTS = "sglang.srt.models.llama.LlamaForCausalLM.load_weights
 # Used in the launcher / HTTP process (checked there, before any process is spawned).
 HTTP_SYMBOLS: tuple[Symbol, ...] = (
     *(Symbol(t, "hook") for t in (HOOK_ADD_CLI_ARGS, HOOK_FROM_CLI_ARGS,
-                                  HOOK_TOKENIZER_MANAGER_INIT)),
+                                  HOOK_TOKENIZER_MANAGER_INIT, HOOK_VALIDATE_REQUEST)),
+    Symbol(f"{_TOKENIZER_MANAGER}.model_config", "read", True),
+    *_group(_SERVER_ARGS, "read", "api_key admin_api_key"),
     Symbol("sglang.srt.plugins.hook_registry.HookRegistry.register", "call"),
     Symbol("sglang.srt.plugins.hook_registry.HookRegistry.apply_hooks", "call"),
     Symbol("sglang.srt.plugins.hook_registry.HookRegistry._patched", "read"),

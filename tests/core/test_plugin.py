@@ -87,7 +87,9 @@ def test_every_sglang_symbol_the_plugin_uses_exists_in_the_pinned_release(loaded
     listed = {s.path for s in sym.ALL_SYMBOLS if s.use == "hook"}
     from sglang_morph.morph.provenance import http_hooks
 
-    http_side = {sym.HOOK_TOKENIZER_MANAGER_INIT} | {target for target, _, _ in http_hooks()}
+    # (registered from the launcher's CLI hook, not by plugin.hooks())
+    http_side = {sym.HOOK_TOKENIZER_MANAGER_INIT, sym.HOOK_VALIDATE_REQUEST} | {
+        target for target, _, _ in http_hooks()}
     assert {h.target for h in hooks()} | http_side == listed
 
 

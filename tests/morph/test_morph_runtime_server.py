@@ -37,7 +37,8 @@ def server(server_factory, engines_awq, tmp_path_factory):
     srv = server_factory(
         "--dtype", "float32", "--enable-morph", "--morph-engines", str(engines_awq),
         "--morph-memory-budget", BUDGET, "--disable-morph-controller", "--morph-log", str(log),
-        "--api-key", API_KEY, "--admin-api-key", ADMIN_KEY,
+        "--api-key", API_KEY, "--admin-api-key", ADMIN_KEY, "--enable-metrics",
+        "--elastic-metrics-auth",
     )
     srv.transitions_log = log
     srv.engines = engines_awq
@@ -157,7 +158,8 @@ def test_bad_requests_get_4xx_and_change_nothing(server):
     for body, needle in cases:
         r = requests.post(f"{server.url}/morph/swap", json=body, headers=ADMIN, timeout=60)
         assert r.status_code == 400 and needle in r.json()["error"], (body, r.text)
-    r = requests.post(f"{server.url}/morph/swap", data="{not json", headers=ADMIN, timeout=60)
+    r = requests.post(f"{server.url}/morph/swap", data="{not json", timeout=60,
+                      headers={**ADMIN, "Content-Type": "application/json"})
     assert r.status_code == 400
     r = requests.post(f"{server.url}/morph/mode", json={"mode": "fastest"}, headers=ADMIN,
                       timeout=60)
@@ -183,6 +185,42 @@ def test_control_endpoints_obey_api_and_admin_keys(server):
     r = requests.post(f"{server.url}/morph/mode", json={"mode": "default"}, headers=ADMIN,
                       timeout=60)
     assert r.json()["mode"] == "default"
+
+
+def test_control_routes_refuse_what_a_web_page_could_send(server):
+    """A page in a browser may POST text/plain without a preflight, with its own Origin."""
+    before = status(server)
+    body = json.dumps({"layers": [3], "bits": 4})
+    for content_type in ("text/plain", "application/x-www-form-urlencoded", None):
+        headers = {**ADMIN, **({"Content-Type": content_type} if content_type else {})}
+        r = requests.post(f"{server.url}/morph/swap", data=body, headers=headers, timeout=60)
+        assert r.status_code == 415 and "application/json" in r.json()["error"], r.text
+    r = requests.post(f"{server.url}/morph/swap", data=body, timeout=60, headers={
+        **ADMIN, "Content-Type": "application/json", "Origin": "http://evil.example"})
+    assert r.status_code == 403 and "cross-origin" in r.json()["error"], r.text
+    # An error never repeats a huge body whole.
+    r = requests.post(f"{server.url}/morph/swap", json={"layers": list(range(100_000)),
+                                                        "bits": 4}, headers=ADMIN, timeout=60)
+    assert r.status_code == 400 and "unknown layers [30, 31" in r.json()["error"], r.text[:200]
+    assert len(r.content) < 2_000
+    after = status(server)
+    assert after["layers"] == before["layers"]
+    assert after["transitions_total"] == before["transitions_total"]
+
+
+def test_a_restore_of_a_full_precision_layer_changes_nothing(server):
+    before = status(server)
+    layer = next(x["index"] for x in before["layers"] if x["bits"] == 16 and not x["pinned"])
+    assert swap(server, [layer], 16).status_code == 200
+    after = status(server)
+    assert after["layers"] == before["layers"] and after["pinned_layers"] == before[
+        "pinned_layers"]
+
+
+def test_metrics_need_the_api_key(server):
+    assert requests.get(f"{server.url}/metrics", timeout=60).status_code == 401
+    r = requests.get(f"{server.url}/metrics", headers=USER, timeout=60)
+    assert r.status_code == 200 and "sglang_morph_kv_capacity_tokens" in r.text
 
 
 def test_swap_grows_kv_by_freed_bytes_and_restore_returns_exactly(server, corpus_ids):
@@ -411,3 +449,83 @@ def test_controller_swaps_under_a_burst_and_restores_after(engines_awq, corpus_i
     assert peak_layers > 0 or len(logged) >= 2
     assert "sglang_morph_kv_capacity_tokens" in metrics
     assert "sglang_morph_transitions_total" in metrics
+
+
+def test_fuzzed_bodies_get_no_5xx_and_change_nothing(server):
+    """Two hundred seeded random JSON bodies on the generation and control routes: every
+    answer is below 500, the server stays healthy, and the morph state is what it was (a
+    fuzzed swap that happens to be valid is undone before comparing)."""
+    from hypothesis import HealthCheck, given, settings
+    from hypothesis import strategies as st
+
+    # Lengths stay small (a valid request must not decode for minutes); the rest is any JSON.
+    small = st.integers(-3, 3) | st.text(max_size=3) | st.floats(allow_nan=False) | st.booleans()
+    leaf = (st.none() | st.booleans() | st.integers(-2**40, 2**40) | st.text(max_size=12)
+            | st.floats(allow_nan=True))
+    json_value = st.recursive(leaf, lambda inner: st.lists(inner, max_size=4)
+                              | st.dictionaries(st.text(max_size=8), inner, max_size=4),
+                              max_leaves=10)
+    # Near-valid values too, so that some requests get through to the model.
+    text = st.text(max_size=20) | json_value
+    ids = st.lists(st.integers(-2, 49_200), max_size=6) | json_value
+    messages = st.lists(st.fixed_dictionaries({
+        "role": st.sampled_from(["user", "system", "assistant"]) | json_value,
+        "content": text}), max_size=3) | json_value
+    model = st.just("default") | json_value
+    fields = {
+        "/generate": {"text": text, "input_ids": ids, "stream": json_value,
+                      "sampling_params": st.fixed_dictionaries(
+                          {"max_new_tokens": small}, optional={"temperature": json_value,
+                                                               "stop": json_value}),
+                      "return_logprob": json_value, "rid": json_value},
+        "/v1/completions": {"model": model, "prompt": text | ids, "max_tokens": small,
+                            "n": small, "stream": json_value, "logprobs": json_value},
+        "/v1/chat/completions": {"model": model, "messages": messages,
+                                 "max_tokens": small, "tools": json_value},
+        "/morph/swap": {"layers": ids, "bits": st.sampled_from([4, 8, 16]) | json_value,
+                        "pin": json_value, "replica": json_value},
+        "/morph/mode": {"mode": st.sampled_from(["accuracy", "default", "performance"])
+                        | json_value, "replica": json_value},
+    }
+    required = {"/generate": ("sampling_params",), "/v1/completions": ("max_tokens",),
+                "/v1/chat/completions": ("max_tokens",)}
+
+    def body_for(route):
+        keys = fields[route]
+        need = {k: keys[k] for k in required.get(route, ())}
+        rest = {k: v for k, v in keys.items() if k not in need}
+        dicts = st.fixed_dictionaries(need, optional=rest)
+        # Control routes also get bodies of any JSON shape (generation ones would decode a
+        # default 128 tokens when their length field is missing).
+        return dicts | json_value if route.startswith("/morph") else dicts
+
+    bodies = st.sampled_from(sorted(fields)).flatmap(lambda r: st.tuples(st.just(r),
+                                                                         body_for(r)))
+    before = status(server)
+    answers: list[tuple[str, int]] = []
+
+    @settings(max_examples=200, deadline=None, derandomize=True, database=None,
+              suppress_health_check=list(HealthCheck))
+    @given(bodies)
+    def send(case):
+        route, body = case
+        # json.dumps writes NaN and Infinity, which strict JSON parsers refuse: fuzz too.
+        r = requests.post(f"{server.url}{route}", data=json.dumps(body), timeout=300, headers={
+            **(ADMIN if route.startswith("/morph") else USER),
+            "Content-Type": "application/json"})
+        answers.append((route, r.status_code))
+        assert r.status_code < 500, (route, body, r.status_code, r.text[:300])
+
+    send()
+    assert requests.get(f"{server.url}/health", timeout=60).status_code == 200
+    assert len(answers) >= 200 and any(code == 200 for _, code in answers)
+    was = {q["index"]: q["bits"] for q in before["layers"]}
+    moved = [q["index"] for q in status(server)["layers"] if q["bits"] != was[q["index"]]]
+    for bits in sorted({was[i] for i in moved}, reverse=True):  # a valid fuzzed swap: undo it
+        swap(server, [i for i in moved if was[i] == bits], bits)
+    requests.post(f"{server.url}/morph/mode", json={"mode": before["mode"]}, headers=ADMIN,
+                  timeout=60)
+    after = status(server)
+    assert [q["bits"] for q in after["layers"]] == [q["bits"] for q in before["layers"]]
+    assert after["kv_capacity_tokens"] == before["kv_capacity_tokens"]
+    assert after["mode"] == before["mode"]

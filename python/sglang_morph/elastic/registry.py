@@ -57,13 +57,16 @@ def routes_in_launcher(add_routes: Callable[[Any], None]) -> Callable[[Any], Non
 
 @dataclasses.dataclass(frozen=True)
 class ElasticConfig:
-    """The core's own flags: one JSONL log of every mechanism's transitions."""
+    """The core's own flags: one JSONL log of every mechanism's transitions, and whether
+    ``/metrics`` needs the API key."""
 
     log_path: str | None = None
+    metrics_auth: bool = False  # /metrics only with the API key (server/guard.py)
 
     @classmethod
     def from_cli_namespace(cls, args: argparse.Namespace) -> "ElasticConfig":
-        return cls(log_path=getattr(args, "elastic_log", None))
+        return cls(log_path=getattr(args, "elastic_log", None),
+                   metrics_auth=bool(getattr(args, "elastic_metrics_auth", False)))
 
 
 def add_cli_args(parser: argparse.ArgumentParser) -> None:
@@ -74,6 +77,11 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
         help="Append every transition of every enabled mechanism to this JSONL file "
         "(one record per transition and replica: mechanism, action, reason, outcome, "
         "duration, KV capacity before and after).")
+    group.add_argument(
+        "--elastic-metrics-auth", action="store_true",
+        help="Serve /metrics only to requests with the --api-key (or --admin-api-key) as a "
+        "Bearer token; SGLang serves it to anyone, and the mechanisms' metrics show the model "
+        "path, per-layer bits and KV capacity and use.")
 
 
 def attach_config(server_args: Any, cfg: ElasticConfig) -> None:
