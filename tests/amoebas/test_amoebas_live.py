@@ -136,7 +136,10 @@ def status(server, digest: bool = False) -> dict:
 
 
 def post(server, route: str, body, headers=ADMIN) -> requests.Response:
-    kwargs = {"data": body} if isinstance(body, str) else {"json": body}
+    if isinstance(body, str):  # a raw body, still declared JSON (control routes take no other)
+        headers, kwargs = {**headers, "Content-Type": "application/json"}, {"data": body}
+    else:
+        kwargs = {"json": body}
     return requests.post(f"{server.url}/amoebas/{route}", headers=headers, timeout=600, **kwargs)
 
 

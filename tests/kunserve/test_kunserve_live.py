@@ -213,7 +213,9 @@ def test_bad_input_changes_nothing(dp2):
     before = status(dp2)
     cases = [
         (post(dp2, "drop", json={"replicas": [0, 1]}), 400, "unknown fields ['replicas']"),
-        (post(dp2, "drop", data=b"not json"), 400, "JSON object"),
+        (post(dp2, "drop", data=b"not json",
+              headers={**ADMIN, "Content-Type": "application/json"}), 400, "JSON object"),
+        (post(dp2, "drop", data=b'{"group": [0, 1]}'), 415, "application/json"),
         (post(dp2, "drop", json=[0, 1]), 400, "JSON object"),
         (post(dp2, "restore"), 409, "replica 0 is not merged"),
     ]
