@@ -15,7 +15,8 @@ waiting for each other in two different votes.
   (``capacity_after_merge``) is parked and a merge of that group is proposed; once the
   transition is over (applied or not) the parked requests go through SGLang's own handling
   again, which admits them or answers 400 as it would have.
-- **Split when done.** Each member publishes, at most every ``_PUBLISH_S``, its live long
+- **Split when done.** Each member publishes, at least every ``_PUBLISH_S`` (and at once when
+  what the controller places by changes), its live long
   requests (those a replica alone could not hold) and its KV use; the group's first member
   hands the group it sees to the scheduler's policy (``policy.AmoebasPolicy.maintenance``,
   the code the simulator drives), which splits a group with no long request left, at least
@@ -44,6 +45,9 @@ logger = logging.getLogger("sglang_morph.amoebas")
 
 _POLL_S = 0.01
 _PUBLISH_S = 0.1
+# The fields of a replica's load the controller places by (dispatch.py)
+_PLACEMENT_FIELDS = ("kv_reserved_tokens", "kv_queued_tokens", "received_requests",
+                     "long_requests", "proposals_seen")
 _COUNT_KEY = "proposals"
 _POLICY_KEY = "policy"
 _BOARD_TIMEOUT = datetime.timedelta(minutes=10)
@@ -146,6 +150,7 @@ class AutoControl:
         self._tried: set[str] = set()  # rids parked once: never parked again
         self._seen = 0
         self._next_poll = self._next_publish = 0.0
+        self._published: tuple | None = None  # the placement fields last published
         self._split_proposed_for: tuple[int, ...] | None = None
         self._split_retry_at = 0.0
         self.merges_proposed = self.splits_proposed = 0
@@ -203,9 +208,16 @@ class AutoControl:
 
     def on_step(self) -> None:
         now = time.monotonic()
+        load = self.load()
+        # What placement reads is published as soon as it changes: a replica that just went
+        # idle sleeps until a request wakes it (up to a second), and the controller sends it
+        # none while the board still shows it full.
+        placed = tuple(load[k] for k in _PLACEMENT_FIELDS)
+        if now >= self._next_publish or placed != self._published:
+            self.board.publish(self.replica.replica, load)
+            self._published = placed
         if now >= self._next_publish:
             self._next_publish = now + _PUBLISH_S
-            self.board.publish(self.replica.replica, self.load())
             self._maybe_propose_split(now)
         if now < self._next_poll:
             return
