@@ -307,3 +307,21 @@ def test_elastic_status_lists_amoebas(dp3):
     assert r.status_code == 200, r.text
     text = json.dumps(r.json())
     assert "amoebas" in text
+
+
+def test_fuzzed_control_bodies_get_no_5xx(dp3):
+    """Seeded random JSON bodies on the control routes (after the fault tests: a fuzzed merge
+    that happens to be valid merges the replicas, which are split before comparing)."""
+    from tests.http_fuzz import REPLICA_LISTS, bodies, fuzz
+
+    fields = {"/amoebas/merge": {"replicas": REPLICA_LISTS},
+              "/amoebas/split": {"group": REPLICA_LISTS}}
+    before = status(dp3)
+    fuzz(dp3.url, bodies(fields, any_shape=tuple(fields)), lambda route: ADMIN, 60)
+    for unit in status(dp3)["units"]:
+        if len(unit) > 1:
+            assert post(dp3, "split", {"group": unit}).status_code == 200
+    after = status(dp3)
+    assert after["units"] == before["units"]
+    assert [b["kv_capacity_tokens"] for b in after["replicas"]] == [
+        b["kv_capacity_tokens"] for b in before["replicas"]]

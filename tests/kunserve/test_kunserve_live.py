@@ -327,3 +327,22 @@ def test_restore_with_requests_in_flight_gives_whole_replicas_back(dp2, prompts,
                    if t["outcome"] == "applied"]
         assert applied == ["drop", "restore"]
         assert kunserve["transitions"]["totals"]["failed"] >= 1
+
+
+def test_fuzzed_control_bodies_get_no_5xx(dp2):
+    """Seeded random JSON bodies on the control routes (last: a fuzzed drop that happens to be
+    valid merges the pair, which is restored before comparing)."""
+    from hypothesis import strategies as st
+
+    from tests.http_fuzz import JSON, bodies, fuzz
+
+    fields = {"/kunserve/drop": {"group": st.lists(st.integers(-1, 2), max_size=3) | JSON},
+              "/kunserve/restore": {"group": JSON}}
+    before = status(dp2)
+    fuzz(dp2.url, bodies(fields, any_shape=tuple(fields)), lambda route: ADMIN, 60)
+    if status(dp2)["groups"] != before["groups"]:
+        assert post(dp2, "restore").status_code == 200
+    after = status(dp2)
+    assert after["groups"] == before["groups"]
+    assert [r["kv_capacity_tokens"] for r in after["replicas"]] == [
+        r["kv_capacity_tokens"] for r in before["replicas"]]

@@ -455,69 +455,40 @@ def test_fuzzed_bodies_get_no_5xx_and_change_nothing(server):
     """Two hundred seeded random JSON bodies on the generation and control routes: every
     answer is below 500, the server stays healthy, and the morph state is what it was (a
     fuzzed swap that happens to be valid is undone before comparing)."""
-    from hypothesis import HealthCheck, given, settings
     from hypothesis import strategies as st
 
-    # Lengths stay small (a valid request must not decode for minutes); the rest is any JSON.
-    small = st.integers(-3, 3) | st.text(max_size=3) | st.floats(allow_nan=False) | st.booleans()
-    leaf = (st.none() | st.booleans() | st.integers(-2**40, 2**40) | st.text(max_size=12)
-            | st.floats(allow_nan=True))
-    json_value = st.recursive(leaf, lambda inner: st.lists(inner, max_size=4)
-                              | st.dictionaries(st.text(max_size=8), inner, max_size=4),
-                              max_leaves=10)
+    from tests.http_fuzz import JSON, SMALL, bodies, fuzz
+
     # Near-valid values too, so that some requests get through to the model.
-    text = st.text(max_size=20) | json_value
-    ids = st.lists(st.integers(-2, 49_200), max_size=6) | json_value
+    text = st.text(max_size=20) | JSON
+    ids = st.lists(st.integers(-2, 49_200), max_size=6) | JSON
     messages = st.lists(st.fixed_dictionaries({
-        "role": st.sampled_from(["user", "system", "assistant"]) | json_value,
-        "content": text}), max_size=3) | json_value
-    model = st.just("default") | json_value
+        "role": st.sampled_from(["user", "system", "assistant"]) | JSON,
+        "content": text}), max_size=3) | JSON
+    model = st.just("default") | JSON
     fields = {
-        "/generate": {"text": text, "input_ids": ids, "stream": json_value,
+        "/generate": {"text": text, "input_ids": ids, "stream": JSON,
                       "sampling_params": st.fixed_dictionaries(
-                          {"max_new_tokens": small}, optional={"temperature": json_value,
-                                                               "stop": json_value}),
-                      "return_logprob": json_value, "rid": json_value},
-        "/v1/completions": {"model": model, "prompt": text | ids, "max_tokens": small,
-                            "n": small, "stream": json_value, "logprobs": json_value},
+                          {"max_new_tokens": SMALL}, optional={"temperature": JSON,
+                                                               "stop": JSON}),
+                      "return_logprob": JSON, "rid": JSON},
+        "/v1/completions": {"model": model, "prompt": text | ids, "max_tokens": SMALL,
+                            "n": SMALL, "stream": JSON, "logprobs": JSON},
         "/v1/chat/completions": {"model": model, "messages": messages,
-                                 "max_tokens": small, "tools": json_value},
-        "/morph/swap": {"layers": ids, "bits": st.sampled_from([4, 8, 16]) | json_value,
-                        "pin": json_value, "replica": json_value},
+                                 "max_tokens": SMALL, "tools": JSON},
+        "/morph/swap": {"layers": ids, "bits": st.sampled_from([4, 8, 16]) | JSON,
+                        "pin": JSON, "replica": JSON},
         "/morph/mode": {"mode": st.sampled_from(["accuracy", "default", "performance"])
-                        | json_value, "replica": json_value},
+                        | JSON, "replica": JSON},
     }
-    required = {"/generate": ("sampling_params",), "/v1/completions": ("max_tokens",),
-                "/v1/chat/completions": ("max_tokens",)}
-
-    def body_for(route):
-        keys = fields[route]
-        need = {k: keys[k] for k in required.get(route, ())}
-        rest = {k: v for k, v in keys.items() if k not in need}
-        dicts = st.fixed_dictionaries(need, optional=rest)
-        # Control routes also get bodies of any JSON shape (generation ones would decode a
-        # default 128 tokens when their length field is missing).
-        return dicts | json_value if route.startswith("/morph") else dicts
-
-    bodies = st.sampled_from(sorted(fields)).flatmap(lambda r: st.tuples(st.just(r),
-                                                                         body_for(r)))
+    # Generation routes always carry a small length (their default decodes 128 tokens);
+    # control routes also get bodies of any JSON shape.
+    cases = bodies(fields, {"/generate": ("sampling_params",), "/v1/completions":
+                            ("max_tokens",), "/v1/chat/completions": ("max_tokens",)},
+                   any_shape=("/morph/swap", "/morph/mode"))
     before = status(server)
-    answers: list[tuple[str, int]] = []
-
-    @settings(max_examples=200, deadline=None, derandomize=True, database=None,
-              suppress_health_check=list(HealthCheck))
-    @given(bodies)
-    def send(case):
-        route, body = case
-        # json.dumps writes NaN and Infinity, which strict JSON parsers refuse: fuzz too.
-        r = requests.post(f"{server.url}{route}", data=json.dumps(body), timeout=300, headers={
-            **(ADMIN if route.startswith("/morph") else USER),
-            "Content-Type": "application/json"})
-        answers.append((route, r.status_code))
-        assert r.status_code < 500, (route, body, r.status_code, r.text[:300])
-
-    send()
-    assert requests.get(f"{server.url}/health", timeout=60).status_code == 200
+    answers = fuzz(server.url, cases,
+                   lambda route: ADMIN if route.startswith("/morph") else USER, 200)
     assert len(answers) >= 200 and any(code == 200 for _, code in answers)
     was = {q["index"]: q["bits"] for q in before["layers"]}
     moved = [q["index"] for q in status(server)["layers"] if q["bits"] != was[q["index"]]]
