@@ -140,7 +140,7 @@ def test_a_burst_spreads_before_the_board_shows_it(placed):
                      ("socket2", "s3")]
     # Replica 1 publishes that it received both: they count once, as its own queue.
     board.states_now[1] = state([1], queued=200, received=2)
-    fleet = dispatcher._fleet()
+    fleet = dispatcher._fleet(dispatcher._read_board())
     assert fleet.units[1].load_tokens(0) == 200 and fleet.units[2].load_tokens(0) == 200
 
 

@@ -146,12 +146,15 @@ class AmoebasDispatcher:
     # ---- placement ----
 
     def _place_queued(self) -> None:
+        # The board once per pass (its reads are round trips to replica 0's store); within
+        # the pass each placement counts as in flight where it went (``_fleet``).
+        states = self._read_board()
         while self.queue:
             req = self.queue[0]
-            fleet = self._fleet()
-            if fleet is None:  # the board is not complete yet: SGLang's round-robin
+            if states is None:  # the board is not complete yet: SGLang's round-robin
                 self._send(self.queue.popleft(), self.dispatched % self.replicas, 0)
                 continue
+            fleet = self._fleet(states)
             request = placed_request(str(req.rid), len(req.input_ids),
                                      req.sampling_params.max_new_tokens, self.params)
             decision = (Refuse("no group admits the prompt") if request is None
@@ -180,7 +183,9 @@ class AmoebasDispatcher:
         self.sent[replica].append((self.sent_count[replica], kv_tokens))
         self.dispatched += 1
 
-    def _fleet(self) -> Fleet | None:
+    def _read_board(self) -> dict[int, dict[str, Any]] | None:
+        """Every replica's published load (None until the board is complete); reads the new
+        proposals and forgets what the replicas have counted or run."""
         if self.policy is None and not self._connect():
             return None
         states = self.board.states(tuple(range(self.replicas)))
@@ -191,11 +196,14 @@ class AmoebasDispatcher:
             self.proposals_read = number
         seen = min(s["proposals_seen"] for s in states.values())
         self.proposals = {n: g for n, g in self.proposals.items() if n > seen}
-        in_flight = {}
         for r, sent in self.sent.items():
             received = states[r]["received_requests"]
             sent[:] = [(n, t) for n, t in sent if n > received]
-            in_flight[r] = sum(t for _, t in sent)
+        return states
+
+    def _fleet(self, states: dict[int, dict[str, Any]]) -> Fleet:
+        """The fleet the board shows plus what was sent here since each replica counted."""
+        in_flight = {r: sum(t for _, t in sent) for r, sent in self.sent.items()}
         return fleet_of(states, in_flight, self.proposals, self.dispatched)
 
     def _connect(self) -> bool:

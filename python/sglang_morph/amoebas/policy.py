@@ -349,8 +349,10 @@ class AmoebasPolicy:
             return [home, *others[:count - 1]]
         group = next((set(g) for g in self.groups
                       if len(g) == target and set(home.members) <= set(g)), None)
-        covering = [u for u in units if set(u.members) <= (group or set())]
-        if group is None or sum(u.degree for u in covering) != target:
+        if group is None:
+            return None
+        covering = [u for u in units if set(u.members) <= group]
+        if sum(u.degree for u in covering) != target:
             return None  # a unit of another degree (or transitioning) sits in the group
         return covering
 

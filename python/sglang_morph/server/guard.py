@@ -22,11 +22,8 @@
 from __future__ import annotations
 
 import json
-import logging
 from typing import Any, Sequence
 from urllib.parse import urlsplit
-
-logger = logging.getLogger("sglang_morph.server")
 
 MAX_ERROR_CHARS = 1000
 _READ_METHODS = frozenset({"GET", "HEAD", "OPTIONS"})
