@@ -201,6 +201,8 @@ def test_status_before_any_merge(dp3):
     ("merge", {"replicas": [0]}, ADMIN, 400, "at least two distinct replica numbers"),
     ("merge", {"replicas": [0, 1]}, ADMIN, 400, "[0, 1] is not a group this server allows"),
     ("split", {"group": [0, 1, 2]}, ADMIN, 409, "replica 0 is not in group [0, 1, 2]"),
+    ("split", {"group": [0, 1, 2], "degree": 2}, ADMIN, 400, "cannot split into groups of 2"),
+    ("split", {"group": [0, 1, 2], "degree": "1"}, ADMIN, 400, "'degree' must be a positive"),
     ("merge", {"replicas": [0, 1, 2]}, {}, 401, ""),
     ("merge", {"replicas": [0, 1, 2]}, USER, 401, ""),
 ])
@@ -312,10 +314,10 @@ def test_elastic_status_lists_amoebas(dp3):
 def test_fuzzed_control_bodies_get_no_5xx(dp3):
     """Seeded random JSON bodies on the control routes (after the fault tests: a fuzzed merge
     that happens to be valid merges the replicas, which are split before comparing)."""
-    from tests.http_fuzz import REPLICA_LISTS, bodies, fuzz
+    from tests.http_fuzz import REPLICA_LISTS, SMALL, bodies, fuzz
 
     fields = {"/amoebas/merge": {"replicas": REPLICA_LISTS},
-              "/amoebas/split": {"group": REPLICA_LISTS}}
+              "/amoebas/split": {"group": REPLICA_LISTS, "degree": SMALL}}
     before = status(dp3)
     fuzz(dp3.url, bodies(fields, any_shape=tuple(fields)), lambda route: ADMIN, 60)
     for unit in status(dp3)["units"]:

@@ -1,14 +1,21 @@
 """AMOEBAs on four replicas of the tiny random Llama (8 query / 4 KV heads): groups of 2 and 4.
 
 One ``--dp-size 4 --enable-amoebas --amoebas-manual`` server (float32, greedy). The reference
-is each prompt's output on the replicas serving alone. Every replica is a member of two links
-(its pair's and the group of four), so this checks that the groups' links, service threads and
-votes keep apart:
-- ``[0, 1]`` and ``[2, 3]`` merge into two TP 2 groups (each member keeps 2 of the 4 KV heads
-  and half the FFN rows) while a request streams on every replica; both groups then serve
-  every replica's requests at once with the reference outputs; ``[0, 1, 2, 3]`` is refused
-  while they are merged (409); both split back, with the reference outputs;
-- the four merge into one TP 4 group (one KV head each) and split back, requests in flight.
+is each prompt's output on the replicas serving alone, three prompts per replica. Every
+replica is a member of two links (its pair's and the group of four), so this checks that the
+groups' links, service threads and votes keep apart. Across every transition three requests
+stream on every replica and finish with the reference outputs:
+
+- 4 x TP 1 -> 2 x TP 2: ``[0, 1]`` and ``[2, 3]`` merge (each member keeps 2 of the 4 KV
+  heads and half the FFN rows); both groups serve every replica's requests at once;
+- 2 x TP 2 -> TP 4: the two groups merge into one (shard order 0, 2, 1, 3: each member keeps
+  one KV head and a quarter of the FFN rows, inside what it kept in its pair, so no FFN row
+  moves);
+- TP 4 -> 2 x TP 2 -> 4 x TP 1: it splits into the pairs, then the pairs split; every FFN byte
+  is back (the same digest as before the first merge);
+- 4 x TP 1 -> TP 4 -> 4 x TP 1 directly;
+- refused, changing nothing: a merge of the four while only one pair is merged (409), a split
+  into a degree the group cannot split into (400).
 """
 
 from __future__ import annotations
@@ -22,7 +29,9 @@ from sglang_morph.models.tiny import tiny_model_path
 from test_morph_runtime_server import USER, Stream
 
 REPLICAS = (0, 1, 2, 3)
+PER_REPLICA = 3  # requests in flight on each replica across each transition
 N_NEW = 16
+FOUR = [0, 1, 2, 3]
 
 
 @pytest.fixture(scope="module")
@@ -34,6 +43,11 @@ def dp4(server_factory):
 
 def prompt(seed: int, n: int = 24) -> list[int]:
     return [(seed * 131 + i * 17) % 500 + 3 for i in range(n)]
+
+
+def jobs() -> list[tuple[int, int]]:
+    """(replica, prompt seed) of every request, PER_REPLICA per replica."""
+    return [(r, r + len(REPLICAS) * k) for r in REPLICAS for k in range(PER_REPLICA)]
 
 
 def generate_on(server, ids, replica: int) -> list[int]:
@@ -48,61 +62,102 @@ def post(server, route: str, body) -> requests.Response:
     return requests.post(f"{server.url}/amoebas/{route}", json=body, timeout=600)
 
 
-def units(server) -> list:
-    r = requests.get(f"{server.url}/amoebas/status", timeout=60)
+def units(server, digest: bool = False) -> dict:
+    r = requests.get(f"{server.url}/amoebas/status", params={"digest": int(digest)}, timeout=60)
     assert r.status_code == 200, r.text
     return r.json()
 
 
 @pytest.fixture(scope="module")
 def reference(dp4):
-    return {r: generate_on(dp4, prompt(r), r) for r in REPLICAS}
+    return {job: generate_on(dp4, prompt(job[1]), job[0]) for job in jobs()}
 
 
 def all_at_once(server) -> dict:
-    with concurrent.futures.ThreadPoolExecutor(len(REPLICAS)) as pool:
-        outs = pool.map(lambda r: generate_on(server, prompt(r), r), REPLICAS)
-    return dict(zip(REPLICAS, outs))
+    with concurrent.futures.ThreadPoolExecutor(len(jobs())) as pool:
+        outs = pool.map(lambda job: generate_on(server, prompt(job[1]), job[0]), jobs())
+    return dict(zip(jobs(), outs))
 
 
 def across(server, steps, reference) -> list[requests.Response]:
-    """Each (route, body) of ``steps`` while a request streams on every replica; the streams
-    finish with their reference outputs."""
-    streams = {r: Stream(server, prompt(r), N_NEW, routed_dp_rank=r) for r in REPLICAS}
+    """Each (route, body) of ``steps`` while PER_REPLICA requests stream on every replica;
+    the streams finish with their reference outputs."""
+    streams = {job: Stream(server, prompt(job[1]), N_NEW, routed_dp_rank=job[0])
+               for job in jobs()}
     for stream in streams.values():
         stream.wait_for(2)
     answers = [post(server, route, body) for route, body in steps]
-    assert {r: s.join() for r, s in streams.items()} == reference
+    assert {job: s.join() for job, s in streams.items()} == reference
     return answers
 
 
-def test_pairs_and_the_group_of_four(dp4, reference):
-    assert units(dp4)["units"] == [[0], [1], [2], [3]]
-    assert units(dp4)["replicas"][0]["groups_allowed"] == [[0, 1], [2, 3], [0, 1, 2, 3]]
+def shards(status: dict) -> list:
+    return [(b["group"], b["kv_heads"], b["ffn_rows"]) for b in status["replicas"]]
 
-    answers = across(dp4, [("merge", {"replicas": [0, 1]}), ("merge", {"replicas": [2, 3]})],
-                     reference)
-    assert [a.status_code for a in answers] == [200, 200], [a.text for a in answers]
+
+PAIRS_SHARDS = [([0, 1], [0, 2], [0, 256]), ([0, 1], [2, 4], [256, 512]),
+                ([2, 3], [0, 2], [0, 256]), ([2, 3], [2, 4], [256, 512])]
+# Shard order 0, 2, 1, 3: replica 1 keeps head 2 and rows 256-384, inside its pair's half.
+FOUR_SHARDS = [(FOUR, [0, 1], [0, 128]), (FOUR, [2, 3], [256, 384]),
+               (FOUR, [1, 2], [128, 256]), (FOUR, [3, 4], [384, 512])]
+
+
+def test_pairs_then_the_group_of_four_and_back(dp4, reference):
+    start = units(dp4, digest=True)
+    assert start["units"] == [[0], [1], [2], [3]]
+    assert start["replicas"][0]["groups_allowed"] == [[0, 1], [2, 3], FOUR]
+
+    answers = across(dp4, [("merge", {"replicas": [0, 1]})], reference)
+    assert answers[0].status_code == 200, answers[0].text
+    # Only one pair merged: the four cannot merge yet, and nothing changes.
+    before = units(dp4)
+    refused = post(dp4, "merge", {"replicas": FOUR})
+    assert refused.status_code == 409 and "serve as" in refused.text, refused.text
+    assert shards(units(dp4)) == shards(before)
+    answers = across(dp4, [("merge", {"replicas": [2, 3]})], reference)
+    assert answers[0].status_code == 200, answers[0].text
     s = units(dp4)
-    assert s["units"] == [[0, 1], [2, 3]]
-    assert [b["kv_heads"] for b in s["replicas"]] == [[0, 2], [2, 4], [0, 2], [2, 4]]
-    assert [b["ffn_rows"] for b in s["replicas"]] == [[0, 256], [256, 512]] * 2
+    assert s["units"] == [[0, 1], [2, 3]] and shards(s) == PAIRS_SHARDS
     assert all_at_once(dp4) == reference
-    refused = post(dp4, "merge", {"replicas": [0, 1, 2, 3]})
-    assert refused.status_code == 409 and "already serves in group" in refused.text
+    bad = post(dp4, "split", {"group": [0, 1], "degree": 2})
+    assert bad.status_code == 400 and "cannot split into groups of 2" in bad.text, bad.text
+
+    (merge,) = across(dp4, [("merge", {"replicas": FOUR})], reference)
+    assert merge.status_code == 200, merge.text
+    s = merge.json()
+    assert s["units"] == [FOUR] and shards(s) == FOUR_SHARDS
+    pair_capacity = before["replicas"][0]["kv_capacity_tokens"]
+    assert all(b["kv_capacity_tokens"] > pair_capacity for b in s["replicas"])
+    assert all_at_once(dp4) == reference
+
+    (split,) = across(dp4, [("split", {"group": FOUR, "degree": 2})], reference)
+    assert split.status_code == 200, split.text
+    s = split.json()
+    assert s["units"] == [[0, 1], [2, 3]] and shards(s) == PAIRS_SHARDS
+    assert all(b["kv_capacity_tokens"] == pair_capacity for b in s["replicas"])
+    assert all_at_once(dp4) == reference
 
     answers = across(dp4, [("split", {"group": [0, 1]}), ("split", {"group": [2, 3]})],
                      reference)
     assert [a.status_code for a in answers] == [200, 200], [a.text for a in answers]
-    assert units(dp4)["units"] == [[0], [1], [2], [3]]
+    end = units(dp4, digest=True)
+    assert end["units"] == [[0], [1], [2], [3]]
+    for b, b0 in zip(end["replicas"], start["replicas"]):
+        assert b["ffn_sha256"] == b0["ffn_sha256"]  # every FFN byte back
+        assert b["kv_capacity_tokens"] == b0["kv_capacity_tokens"]
+        assert b["released_ffn_bytes"] == 0
+    assert [t["action"] for t in end["replicas"][1]["transitions"]] == [
+        "merge", "merge", "split", "split"]
     assert all_at_once(dp4) == reference
 
-    (merge,) = across(dp4, [("merge", {"replicas": [0, 1, 2, 3]})], reference)
+
+def test_four_replicas_merge_at_once_and_split_back(dp4, reference):
+    (merge,) = across(dp4, [("merge", {"replicas": FOUR})], reference)
     assert merge.status_code == 200, merge.text
     s = merge.json()
-    assert s["units"] == [[0, 1, 2, 3]]
-    assert [b["kv_heads"] for b in s["replicas"]] == [[i, i + 1] for i in REPLICAS]
+    assert s["units"] == [FOUR] and shards(s) == FOUR_SHARDS
     assert all_at_once(dp4) == reference
-    (split,) = across(dp4, [("split", {"group": [0, 1, 2, 3]})], reference)
+    (split,) = across(dp4, [("split", {"group": FOUR})], reference)
     assert split.status_code == 200, split.text
+    assert split.json()["units"] == [[0], [1], [2], [3]]
     assert all_at_once(dp4) == reference

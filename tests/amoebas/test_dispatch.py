@@ -59,7 +59,7 @@ def test_fleet_of_the_board():
     assert all(u.transitioning and u.degree == 1 for u in D.fleet_of(half, {}, {}, 0).units)
 
 
-def test_live_policy_merges_only_allowed_groups_of_single_replicas():
+def test_live_policy_merges_only_allowed_groups():
     capacity = tiny_capacity()
     pool2 = capacity.owner_capacity_tokens(2)
     long = Request("long", pool2 - 16, 16)
@@ -72,7 +72,8 @@ def test_live_policy_merges_only_allowed_groups_of_single_replicas():
     groups = ((0, 1), (2, 3), (0, 1, 2, 3))
     live = AmoebasPolicy(capacity, groups=groups, merge_from_degrees=(1,)).dispatch(long, fleet)
     assert live == Merge((0, 1), 2, 1, ((0,), (1,)))
-    # Two TP 2 groups make a TP 4 in the simulator; a live server merges TP 1 replicas only.
+    # Two TP 2 groups make a TP 4 (a live server too: its groups nest in shard order);
+    # ``merge_from_degrees`` can keep merges to replicas alone.
     pool4 = capacity.owner_capacity_tokens(4)
     longer = Request("longer", pool4 - 16, 16)
     pairs = D.Fleet((unit(capacity, (0, 1), [(0, 100, True, True)]),

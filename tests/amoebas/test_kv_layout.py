@@ -499,3 +499,152 @@ def test_degree_and_slot_validation():
         kv.merge_transition(torch.tensor([1, 1]), t)
     with pytest.raises(KVReshardRefused, match="not in a merged group"):
         kv.split(torch.tensor([1]))
+
+
+# ---- regroup: two groups of 2 become one group of 4 and back ----
+
+# Replicas 0..3 as the group of four orders them (shard order 0, 2, 1, 3: each member's heads
+# at degree 4 lie inside its heads at degree 2): rank in the group of four -> replica.
+ORDER4 = (0, 2, 1, 3)
+PAIRS = ((0, 2), (1, 3))  # the pairs [0, 1] and [2, 3] in those ranks, each in shard order
+
+
+def pairs_then_four(variant: str, faults=None, capacity: int = 48, page_size: int = 1,
+                    live: int = 20):
+    """Four members merged as two pairs; returned in the group of four's rank order."""
+    kvs, lives = group(4, 4, variant, capacity=capacity, live=live, page_size=page_size,
+                       faults=faults)
+    for pair in ((0, 1), (2, 3)):
+        assert_applied(merge_all([kvs[r] for r in pair], [lives[r] for r in pair],
+                                 thread_transports(2)))
+    return [kvs[r] for r in ORDER4], [lives[r] for r in ORDER4]
+
+
+def regroup_all(kvs, lives, transports, old, new, new_transports=None, capacity=None):
+    new_transports = new_transports or transports
+    return in_threads([lambda kv=kv, live=live, t=t, n=n: kv.regroup(live, t, old, new, n,
+                                                                     capacity)
+                       for kv, live, t, n in zip(kvs, lives, transports, new_transports)])
+
+
+def pair_transports() -> list:
+    """Each member's link in its pair after a split of the four, by rank in the four."""
+    first, second = thread_transports(2), thread_transports(2)
+    return [first[0], second[0], first[1], second[1]]
+
+
+def holders_in(kvs, groups, owner: int) -> list:
+    """(pool, first head) pairs holding ``owner``'s tokens (ranks as in ``kvs``)."""
+    (g,) = [g for g in groups if owner in g]
+    return holders([kvs[m] for m in g], g.index(owner))
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_two_pairs_regroup_into_four_and_back_bitwise(variant):
+    kvs, lives = pairs_then_four(variant)
+    before = [token_rows(holders_in(kvs, PAIRS, m), lives[m]) for m in range(4)]
+    snaps = [snapshot(kv) for kv in kvs]
+    four = thread_transports(4)
+    assert_applied(regroup_all(kvs, lives, four, PAIRS, (tuple(range(4)),)))
+    for m, kv in enumerate(kvs):
+        kv.check_integrity()
+        assert (kv.rank, kv.degree, kv.pool.head_num) == (m, 4, 1)
+        assert torch.equal(token_rows(holders_in(kvs, ((0, 1, 2, 3),), m), lives[m]), before[m])
+        stats = kv.last_stats
+        # Each member trades two of its four ranges with its counterpart (0 <-> 1, 2 <-> 3).
+        assert stats.sent_rows == stats.received_rows == 2 * lives[0].numel()
+    if variant == "head_centric":  # the range a member keeps did not move
+        for kv, snap in zip(kvs, snaps):
+            assert kv.pool.k_buffer[0].data_ptr() == snap["own"][0][1] + (
+                kv.rank % 2) * kv.config.head_range_bytes
+    # Tensor-parallel attention over the four members equals the whole attention.
+    q = torch.randn(8, HEAD_DIM, generator=torch.Generator().manual_seed(3))
+    for m in range(4):
+        slots = lives[m][:7]
+        whole = before[m][0, :, :7]
+        ref = attention(q, whole[0], whole[1])
+        parts = [attention(q[2 * kv.own_heads.start:2 * kv.own_heads.stop],
+                           p.k_buffer[0][slots], p.v_buffer[0][slots])
+                 for (p, _), kv in zip(holders_in(kvs, ((0, 1, 2, 3),), m), kvs)]
+        assert torch.equal(torch.cat(parts), ref)
+    capacity = kvs[0].pool.size
+    assert_applied(regroup_all(kvs, lives, four, (tuple(range(4)),), PAIRS, pair_transports(),
+                               capacity))
+    for kv, snap in zip(kvs, snaps):
+        kv.check_integrity()
+        if variant == "head_centric":  # every pool at its old addresses (live rows below)
+            after = snapshot(kv)
+            assert after.keys() == snap.keys()
+            assert all([(p, st) for _, p, st in after[key]] == [(p, st) for _, p, st in value]
+                       for key, value in snap.items() if isinstance(value, list))
+    for m in range(4):
+        assert torch.equal(token_rows(holders_in(kvs, PAIRS, m), lives[m]), before[m])
+    # And the pairs split back to replicas alone over their own links.
+    results = in_threads([lambda kv=kv, live=live: kv.split(live)
+                          for kv, live in zip(kvs, lives)])
+    assert_applied(results)
+    for kv, live, rows in zip(kvs, lives, before):
+        assert kv.degree == 1 and torch.equal(token_rows([(kv.pool, 0)], live), rows)
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_a_regroup_to_pairs_compacts_below_the_pairs_capacity_or_is_refused(variant):
+    capacity, page = 32, 4
+    kvs, lives = pairs_then_four(variant, capacity=capacity, page_size=page, live=5)
+    four = thread_transports(4)
+    assert_applied(regroup_all(kvs, lives, four, PAIRS, (tuple(range(4)),)))
+    for kv in kvs:  # the group of four grows every pool; requests write above the pairs' size
+        kv.resize(2 * capacity)
+        for q in kv.mirrors:
+            kv.resize(2 * capacity, owner=q)
+    g = torch.Generator().manual_seed(5)
+    for m in range(4):
+        extra = torch.arange(capacity + page, capacity + page + 6)
+        lives[m] = torch.cat((lives[m], extra))
+        for p, _ in holders_in(kvs, ((0, 1, 2, 3),), m):
+            for layer in range(LAYERS):
+                k, v = torch.randn(2, 6, 1, HEAD_DIM, generator=g)
+                p.set_kv_buffer(SimpleNamespace(layer_id=layer), extra, k, v)
+    before = [token_rows(holders_in(kvs, ((0, 1, 2, 3),), m), lives[m]) for m in range(4)]
+    snaps = [snapshot(kv) for kv in kvs]
+    # Too small a capacity for the live pages: refused on every member, nothing changed.
+    results = regroup_all(kvs, lives, four, (tuple(range(4)),), PAIRS, pair_transports(), 8)
+    for r, (kv, snap) in enumerate(zip(kvs, snaps)):
+        assert isinstance(results[r], KVReshardRefused), results[r]
+        assert_same(kv, snap)
+    results = regroup_all(kvs, lives, four, (tuple(range(4)),), PAIRS, pair_transports(),
+                          capacity)
+    assert_applied(results)
+    for m, kv in enumerate(kvs):
+        kv.check_integrity()
+        src, dst = kv.last_stats.moved_src, kv.last_stats.moved_dst
+        assert sorted(src.tolist()) == list(range(capacity + page, capacity + page + 6))
+        assert int(dst.max()) < capacity + page and torch.equal(dst % page, src % page)
+        assert kv.pool.size == capacity and all(p.size == capacity for p in kv.mirrors.values())
+    for m in range(4):
+        new_live = kvs[m].last_stats.live_after
+        assert torch.equal(token_rows(holders_in(kvs, PAIRS, m), new_live), before[m])
+
+
+@pytest.mark.parametrize("failing", range(4))
+@pytest.mark.parametrize("step", FAULT_STEPS)
+@pytest.mark.parametrize("direction", ("four", "pairs"))
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_a_fault_in_a_regroup_on_any_member_changes_nothing(variant, direction, step, failing,
+                                                           kv_fault_steps):
+    injectors = [FaultInjector() for _ in range(4)]
+    kvs, lives = pairs_then_four(variant, faults=[injectors[r] for r in (0, 2, 1, 3)])
+    injectors = [injectors[r] for r in ORDER4]
+    four, whole = thread_transports(4), (tuple(range(4)),)
+    old, new, news, capacity = PAIRS, whole, None, None
+    if direction == "pairs":
+        assert_applied(regroup_all(kvs, lives, four, PAIRS, whole))
+        old, new, news, capacity = whole, PAIRS, pair_transports(), kvs[0].pool.size
+    before = [snapshot(kv) for kv in kvs]
+    injectors[failing].arm(step)
+    results = regroup_all(kvs, lives, four, old, new, news, capacity)
+    assert injectors[failing].armed == {step: 0}
+    for r, (kv, snap) in enumerate(zip(kvs, before)):
+        assert isinstance(results[r], KVReshardFailed), results[r]
+        assert_same(kv, snap)
+    assert_applied(regroup_all(kvs, lives, four, old, new, news or None, capacity))

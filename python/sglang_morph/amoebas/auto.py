@@ -124,9 +124,9 @@ def live_policy(params: dict[str, Any]) -> Any:
     capacity = CapacityModel.from_kv_pool(spec, params["replicas"], dict(owner)[1],
                                           params["page_size_tokens"],
                                           measured_owner_tokens=owner)
-    # A live group forms from TP 1 replicas only (replica.py refuses a merge of merged ones).
-    return AmoebasPolicy(capacity, groups=tuple(tuple(g) for g in params["groups"]),
-                         merge_from_degrees=(1,))
+    # A live group forms from replicas alone or from the merged groups that tile it (two
+    # TP 2 groups into TP 4); ``groups`` keeps merges to the aligned blocks.
+    return AmoebasPolicy(capacity, groups=tuple(tuple(g) for g in params["groups"]))
 
 
 def _reserved_tokens(req: Any) -> int:

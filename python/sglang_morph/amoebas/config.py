@@ -67,6 +67,38 @@ class AmoebasConfig:
         return tuple(tuple(range(k * d, (k + 1) * d)) for d in self.degrees if d > 1
                      for k in range(self.replicas // d))
 
+    def degree_chain(self, degree: int) -> tuple[int, ...]:
+        """The degrees a group of ``degree`` can be built through, each dividing the next:
+        from 1, the largest allowed degree dividing the one above (1, 2, 4 for 4)."""
+        chain = [degree]
+        while chain[-1] > 1:
+            chain.append(max(d for d in self.degrees if d < chain[-1] and chain[-1] % d == 0))
+        return tuple(reversed(chain))
+
+    def shard_order(self, block: tuple[int, ...]) -> tuple[int, ...]:
+        """The replicas of ``block`` by shard rank (member ``i`` keeps heads and FFN rows
+        ``[i*X/d, (i+1)*X/d)``). Ranks nest: in a group of ``d`` built from blocks of
+        ``c`` (the next degree down its chain), position ``p`` gets rank ``rank_c(p mod c) *
+        (d / c) + p div c``, so every member's shard lies inside its shard in its block of
+        ``c`` and two groups merge, or a group splits, without moving an FFN row (for blocks
+        of 4 from pairs: replicas 0, 2, 1, 3 in rank order)."""
+        block = tuple(block)
+
+        def rank(p: int, chain: tuple[int, ...]) -> int:
+            if len(chain) == 1:
+                return 0
+            below = chain[-2]
+            return rank(p % below, chain[:-1]) * (chain[-1] // below) + p // below
+
+        chain = self.degree_chain(len(block))
+        ranks = [rank(p, chain) for p in range(len(block))]
+        return tuple(block[ranks.index(r)] for r in range(len(block)))
+
+    def sub_blocks(self, block: tuple[int, ...], degree: int) -> tuple[tuple[int, ...], ...]:
+        """The allowed blocks of ``degree`` that tile ``block`` (empty when none do)."""
+        inside = tuple(b for b in self.blocks() if len(b) == degree and set(b) <= set(block))
+        return inside if sum(map(len, inside)) == len(block) else ()
+
     def block_port(self, block: tuple[int, ...]) -> int:
         return int(self.link_port) + self.blocks().index(tuple(block))
 

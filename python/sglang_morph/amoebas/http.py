@@ -20,21 +20,26 @@ async def _forward(req: Any) -> JSONResponse:
     return await answer_of_every_replica(req, "AMOEBAs", "units")
 
 
-async def _replica_list(request: Request, field: str) -> tuple[list[int] | None, str | None]:
-    """``body[field]``: a list of at least two distinct replica numbers, sorted; or an
-    error message naming the field."""
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+async def _replica_list(request: Request, field: str, optional: tuple[str, ...] = ()
+                        ) -> tuple[list[int] | None, dict, str | None]:
+    """``body[field]``: a list of at least two distinct replica numbers, sorted, and the
+    body; or an error message naming the field. ``optional``: other fields allowed."""
     body = await json_object(request)
     if body is None:
-        return None, f"the body must be a JSON object with {field!r}"
-    unknown = sorted(set(body) - {field})
+        return None, {}, f"the body must be a JSON object with {field!r}"
+    unknown = sorted(set(body) - {field, *optional})
     if unknown:
-        return None, f"unknown fields {unknown}; the only field is {field!r}"
+        allowed = ", ".join(repr(f) for f in (field, *optional))
+        return None, body, f"unknown fields {unknown}; the fields are {allowed}"
     value = body.get(field)
-    if (not isinstance(value, list) or len(value) < 2
-            or not all(isinstance(r, int) and not isinstance(r, bool) for r in value)
+    if (not isinstance(value, list) or len(value) < 2 or not all(map(_is_int, value))
             or len(set(value)) != len(value)):
-        return None, f"{field!r} must be a list of at least two distinct replica numbers"
-    return sorted(value), None
+        return None, body, f"{field!r} must be a list of at least two distinct replica numbers"
+    return sorted(value), body, None
 
 
 def add_routes(app: Any) -> None:
@@ -63,35 +68,43 @@ def add_routes(app: Any) -> None:
         batch of a member runs on every member. Requests in flight keep running.
 
         Body: ``{"replicas": [0, 1, 2]}``: a group the server allows (``--amoebas-degrees``;
-        aligned runs of replicas, e.g. [0, 1] or [2, 3] of degree 2).
+        aligned runs of replicas, e.g. [0, 1] or [2, 3] of degree 2). Its replicas serve
+        alone, or they are the merged groups of the degree below that tile it: two TP 2
+        groups [0, 1] and [2, 3] merge into TP 4 without moving an FFN row.
 
         Answers: 200 with the new status (as ``GET /amoebas/status``); 400 with
         ``{"error": ...}`` for a bad body or a group the server does not allow; 409 when a
-        member refuses (not serving alone); 500 when the merge failed on a member and was
+        member refuses (in another group); 500 when the merge failed on a member and was
         undone on all; 503 when AMOEBAs is not running in this server.
         """
-        replicas, error = await _replica_list(request, "replicas")
+        replicas, _, error = await _replica_list(request, "replicas")
         if error is not None:
             return JSONResponse({"error": error}, status_code=400)
         return await _forward(AmoebasMergeReq(replicas=replicas))
 
     @auth_level(AuthLevel.ADMIN_OPTIONAL)
     async def amoebas_split(request: Request):
-        """Split a merged group back into replicas serving alone: each takes back every head
-        of its requests' KV and its whole FFN. Requests in flight keep running.
+        """Split a merged group back into replicas serving alone (or into smaller groups):
+        each takes back the heads of its requests' KV and the FFN rows of its new shard.
+        Requests in flight keep running.
 
-        Body: ``{"group": [0, 1, 2]}``, the group's replicas as ``GET /amoebas/status`` lists
-        them.
+        Body: ``{"group": [0, 1, 2, 3], "degree": 2}``: the group's replicas as ``GET
+        /amoebas/status`` lists them; ``degree`` (optional, default 1) the size of the
+        groups it splits into (an allowed degree whose aligned groups tile it: a TP 4 group
+        of replicas 0-3 into [0, 1] and [2, 3]).
 
-        Answers: 200 with the new status; 400 for a bad body; 409 when the group does not
-        exist or a member holds more KV than a replica alone can (retry once fewer tokens are
-        held); 500 when the split failed and was undone on every member; 503 when AMOEBAs is
-        not running in this server.
+        Answers: 200 with the new status; 400 for a bad body or a degree the group cannot
+        split into; 409 when the group does not exist or a member holds more KV than the
+        smaller unit can (retry once fewer tokens are held); 500 when the split failed and
+        was undone on every member; 503 when AMOEBAs is not running in this server.
         """
-        group, error = await _replica_list(request, "group")
+        group, body, error = await _replica_list(request, "group", optional=("degree",))
+        degree = body.get("degree", 1)
+        if error is None and (not _is_int(degree) or degree < 1):
+            error = "'degree' must be a positive integer (1: replicas alone)"
         if error is not None:
             return JSONResponse({"error": error}, status_code=400)
-        return await _forward(AmoebasSplitReq(group=group))
+        return await _forward(AmoebasSplitReq(group=group, degree=degree))
 
     app.add_api_route("/amoebas/status", amoebas_status, methods=["GET"])
     app.add_api_route("/amoebas/merge", amoebas_merge, methods=["POST"])

@@ -24,9 +24,11 @@ class AmoebasMergeReq(BaseReq, kw_only=True):
 
 
 class AmoebasSplitReq(BaseReq, kw_only=True):
-    """``POST /amoebas/split``: the group of exactly ``group`` splits back into replicas."""
+    """``POST /amoebas/split``: the group of exactly ``group`` splits into groups of
+    ``degree`` (1: back into replicas serving alone)."""
 
     group: list[int]
+    degree: int = 1
 
 
 AMOEBAS_REQUESTS = (AmoebasStatusReq, AmoebasMergeReq, AmoebasSplitReq)

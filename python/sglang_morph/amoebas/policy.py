@@ -275,7 +275,7 @@ class AmoebasPolicy:
     # The groups a merge may form (a live server's aligned blocks, ``AmoebasConfig.blocks``);
     # empty: any units of one degree (the simulator's clusters)
     groups: tuple[tuple[int, ...], ...] = ()
-    # The degrees units may merge from (empty: any); a live server merges TP 1 replicas only
+    # The degrees units may merge from (empty: any)
     merge_from_degrees: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:

@@ -117,8 +117,10 @@ class AmoebasReplica:
         self.members: dict[tuple[int, ...], GroupMember] = {}
         for block in cfg.blocks():
             if self.replica in block:
-                link = GroupLink(f"amoebas-{'-'.join(map(str, block))}", block.index(self.replica),
-                                 len(block), cfg.block_port(block), replicas=block)
+                # Link ranks are shard ranks (``AmoebasConfig.shard_order``).
+                order = cfg.shard_order(block)
+                link = GroupLink(f"amoebas-{'-'.join(map(str, block))}", order.index(self.replica),
+                                 len(block), cfg.block_port(block), replicas=order)
                 self.members[block] = GroupMember(scheduler, link, "amoebas",
                                                   lambda: int(self.pool.size),
                                                   compute_lock=self.lock)
@@ -154,6 +156,11 @@ class AmoebasReplica:
     def member(self) -> GroupMember:
         return self.members[self.unit]
 
+    @property
+    def order(self) -> tuple[int, ...]:
+        """The unit's replicas by shard rank (its link's ranks)."""
+        return self.cfg.shard_order(self.unit)
+
     def capacity_after_merge(self, degree: int) -> int:
         """KV tokens of this replica's pool in a group of ``degree``: its startup pool plus the
         FFN rows it releases, at the bytes per token of every KV head (its own heads and the
@@ -171,7 +178,7 @@ class AmoebasReplica:
         numbers: its own pool for its own requests, else its mirror of ``owner``."""
         if owner == self.replica:
             return self.pool.k_buffer, self.pool.v_buffer
-        mirror = self.kv.mirrors[self.unit.index(owner)]
+        mirror = self.kv.mirrors[self.order.index(owner)]
         return mirror.k_buffer, mirror.v_buffer
 
     def ffn_digest(self) -> str:
@@ -201,7 +208,7 @@ class AmoebasReplica:
             "kv_capacity_tokens_alone": self.kv_capacity_tokens_whole,
             "kv_used_tokens": self.used_tokens(),
             # Each member grows alike, so the mirror of q has q's capacity.
-            "mirror_kv_capacity_tokens": {str(self.unit[q]): int(m.size)
+            "mirror_kv_capacity_tokens": {str(self.order[q]): int(m.size)
                                           for q, m in sorted(self.kv.mirrors.items())},
             "kv_variant": self.kv.variant,
             "released_ffn_bytes": self.released_ffn_bytes,
@@ -250,26 +257,38 @@ class AmoebasReplica:
         elif isinstance(req, AmoebasMergeReq):
             code, body = self.transition(tuple(req.replicas), merge=True)
         elif isinstance(req, AmoebasSplitReq):
-            code, body = self.transition(tuple(req.group), merge=False)
+            code, body = self.transition(tuple(req.group), merge=False, degree=req.degree)
         return ControlOutput(rid=req.rid, status_code=code,
                              body=self.status() if body is None else body, replica=self.replica)
 
     def transition(self, block: tuple[int, ...], merge: bool, trigger: str = "operator",
-                   reason: str | None = None) -> tuple[int, dict | None]:
-        """Merge replicas ``block`` (serving alone) into one group, or split that group: a
-        voted transition of the block's members, between batches (an operator's request or a
-        proposal on the board, ``trigger`` "auto" with its ``reason``). The HTTP status and
-        the error body (None: this replica's status)."""
+                   reason: str | None = None, degree: int = 1) -> tuple[int, dict | None]:
+        """Merge ``block`` into one group, or split that group into groups of ``degree`` (1:
+        replicas alone): a voted transition of the block's members, between batches (an
+        operator's request or a proposal on the board, ``trigger`` "auto" with its
+        ``reason``). A merge takes replicas serving alone, or the groups of the degree below
+        that tile the block (two TP 2 groups into TP 4). The HTTP status and the error body
+        (None: this replica's status)."""
         action = "merge" if merge else "split"
         if block not in self.cfg.blocks():
             return _BAD, {"error": f"{list(block)} is not a group this server allows "
                                    f"(allowed: {[list(b) for b in self.cfg.blocks()]})",
                           "replica": self.replica}
+        if not merge and (degree >= len(block) or (degree > 1 and not
+                                                    self.cfg.sub_blocks(block, degree))):
+            below = [d for d in self.cfg.degrees if d < len(block)
+                     and (d == 1 or self.cfg.sub_blocks(block, d))]
+            return _BAD, {"error": f"a group of {len(block)} cannot split into groups of "
+                                   f"{degree} (degrees allowed: {below})",
+                          "replica": self.replica}
         if self.replica not in block:
             return _OK, None  # another group's transition: this replica answers its status
         member = self.members[block]
         try:
-            refusal, phases, last = self._plan(block, merge, member, reason or trigger)
+            # Every member states where it serves, so that all plan the same transition.
+            units = [tuple(u) for u in member.link.all_gather(list(self.unit))]
+            refusal, phases, last = self._plan(block, merge, member, units, degree,
+                                               reason or trigger)
         except Exception as e:  # still vote: the other members wait for this one's vote
             logger.exception("sglang-morph: AMOEBAs replica %d cannot plan the %s",
                              self.replica, action)
@@ -284,12 +303,18 @@ class AmoebasReplica:
         code = _REFUSED if record.outcome is Outcome.REFUSED else _FAILED
         return code, {"error": record.error, "replica": self.replica}
 
-    def _plan(self, block: tuple[int, ...], merge: bool, member: GroupMember,
-              reason: str) -> tuple[str | None, tuple, LastStep | None]:
-        """This member's vote, phases and commit step for the transition."""
-        refusal = self._refusal(block, merge)
+    def _plan(self, block: tuple[int, ...], merge: bool, member: GroupMember, units: list,
+              degree: int, reason: str) -> tuple[str | None, tuple, LastStep | None]:
+        """This member's vote, phases and commit step for the transition (``units``: where
+        each member serves now)."""
+        refusal = self._refusal(block, merge, units)
         if refusal is not None:  # every member votes; one refusal refuses it everywhere
             return refusal, (), None
+        if merge and any(len(u) > 1 for u in units):
+            return self._plan_regroup(block, member, tuple(sorted(set(units))), (block,), reason)
+        if not merge and degree > 1:
+            return self._plan_regroup(block, member, (block,),
+                                      self.cfg.sub_blocks(block, degree), reason)
         if merge:
             kv = self.kv.merge_transition(self._held_slots(), Transport.over_link(member.link),
                                           reason=reason)
@@ -312,12 +337,64 @@ class AmoebasReplica:
             functools.partial(self._commit_split, kv.last, resizer, locked),
             "every head and FFN row is back, but the pool's capacity and slots may not be")
 
-    def _refusal(self, block: tuple[int, ...], merge: bool) -> str | None:
-        if merge and self.merged:
-            return f"replica {self.replica} already serves in group {list(self.unit)}"
-        if not merge and self.unit != block:
-            return f"replica {self.replica} is not in group {list(block)}"
-        return None
+    def _refusal(self, block: tuple[int, ...], merge: bool, units: list) -> str | None:
+        """The same text on every member of a merge (they decide from the same ``units``)."""
+        if not merge:
+            return (f"replica {self.replica} is not in group {list(block)}"
+                    if self.unit != block else None)
+        if all(len(u) == 1 for u in units):
+            return None
+        if set(units) == {block}:
+            return f"replica {self.replica} already serves in group {list(block)}"
+        below = self.cfg.degree_chain(len(block))[-2]
+        tiles = set(self.cfg.sub_blocks(block, below)) if below > 1 else set()
+        if set(units) == tiles:
+            return None
+        serving = [list(u) if len(u) > 1 else u[0] for u in sorted(set(units))]
+        return (f"replicas {list(block)} serve as {serving}: a merge into {list(block)} takes "
+                "replicas serving alone" + (f" or the groups {sorted(map(list, tiles))}"
+                                            if tiles else ""))
+
+    def _plan_regroup(self, block: tuple[int, ...], member: GroupMember, old: tuple,
+                      new: tuple, reason: str) -> tuple[str | None, tuple, LastStep | None]:
+        """Groups ``old`` become groups ``new`` (blocks tiling ``block``, whose link carries
+        the transition): two groups merge into ``block``, or ``block`` splits into groups.
+        No FFN row moves on the merge: each member's new shard lies inside its old one
+        (``AmoebasConfig.shard_order``); the split gathers back the rows of its new shard."""
+        cfg, ps = self.cfg, self.allocator.page_size
+        link_rank = {r: i for i, r in enumerate(cfg.shard_order(block))}
+
+        def ranks(blocks: tuple) -> tuple:
+            return tuple(tuple(link_rank[r] for r in cfg.shard_order(b)) for b in blocks)
+
+        transport = Transport.over_link(member.link)
+        (now,), (after,) = ([b for b in blocks if self.replica in b] for blocks in (old, new))
+        if len(after) > len(now):  # the merge: FFN rows released at the commit
+            kv = self.kv.regroup_transition(self._held_slots(), transport, ranks(old),
+                                            ranks(new), reason=reason)
+            phases = (*kv.phases,
+                      Phase("the switch to the group", functools.partial(self._join, after),
+                            functools.partial(self._join, now)))
+            return kv.refusal, phases, LastStep(
+                functools.partial(self._commit_merge, kv.last),
+                "the group serves, but without (all) the KV capacity of the FFN rows it "
+                "releases")
+        self._evict_cache()
+        resizer = KVResizer(self.scheduler)
+        capacity = self.capacity_after_merge(len(after)) // ps * ps
+        kv = self.kv.regroup_transition(self._held_slots(), transport, ranks(old), ranks(new),
+                                        Transport.over_link(self.members[after].link),
+                                        capacity, reason=reason)
+        locked = resizer.locked_nodes() if kv.refusal is None else []
+        phases = (*kv.phases,
+                  Phase("the FFN gather", functools.partial(self._gather_ffn, after),
+                        self._release_ffn_again),
+                  Phase("the switch to the smaller group", functools.partial(self._join, after),
+                        functools.partial(self._join, now)))
+        return kv.refusal, phases, LastStep(
+            functools.partial(self._commit_split, kv.last, resizer, locked, capacity),
+            "every head and FFN row of the smaller group is back, but the pool's capacity "
+            "and slots may not be")
 
     def _held_slots(self) -> torch.Tensor:
         """Every slot not free: what requests hold and what the radix cache keeps."""
@@ -355,7 +432,7 @@ class AmoebasReplica:
     # ---- joining and leaving a group (the views) ----
 
     def _join(self, block: tuple[int, ...]) -> None:
-        d, i = len(block), block.index(self.replica)
+        d, i = len(block), self.cfg.shard_order(block).index(self.replica)
         shard = Shard(i, d, self.num_q_heads, self.num_kv_heads, self.intermediate_size)
         self._layers = layer_shards(self.model, shard, self.head_dim, ffn=self.ffn)
         self.shard, self.unit, self.merged_at = shard, block, time.monotonic()
@@ -373,8 +450,8 @@ class AmoebasReplica:
         kv_commit.do()
         resizer = KVResizer(self.scheduler)
         rss_before = process_rss_bytes()
-        done = keep_shard_layers(self.ffn, self.shard.rank, self.shard.degree)
-        self.released_ffn_bytes = sum(t.freed_bytes for t in done)
+        keep_shard_layers(self.ffn, self.shard.rank, self.shard.degree)
+        self.released_ffn_bytes = self._released_at(self.shard.degree)
         # What the process gave back to the OS, measured (RSS), before the KV takes it.
         self._rss_drop_bytes = rss_before - process_rss_bytes()
         ps, old = self.allocator.page_size, int(self.pool.size)
@@ -385,40 +462,55 @@ class AmoebasReplica:
         added = torch.arange(old // ps + 1, new // ps + 1, dtype=torch.int64)
         resizer.set_capacity(new, torch.cat((self.allocator.free_pages, added)))
 
-    def _commit_split(self, kv_commit: LastStep, resizer: KVResizer, locked: list) -> None:
+    def _commit_split(self, kv_commit: LastStep, resizer: KVResizer, locked: list,
+                      capacity: int | None = None) -> None:
         """After every member has its heads and FFN rows back: the KV layout's commit, SGLang's
         holders of the slots the split compacted pointed at their new places, and the pool's
-        startup capacity published with the free list of what is not held."""
+        capacity (the startup one, or a smaller group's) published with the free list of what
+        is not held."""
         kv_commit.do()
         stats = self.kv.last_stats
         resizer.remap_holders(stats.moved_src, stats.moved_dst, locked)
-        ps, capacity = self.allocator.page_size, self.kv_capacity_tokens_whole
+        ps = self.allocator.page_size
+        capacity = self.kv_capacity_tokens_whole if capacity is None else capacity
         pages = torch.arange(1, capacity // ps + 1, dtype=torch.int64)
         free = pages[~torch.isin(pages, torch.unique(stats.live_after // ps))]
         resizer.set_capacity(capacity, free)
-        self.released_ffn_bytes = 0
+        self.released_ffn_bytes = self._released_at(len(self.unit))
 
-    def _gather_ffn(self) -> None:
+    def _released_at(self, degree: int) -> int:
+        """FFN bytes a member of a group of ``degree`` does not hold."""
+        store = self.ffn[0].layout
+        return len(self.ffn) * store.rows_bytes(
+            store.padded_intermediate - store.padded_intermediate // degree)
+
+    def _gather_ffn(self, into: tuple[int, ...] | None = None) -> None:
         """Every member sends its FFN rows to every other (one all-gather per layer on the
-        group's control group) and writes the others' rows back into its pages."""
+        group's control group) and writes back those of its shard in group ``into`` (None:
+        every row, serving alone) into its pages."""
         shard, pg = self.shard, self.member.link.control
         d = shard.degree
+        layout = self.ffn[0].layout
+        keep = ((0, layout.padded_intermediate) if into is None else
+                layout.shard_rows(self.cfg.shard_order(into).index(self.replica), len(into)))
         payloads = []
         for store in self.ffn:
             mine = store.payload(shard.rank, d).contiguous()
             outs = [torch.empty_like(mine) for _ in range(d)]
             pg.allgather([outs], [mine]).wait()
-            payloads.append({store.layout.shard_rows(j, d): outs[j]
-                             for j in range(d) if j != shard.rank})
+            rows = {j: store.layout.shard_rows(j, d) for j in range(d) if j != shard.rank}
+            payloads.append({r: outs[j] for j, r in rows.items()
+                             if keep[0] <= r[0] and r[1] <= keep[1]})
         self.faults.check("ffn_gather")
         restore_layers(self.ffn, payloads)
-        self.released_ffn_bytes = 0
+        self.released_ffn_bytes = self._released_at(1 if into is None else len(into))
 
     def _release_ffn_again(self) -> None:
-        if all(store.whole for store in self.ffn):
-            self.released_ffn_bytes = sum(
-                t.freed_bytes for t in keep_shard_layers(self.ffn, self.shard.rank,
-                                                         self.shard.degree))
+        """Undo of the gather: back to this member's shard in the group it is in."""
+        rows = self.ffn[0].layout.shard_rows(self.shard.rank, self.shard.degree)
+        if any(store.resident_rows != rows for store in self.ffn):
+            keep_shard_layers(self.ffn, self.shard.rank, self.shard.degree)
+        self.released_ffn_bytes = self._released_at(self.shard.degree)
 
     # ---- the merged forward ----
 
@@ -452,7 +544,7 @@ class AmoebasReplica:
             raise RuntimeError(f"a batch of group {list(block)} reached replica {self.replica} "
                                f"serving in {list(self.unit)}")
         forward(self.model, self._layers, self.shard, self.head_dim,
-                Batch.from_tensors(tensors), *self.kv_views(block[caller]),
+                Batch.from_tensors(tensors), *self.kv_views(self.order[caller]),
                 self._all_reduce(self.members[block].link.calls[caller]), final_norm=False)
         self.batches_served_for_others += 1
         return {}
