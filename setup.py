@@ -14,5 +14,8 @@ setup(
     packages=find_packages("python"),
     python_requires=">=3.10",
     install_requires=["sglang==0.5.23"],
-    entry_points={"sglang.srt.plugins": ["morph = sglang_morph.plugin:load"]},
+    entry_points={
+        "sglang.srt.plugins": ["morph = sglang_morph.plugin:load"],
+        "console_scripts": ["sglang-morph = sglang_morph.console.main:main"],
+    },
 )
