@@ -11,16 +11,22 @@ line naming the flag on error), the SGLang symbols of every enabled mechanism ar
 the enabled ones install their routes. In each scheduler the enabled ones attach and get their
 per-step entry called between batches. With no mechanism enabled the hooks only add our CLI
 flags and refuse token ids outside the vocabulary (``server/guard.py``: SGLang would crash on
-them); otherwise SGLang's behaviour is unchanged.
+them); otherwise SGLang's behaviour is unchanged. ``sglang.Engine(...)`` takes the same flags as
+keyword arguments, parsed and configured the same way (the section on ``sglang.Engine`` below).
 """
 
 from __future__ import annotations
 
+import argparse
 import functools
 import importlib
+import inspect
+import json
 import logging
+import multiprocessing
 import os
-from typing import Any
+import sys
+from typing import Any, NoReturn
 
 from sglang_morph import surface as sym
 from sglang_morph.config import ConfigError
@@ -85,6 +91,12 @@ def _after_add_cli_args(_result: None, parser: Any) -> None:
 
 
 def _after_from_cli_args(server_args: Any, _cls: Any, args: Any) -> None:
+    configure_server_args(server_args, args)
+
+
+def configure_server_args(server_args: Any, args: Any) -> None:
+    """The launcher's configuration of a not yet resolved ``server_args`` from the plugin's
+    parsed options ``args`` (the command line's, or ``sglang.Engine``'s keyword arguments)."""
     elastic = registry.ElasticConfig.from_cli_namespace(args)
     registry.attach_config(server_args, elastic)
     enabled: list[Mechanism] = []
@@ -182,12 +194,117 @@ CORE_HOOKS: tuple[Hook, ...] = (
 )
 
 
+# ----- sglang.Engine(**kwargs): the plugin's options as keyword arguments -----------------------
+# ``sglang.Engine(model_path=..., enable_morph=True, morph_mode="performance")`` takes every flag
+# the plugin adds to the command line under its argparse name. SGLang builds the Engine's
+# ServerArgs with ``self.server_args_class(**kwargs)``, a record that refuses unknown fields; the
+# Engine gets an instance attribute of that name (``_EngineServerArgs``) which takes the
+# plugin's options out, builds SGLang's record from the rest and configures it as the command
+# line would. Patching the class attribute instead would go through HookRegistry's REPLACE,
+# which also rebinds ``ServerArgs`` in every module that imported it.
+
+
+class _OptionParser(argparse.ArgumentParser):
+    """The plugin's flags alone; an error raises (a Python caller gets an exception, not an
+    exit)."""
+
+    def error(self, message: str) -> NoReturn:
+        raise ConfigError(message)
+
+
+@functools.lru_cache(maxsize=None)
+def _option_parser() -> _OptionParser:
+    parser = _OptionParser(prog="sglang.Engine", add_help=False, allow_abbrev=False)
+    add_cli_args(parser)
+    return parser
+
+
+def engine_option_names() -> frozenset[str]:
+    """The keyword arguments ``sglang.Engine`` takes for the plugin (argparse names)."""
+    return frozenset(a.dest for a in _option_parser()._actions)
+
+
+def parse_engine_options(options: dict[str, Any]) -> argparse.Namespace:
+    """``options`` (keyword name -> value) parsed as the command line would parse the flags:
+    the same types and choices, unset options at the flags' defaults. A switch takes True or
+    False; a list or tuple stands for a comma-separated value, a dict for a JSON object.
+    Raises ConfigError naming the flag."""
+    parser = _option_parser()
+    actions = {a.dest: a for a in parser._actions}
+    argv: list[str] = []
+    for name, value in options.items():
+        action = actions[name]
+        flag = action.option_strings[0]
+        if action.nargs == 0:  # a switch
+            if not isinstance(value, bool):
+                raise ConfigError(f"{flag} ({name}=...): expected True or False, got {value!r}")
+            if value:
+                argv.append(flag)
+        elif value is not None:
+            if isinstance(value, dict):
+                text = json.dumps(value)
+            elif isinstance(value, (list, tuple)):
+                text = ",".join(str(v) for v in value)
+            else:
+                text = str(value)
+            argv += [flag, text]
+    return parser.parse_args(argv)
+
+
+class _EngineServerArgs:
+    """Stands in for ``Engine.server_args_class`` on one Engine."""
+
+    def __call__(self, **kwargs: Any) -> Any:
+        from sglang.srt.server_args import ServerArgs
+
+        names = engine_option_names()
+        options = {k: kwargs.pop(k) for k in list(kwargs) if k in names}
+        args = parse_engine_options(options)
+        server_args = ServerArgs(**kwargs)
+        try:
+            configure_server_args(server_args, args)
+        except PluginError as e:
+            if isinstance(e.__cause__, ConfigError):  # bad input: a ValueError for Python
+                raise ConfigError(str(e)) from e.__cause__
+            raise
+        return server_args
+
+
+def _before_engine_init(engine: Any, *args: Any, **kwargs: Any) -> None:
+    engine.server_args_class = _EngineServerArgs()
+
+
+def _engine_hooks() -> tuple[Hook, ...]:
+    """Where a program may build an ``sglang.Engine``: its main process (the module may not be
+    imported yet when plugins load there), or a process that imported the Engine already."""
+    if multiprocessing.parent_process() is not None and sym.ENGINE_MODULE not in sys.modules:
+        return ()
+    return (Hook(sym.HOOK_ENGINE_INIT, _before_engine_init, "BEFORE"),)
+
+
+def _adopt_engine_under_construction() -> None:
+    """When this load runs inside ``Engine.__init__`` (the first Engine of a program loads the
+    plugins itself, after its BEFORE hooks would have run), that Engine gets its options taken
+    the same way."""
+    engine_module = sys.modules.get(sym.ENGINE_MODULE)
+    if engine_module is None:
+        return
+    code = inspect.unwrap(engine_module.Engine.__init__).__code__
+    frame = sys._getframe(1)
+    while frame is not None:
+        if frame.f_code is code:
+            _before_engine_init(frame.f_locals["self"])
+            return
+        frame = frame.f_back
+
+
 def hooks() -> tuple[Hook, ...]:
-    """Every hook this process registers: the core's, multi-rank CPU support, each
-    mechanism's."""
+    """Every hook this process registers: the core's, ``sglang.Engine``'s options where a
+    program may build an Engine, multi-rank CPU support, each mechanism's."""
     from sglang_morph.parallel.hooks import HOOKS as PARALLEL_HOOKS
 
-    return CORE_HOOKS + PARALLEL_HOOKS + tuple(h for m in mechanisms() for h in m.hooks())
+    return (CORE_HOOKS + _engine_hooks() + PARALLEL_HOOKS
+            + tuple(h for m in mechanisms() for h in m.hooks()))
 
 
 def load() -> None:
@@ -198,4 +315,7 @@ def load() -> None:
 
     del control, status
     applied = sym.register_and_verify(hooks())
+    # The first sglang.Engine of a program loads the plugins from its own __init__, past
+    # the hook that takes our options for later Engines.
+    _adopt_engine_under_construction()
     logger.debug("sglang-morph hooks applied: %s", applied)

@@ -103,6 +103,13 @@ HOOK_NEXT_BATCH = f"{_SCHEDULER}.get_next_batch_to_run"
 HOOK_SCHEDULER_GENERATE = f"{_SCHEDULER}.handle_generate_request"
 HOOK_RETRACT_DECODE = f"{_BATCH}.ScheduleBatch.retract_decode"
 HOOK_TOKENIZER_MANAGER_INIT = f"{_TOKENIZER_MANAGER}.__init__"
+ENGINE_MODULE = "sglang.srt.entrypoints.engine"
+# sglang.Engine(**kwargs) builds its ServerArgs with self.server_args_class(**kwargs): before
+# __init__, the plugin gives the Engine its own, which takes the plugin's options (plugin.py).
+HOOK_ENGINE_INIT = f"{ENGINE_MODULE}.Engine.__init__"
+# Both launchers (launch_server and sglang.Engine) spawn the schedulers here: the last point
+# before any rank starts (morph/auto_build.py builds the variants there, once for every rank).
+HOOK_LAUNCH_SUBPROCESSES = f"{ENGINE_MODULE}.Engine._launch_subprocesses"
 # Every request that reaches a scheduler passes here (server/guard.py: token ids in range).
 HOOK_VALIDATE_REQUEST = f"{_TOKENIZER_MANAGER}._validate_one_request"
 # TP rank 0's local inputs (SGLang's timeout aborts), broadcast to every rank with the step's.
@@ -123,7 +130,11 @@ HOOK_LLAMA_LOAD_WEIGHTS = "sglang.srt.models.llama.LlamaForCausalLM.load_weights
 # Used in the launcher / HTTP process (checked there, before any process is spawned).
 HTTP_SYMBOLS: tuple[Symbol, ...] = (
     *(Symbol(t, "hook") for t in (HOOK_ADD_CLI_ARGS, HOOK_FROM_CLI_ARGS,
-                                  HOOK_TOKENIZER_MANAGER_INIT, HOOK_VALIDATE_REQUEST)),
+                                  HOOK_TOKENIZER_MANAGER_INIT, HOOK_VALIDATE_REQUEST,
+                                  HOOK_ENGINE_INIT, HOOK_LAUNCH_SUBPROCESSES)),
+    Symbol(f"{ENGINE_MODULE}.Engine.server_args_class", "write"),
+    # sglang.Engine's own objects (morph/engine_api.py drives /morph's operations through them).
+    *_group(f"{ENGINE_MODULE}.Engine", "read", "tokenizer_manager loop"),
     Symbol(f"{_TOKENIZER_MANAGER}.model_config", "read", True),
     *_group(_SERVER_ARGS, "read", "api_key admin_api_key"),
     Symbol("sglang.srt.plugins.hook_registry.HookRegistry.register", "call"),

@@ -88,8 +88,8 @@ def test_every_sglang_symbol_the_plugin_uses_exists_in_the_pinned_release(loaded
     from sglang_morph.morph.provenance import http_hooks
 
     # (registered from the launcher's CLI hook, not by plugin.hooks())
-    http_side = {sym.HOOK_TOKENIZER_MANAGER_INIT, sym.HOOK_VALIDATE_REQUEST} | {
-        target for target, _, _ in http_hooks()}
+    http_side = {sym.HOOK_TOKENIZER_MANAGER_INIT, sym.HOOK_VALIDATE_REQUEST,
+                 sym.HOOK_LAUNCH_SUBPROCESSES} | {target for target, _, _ in http_hooks()}
     assert {h.target for h in hooks()} | http_side == listed
 
 

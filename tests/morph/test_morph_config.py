@@ -52,11 +52,10 @@ def test_morph_flags_require_enable_morph():
         MorphConfig.from_cli_namespace(ns(enable_morph=False, morph_engines="/x"))
 
 
-def test_quantized_map_requires_engines():
-    with pytest.raises(MorphConfigError, match="requires --morph-engines"):
-        MorphConfig.from_cli_namespace(ns(morph_precision_map="0:4"))
-    # All-16 needs no engines.
-    assert MorphConfig.from_cli_namespace(ns(morph_precision_map="*:16")).precision_map
+def test_quantized_map_without_engines_leaves_them_to_the_launcher():
+    """Without --morph-engines the launcher builds (or finds) the variants in the cache."""
+    cfg = MorphConfig.from_cli_namespace(ns(morph_precision_map="0:4"))
+    assert cfg.precision_map.resolve(2) == (4, 16) and cfg.engines_dir is None
 
 
 def test_config_is_frozen():

@@ -80,19 +80,31 @@ def cache_dir() -> Path:
     return Path(configured or DEFAULT_CACHE_DIR).expanduser()
 
 
-def build_once(target: Path, is_complete, build) -> Path:
+def build_once(target: Path, is_complete, build, on_wait=None) -> Path:
     """``target``, built by ``build(partial_dir)`` unless ``is_complete(target)``: locked
     against concurrent builds, written into a partial directory and renamed into place, so a
-    reader never sees half a build (an interrupted one is removed)."""
+    reader never sees half a build (an interrupted one is removed; one whose process was killed
+    is removed by the next build). ``on_wait()`` is called when another process holds the
+    lock, before waiting for it."""
     if is_complete(target):
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
-    with FileLock(f"{target}.lock"):
+    lock = FileLock(f"{target}.lock")
+    try:
+        lock.acquire(timeout=0)
+    except Timeout:
+        if on_wait is not None:
+            on_wait()
+        lock.acquire()
+    try:
         if is_complete(target):  # built by the process we waited for
             return target
         shutil.rmtree(target, ignore_errors=True)
+        # Only the lock holder writes partial directories: any found now were left by a build
+        # whose process was killed.
+        for stale in target.parent.glob(f".{target.name}.partial-*"):
+            shutil.rmtree(stale, ignore_errors=True)
         partial_dir = target.parent / f".{target.name}.partial-{os.getpid()}"
-        shutil.rmtree(partial_dir, ignore_errors=True)
         partial_dir.mkdir()
         try:
             build(partial_dir)
@@ -100,6 +112,8 @@ def build_once(target: Path, is_complete, build) -> Path:
         except BaseException:
             shutil.rmtree(partial_dir, ignore_errors=True)
             raise
+    finally:
+        lock.release()
     return target
 
 

@@ -94,6 +94,9 @@ class MorphConfig:
     """
 
     enabled: bool = False
+    # None with ``enabled``: the launcher builds the served model's variants and layer order
+    # into the cache (or reuses them) and fills this and ``swap_order_path`` in before any
+    # scheduler starts (``morph.auto_build``).
     engines_dir: str | None = None
     precision_map: PrecisionMap | None = None
     mode: str = "default"
@@ -134,13 +137,6 @@ class MorphConfig:
             raise MorphConfigError("--morph-memory-budget and --morph-stage-budgets exclude each "
                                    "other: give one budget for every stage or one per stage")
         precision_map = PrecisionMap.parse(spec) if spec is not None else None
-        if precision_map is not None and engines_dir is None and any(
-            b != FULL_PRECISION_BITS for _, _, b in precision_map.items
-        ):
-            raise MorphConfigError(
-                "--morph-precision-map with quantized layers requires --morph-engines PATH "
-                "(built with python -m sglang_morph.morph.build_engines)"
-            )
         return cls(
             enabled=enabled,
             engines_dir=engines_dir,
@@ -165,14 +161,16 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument(
         "--enable-morph",
         action="store_true",
-        help="Enable sglang-morph runtime morphing. Without it the plugin is a no-op.",
+        help="Enable sglang-morph runtime morphing. Without it the plugin is a no-op. Without "
+        "--morph-engines the served model's W8/W4 variants and layer order are built on first "
+        "use into the cache ($SGLANG_MORPH_CACHE_DIR or ~/.cache/sglang-morph) and reused.",
     )
     group.add_argument(
         "--morph-engines",
         metavar="PATH",
         default=None,
-        help="Directory of per-layer precision variants built by "
-        "`python -m sglang_morph.morph.build_engines`.",
+        help="Directory of prebuilt per-layer precision variants "
+        "(`python -m sglang_morph.morph.build_engines`) instead of the cache's.",
     )
     group.add_argument(
         "--morph-precision-map",
@@ -193,7 +191,8 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
         metavar="PATH",
         default=None,
         help="Layer Importance Score profile JSON (python -m sglang_morph.morph.profile_layers); "
-        "its \"order\" is the order layers are swapped in. Default: front to back.",
+        "its \"order\" is the order layers are swapped in. Default: the order built with the "
+        "cache's variants; front to back with --morph-engines.",
     )
     group.add_argument(
         "--morph-memory-budget",
@@ -230,8 +229,7 @@ def attach(server_args: Any, config: MorphConfig) -> None:
 
 
 def get(server_args: Any) -> MorphConfig:
-    """The morph config of ``server_args``; disabled when the record was built without our flags
-
-    (e.g. through ``sglang.Engine(...)`` keyword arguments or a launcher that bypasses the CLI).
+    """The morph config of ``server_args``; disabled when the record was built without our
+    options (e.g. a ``ServerArgs`` made directly, outside the CLI and ``sglang.Engine(...)``).
     """
     return getattr(server_args, SERVER_ARGS_ATTR, None) or MorphConfig()

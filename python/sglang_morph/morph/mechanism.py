@@ -18,7 +18,9 @@ logger = logging.getLogger("sglang_morph")
 
 def configure(server_args: Any, args: Any, enabled_before: frozenset[str]) -> bool:
     """In the launcher: parse, check and attach the morph config; size the KV pool for the
-    budget. Raises MorphConfigError (one line) having attached nothing."""
+    budget. Raises MorphConfigError (one line) having attached nothing. Without
+    ``--morph-engines`` the variants are built (or found in the cache) at launch, not here:
+    parsing stays cheap (``_before_launch_subprocesses``)."""
     from sglang_morph.morph.startup import local_hf_config, plan_startup
 
     cfg = morph_config.MorphConfig.from_cli_namespace(args)
@@ -33,6 +35,8 @@ def configure(server_args: Any, args: Any, enabled_before: frozenset[str]) -> bo
         # Fail here, before any process is spawned (checksums too: the scheduler reads
         # every variant at startup and would stop with a traceback).
         plan = plan_startup(cfg, hf_config, verify_checksums=True)
+        if cfg.precision_map is not None and cfg.engines_dir is None:
+            cfg.precision_map.resolve(hf_config["num_hidden_layers"])  # before a build
     if cfg.enabled:
         from sglang_morph.morph.parallel import tensor
 
@@ -133,13 +137,59 @@ def _size_kv_for_budget(server_args: Any, cfg: morph_config.MorphConfig, hf_conf
 
 
 def launcher_setup(server_args: Any) -> None:
-    """The /morph routes and precision provenance on the HTTP side."""
+    """The /morph routes and precision provenance on the HTTP side; without
+    ``--morph-engines``, the build (or reuse) of the cache's variants at launch."""
     from sglang.srt.entrypoints.http_server import app
 
     from sglang_morph.morph.provenance import http_hooks
 
     add_routes(app)
-    sym.register_and_verify(tuple(Hook(target, fn, kind) for target, fn, kind in http_hooks()))
+    hooks = [Hook(target, fn, kind) for target, fn, kind in http_hooks()]
+    if morph_config.get(server_args).engines_dir is None:
+        hooks.append(Hook(sym.HOOK_LAUNCH_SUBPROCESSES, _before_launch_subprocesses, "BEFORE"))
+    sym.register_and_verify(tuple(hooks))
+
+
+def _before_launch_subprocesses(*args: Any, **kwargs: Any) -> None:
+    """In the launcher (``launch_server`` or ``sglang.Engine``), before SGLang spawns any
+    scheduler: the cache's variants and layer order for a config without ``--morph-engines``,
+    built once for every rank. Raises PluginError (one line)."""
+    server_args = kwargs["server_args"] if "server_args" in kwargs else args[1]
+    cfg = morph_config.get(server_args)
+    if not cfg.enabled or cfg.engines_dir is not None:
+        return
+    try:
+        cfg = with_cached_variants(server_args, cfg)
+    except morph_config.MorphConfigError as e:
+        raise PluginError(f"sglang-morph: error: {e}") from e
+    morph_config.attach(server_args, cfg)
+
+
+def with_cached_variants(server_args: Any, cfg: morph_config.MorphConfig
+                         ) -> morph_config.MorphConfig:
+    """``cfg`` with the cache's variants and layer order of the served model (built now on
+    first use), checked as ``--morph-engines`` would be. Raises MorphConfigError."""
+    import dataclasses
+    from pathlib import Path
+
+    from sglang_morph.morph import auto_build
+    from sglang_morph.morph.parallel import tensor
+    from sglang_morph.morph.startup import local_hf_config, plan_startup
+
+    hf_config = local_hf_config(server_args.model_path)
+    if hf_config is None:
+        raise morph_config.MorphConfigError(
+            f"--enable-morph without --morph-engines builds the variants from a local model "
+            f"directory, and {server_args.model_path} is not one (no config.json); give "
+            f"prebuilt variants with --morph-engines DIR")
+    variants = auto_build.ensure_variants(Path(server_args.model_path))
+    cfg = dataclasses.replace(cfg, engines_dir=str(variants.engines_dir),
+                              swap_order_path=cfg.swap_order_path or str(variants.swap_order_path))
+    plan = plan_startup(cfg, hf_config, verify_checksums=True)
+    tensor.check_launch(server_args, cfg, hf_config, plan.manifest)
+    logger.info("sglang-morph: variants and layer order %s %s", "built into" if variants.built
+                else "reused from", variants.entry_dir)
+    return cfg
 
 
 def add_routes(app: Any) -> None:
@@ -236,9 +286,6 @@ def _after_retract_decode(result: Any, *args: Any, **kwargs: Any) -> None:
 
     count_retractions(result)
 
-
-# Kernels are run at up to this many tokens at startup: enough for decode and short prefills.
-WARMUP_MAX_TOKENS = 256
 
 # Kernels are run at up to this many tokens at startup: enough for decode and short prefills.
 WARMUP_MAX_TOKENS = 256
