@@ -8,37 +8,48 @@ same requests.
 One ``scripts/serve.sh`` server of the tiny random Llama (8 query / 4 KV heads): ``--dp-size 4
 --enable-amoebas --max-total-tokens P --dtype float32`` (automatic transitions), one thread
 per rank, ``--stream-interval 8`` (a chunk per token would cost the 2 cores more than the tiny
-model's forward). In order:
+model's forward) and ``--decode-log-interval 5`` (the calibration reads the scheduler's log).
+In order:
 
-1. Calibration, before any replayed request: the simulator's step costs on this machine.
-   Prefill: a fresh prompt on every replica at once, ``max_new_tokens=1``, at a few lengths; a
-   point is the median time to first token (HTTP and scheduling included: what a replayed
-   request waits). Decode: ``b`` requests on every replica at once, at a few batch sizes and
-   contexts; a point is the median time per output token after the first chunk. Every replica
-   steps in every point: they share the cores, and the replay keeps them all busy. Each phase
-   is fitted with KunServe's chunk cost model (alpha, beta, gamma). A time to first token is
-   mostly latency outside a replica's step loop (HTTP, tokenizer, controller, detokenizer), so
-   the simulated prefill step keeps the decode step's fixed cost (ASSUMED: one iteration's
-   overhead either way) and the rest of the prefill intercept is added to every simulated
-   request's TTFT and E2E as a latency that holds no replica. One long prompt then merges
-   a pair, which splits once it is served: the replicas' records of the two give the fixed
-   merge and split costs and a TP 2 owner's pool. All-reduce latency, link and host-copy
-   bandwidth: ``benchmark/results/kunserve/transfer.json`` (gloo on this machine).
-2. The replay (``benchmark/replay/client.py``, open loop, streamed): Poisson short requests
-   at ``--short-per-s`` or, by default, at a rate sized from the calibration (``choose_rate``:
-   about 1.5x what the calibrated simulator serves, so the check measures capacity), plus long
-   prompts at fixed times that no TP 1 pool holds and a TP 2 owner pool does, so only the
-   pairs merge (a live server merges TP 1 replicas only).
-3. The simulator on the same requests (arrival times, prompt lengths, max_new_tokens), with
+1. Calibration, before any replayed request: the simulator's step costs on this machine, as
+   the replay will see them (four replicas sharing the cores, each decoding while prompts
+   arrive). Decode: ``b`` streamed requests routed to every replica at once, at the batch sizes
+   the replay runs (1 to 8); meanwhile each replica gets a one-token request every
+   ``inject_period_s`` with a prompt of the replay's sizes. The times come from the schedulers'
+   own log, not from the client (streamed chunks reach a client on 2 busy cores in clumps):
+   every ``--decode-log-interval`` decode steps a replica logs its batch, KV tokens and output
+   tokens per second since its previous line, so an interval between two lines of the same
+   batch size took ``steps * batch / throughput`` seconds. Intervals without a prefill give
+   the decode step (fitted: KunServe's chunk cost model); an interval with exactly one
+   injected prefill, minus its fitted decode steps, gives that prefill's time (the median per
+   prompt size is fitted the same way). Time to first token of a prompt on every idle replica
+   at once, minus the fitted prefill, is latency outside the replicas (HTTP, tokenizer,
+   controller, detokenizer): the simulator adds it to every request's TTFT and E2E, holding no
+   replica. One long prompt then merges a pair, which splits once it is served: the replicas'
+   records of the two give the fixed merge and split costs and a TP 2 owner's pool. All-reduce
+   latency, link and host-copy bandwidth: ``benchmark/results/kunserve/transfer.json`` (gloo).
+2. The operating point, from the live server, not the simulator: a closed-loop probe
+   (``probe_per_replica`` short requests per replica in flight, the replay's lengths, placed
+   by the controller) measures the output tokens per second the server sustains; the replay
+   offers ``LOAD_SHARE`` of it (``size_rate``) unless ``--short-per-s``. A server pushed past
+   its capacity collapses into queueing and says little about the model; at this load it
+   serves what arrives, so throughput, transitions, KV and latencies are compared where the
+   server works.
+3. The replay (``benchmark/replay/client.py``, open loop, streamed): Poisson short requests
+   plus long prompts at fixed times that no TP 1 pool holds and a TP 2 owner pool does, so
+   only the pairs merge (a live server merges TP 1 replicas only).
+4. The simulator on the same requests (arrival times, prompt lengths, max_new_tokens), with
    the policy the live server builds (``auto.live_policy`` over the live pools) and the live
-   replicas' wait of ``min_dwell_s`` after a merge before they split.
+   replicas' wait of ``min_dwell_s`` after a merge before they split; and on the probe's mix
+   overloaded open loop, for its SIMULATED capacity beside the probed one.
 
 Checked against ``--target`` (15%): output tokens per second over the arrival window, and
-merges + splits; completions, KV held, offered load and latencies are reported beside them.
-The live run is saved first (``live.json`` in RAW, ``benchmark/results/raw/amoebas_validate``),
-then analysed; ``--from-live`` analyses a saved run again without a server. Writes
-``benchmark/results/amoebas/validate.json`` and ``validate.md`` (``--quick``: under
-``benchmark/results/raw/amoebas_validate_quick``).
+merges + splits; capacity, completions, KV held, offered load and latencies are reported
+beside them. The live run is saved first (``live.json`` in RAW,
+``benchmark/results/raw/amoebas_validate``), then analysed; ``--from-live`` analyses a saved
+run again without a server. Writes ``benchmark/results/amoebas/validate.json`` and
+``validate.md`` (``--quick``: everything under ``benchmark/results/raw/amoebas_validate_quick``,
+so a harness check never overwrites a real run's record).
 """
 
 from __future__ import annotations
@@ -48,6 +59,7 @@ import concurrent.futures
 import dataclasses
 import datetime
 import json
+import re
 import statistics
 import sys
 import time
@@ -69,11 +81,13 @@ from sglang_morph.kunserve import cost as C
 REPLICAS = 4
 DTYPE_BYTES = 4  # float32: the CPU serving dtype
 STREAM_INTERVAL = 8
+DECODE_LOG_INTERVAL_STEPS = 5  # short intervals: a prefill is a large share of one
 SERVER_ENV = {"OMP_NUM_THREADS": "1"}  # four ranks of two threads would oversubscribe 2 cores
 SGLANG_PROMPT_MARGIN_TOKENS = 6  # SGLang admits a prompt under pool - 1 - 5 tokens
 VOCAB_LOW, VOCAB_HIGH = 1000, 40000  # random ids: no two prompts share a cached prefix
 SIM_SAMPLE_S = 0.25  # as often as the client samples /amoebas/status
-SIZE_RATIO = 2 / 3  # the sized rate offers about 1.5x what the calibrated simulator serves
+LOAD_SHARE = 0.65  # of the probed capacity: the server keeps up, with room for the bursts
+LOG_SETTLE_S = 0.5  # for the schedulers' last log lines of a calibration point to land
 RESULTS = REPO_ROOT / "benchmark" / "results" / "amoebas"
 RAW = REPO_ROOT / "benchmark" / "results" / "raw"
 ALONE = [[r] for r in range(REPLICAS)]
@@ -132,10 +146,23 @@ class ValidationWorkload:
 
 @dataclasses.dataclass(frozen=True)
 class CalibrationPlan:
-    prefill_prompt_tokens: tuple[int, ...]
-    decode_points: tuple[tuple[int, int], ...]  # (requests per replica, prompt tokens)
-    decode_new_tokens: int
+    """What the calibration runs; every replica does each part at once."""
+
+    decode_points: tuple[tuple[int, int, int], ...]  # (requests per replica, prompt, new tokens)
+    inject_prompt_tokens: tuple[int, ...]  # one-token prompts prefilled while replicas decode
+    inject_period_s: float  # per replica
+    ttft_prompt_tokens: tuple[int, ...]  # on idle replicas: the latency outside them
     repeats: int
+    probe_per_replica: int  # closed-loop probe: short requests in flight per replica
+    probe_warmup_s: float
+    probe_s: float
+
+    def inject_sizes(self, point: tuple[int, int, int], pool_tokens: int) -> tuple[int, ...]:
+        """The injected prompts that fit beside a point's requests (each reserving its prompt
+        and new tokens), so an injection never waits for a decode to finish."""
+        b, prompt, new = point
+        room = pool_tokens - SGLANG_PROMPT_MARGIN_TOKENS - b * (prompt + new)
+        return tuple(n for n in self.inject_prompt_tokens if n + 1 <= room)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -150,15 +177,18 @@ class Settings:
     raw_dir: Path
 
 
-# short_per_s: replaced by the rate sized from the calibration unless --short-per-s. Two long
+# short_per_s: replaced by the rate sized from the live probe unless --short-per-s. Two long
 # prompts (30 s, 31 s) land together: the second joins the first's pair or merges the other
 # pair, a choice that depends on timing, where simulator and server may part.
 FULL = ValidationWorkload(75.0, 6.0, (32, 192), (32, 128), (10.0, 30.0, 31.0, 52.0),
                           (1200, 1500, 1300, 1650), 48)
 QUICK = ValidationWorkload(15.0, 3.0, (32, 128), (16, 48), (5.0,), (1200,), 16)
-FULL_CAL = CalibrationPlan((32, 256, 512, 960), ((1, 32), (4, 32), (8, 32), (1, 160), (4, 160)),
-                           48, 2)
-QUICK_CAL = CalibrationPlan((32, 256, 768), ((1, 32), (4, 32), (2, 160)), 24, 1)
+# Batch sizes as the replay runs them (1 to 8 on a replica); each point decodes long enough for
+# a dozen log intervals.
+FULL_CAL = CalibrationPlan(((1, 128, 200), (2, 96, 160), (4, 64, 120), (8, 24, 72)),
+                           (32, 96, 192, 384, 640), 1.0, (32, 256, 512, 960), 2, 6, 5.0, 30.0)
+QUICK_CAL = CalibrationPlan(((1, 96, 120), (4, 48, 80)), (32, 128, 384), 0.8, (32, 256, 768),
+                            1, 6, 3.0, 8.0)
 
 
 # ---- pure parts: progress, metrics, comparison, policy parameters, step costs ---------------
@@ -199,7 +229,8 @@ def summarize(outcomes: Sequence[dict], window_s: float, window_tokens: float, m
 
 
 CHECKED = ("window_output_tokens_per_s", "transitions")
-REPORTED = ("makespan_output_tokens_per_s", "completed", "completed_long", "merges", "splits",
+REPORTED = ("capacity_output_tokens_per_s", "offered_output_tokens_per_s",
+            "makespan_output_tokens_per_s", "completed", "completed_long", "merges", "splits",
             "kv_held_share", "short_ttft_p50_s", "short_ttft_p95_s", "short_e2e_p50_s",
             "short_e2e_p95_s", "long_ttft_p50_s", "long_e2e_p50_s")
 
@@ -212,16 +243,18 @@ def relative_error(simulated: float | None, live: float | None) -> float | None:
 
 
 def compare(live: dict, simulated: dict, target: float) -> dict[str, Any]:
+    """Each checked and reported metric side by side (a reported one either side lacks: None)."""
     rows = {}
     for key in CHECKED + REPORTED:
-        err = relative_error(simulated[key], live[key])
-        rows[key] = {"live": live[key], "simulated": simulated[key], "relative_error": err,
+        err = relative_error(simulated.get(key), live.get(key))
+        rows[key] = {"live": live.get(key), "simulated": simulated.get(key),
+                     "relative_error": err,
                      "checked": key in CHECKED, "within_target": None if key not in CHECKED
                      else err is not None and abs(err) <= target}
     return {"target": target, "rows": rows,
             "passed": all(rows[k]["within_target"] for k in CHECKED),
-            # Throughput says something only where the server could not keep up with the load
-            # (90%: the requests running at the window's end lag a few percent anyway).
+            # The load is sized for the server to keep up; one that did not (90%: the requests
+            # running at the window's end lag a few percent anyway) ran past its capacity.
             "saturated": live["window_output_tokens_per_s"]
             < 0.9 * live["offered_output_tokens_per_s"]}
 
@@ -237,30 +270,126 @@ def live_params(model_config: dict, status: dict, tp2_pool_tokens: int | None) -
             "groups": reps[0]["groups_allowed"], "owner_tokens": owner}
 
 
+_LOG_RANK = re.compile(r" DP(\d+)[^\]]*\] (Prefill|Decode) batch, ")
+_LOG_DECODE = re.compile(r"#running-req: (\d+), #token: (\d+),.*gen throughput \(token/s\): "
+                         r"([0-9.]+)")
+_LOG_PREFILL = re.compile(r"#new-seq: (\d+), #new-token: (\d+),")
+
+
+def log_events(text: str) -> list[dict]:
+    """The schedulers' batch lines, in order: ``{"rank", "kind": "decode", "running",
+    "kv_tokens", "tokens_per_s"}`` or ``{"rank", "kind": "prefill", "seqs", "new_tokens"}``."""
+    out = []
+    for line in text.splitlines():
+        if not (m := _LOG_RANK.search(line)):
+            continue
+        rank, kind = int(m.group(1)), m.group(2).lower()
+        if kind == "decode" and (d := _LOG_DECODE.search(line)):
+            out.append({"rank": rank, "kind": kind, "running": int(d.group(1)),
+                        "kv_tokens": int(d.group(2)), "tokens_per_s": float(d.group(3))})
+        elif kind == "prefill" and (f := _LOG_PREFILL.search(line)):
+            out.append({"rank": rank, "kind": kind, "seqs": int(f.group(1)),
+                        "new_tokens": int(f.group(2))})
+    return out
+
+
+def decode_intervals(events: Sequence[dict], steps: int) -> list[dict]:
+    """One record per pair of consecutive decode lines of a replica with the same batch: what
+    ran between them (``steps`` decode steps of ``batch`` requests, then each prefill logged in
+    between) took ``steps * batch / throughput`` seconds, as the scheduler measured it
+    (prefills add no output tokens to that count). ``context_tokens``: a request's mean KV
+    over the interval. A batch that changed between the lines (a request joined or left) is
+    skipped: its token count is not ``steps * batch``."""
+    last: dict[int, dict] = {}
+    prefills: dict[int, list[dict]] = {}
+    out = []
+    for e in events:
+        r = e["rank"]
+        if e["kind"] == "prefill":
+            prefills.setdefault(r, []).append(e)
+            continue
+        prev, between = last.get(r), prefills.pop(r, [])
+        last[r] = e
+        if prev is None or prev["running"] != e["running"] or e["running"] < 1 \
+                or e["tokens_per_s"] <= 0:
+            continue
+        b = e["running"]
+        out.append({"rank": r, "batch": b, "steps": steps,
+                    "context_tokens": max(1.0, e["kv_tokens"] / b - steps / 2),
+                    "seconds": steps * b / e["tokens_per_s"],
+                    "prefill_tokens": [x["new_tokens"] for x in between],
+                    "prefill_seqs": sum(x["seqs"] for x in between)})
+    return out
+
+
+def _decode_timing(iv: dict) -> C.ForwardTiming:
+    """One decode step of the interval (its mean), at the interval's mean context."""
+    return C.ForwardTiming((C.Chunk(round(iv["context_tokens"]), 1),) * iv["batch"],
+                           iv["seconds"] / iv["steps"])
+
+
+def fit_step_costs(intervals: Sequence[dict]) -> tuple[C.ChunkCostModel, C.ChunkCostModel,
+                                                        dict]:
+    """Decode from the intervals without a prefill; prefill from those with exactly one (a
+    one-sequence batch): the interval less its fitted decode steps, the median per prompt size
+    (a prefill is a few decode steps long, so one interval's noise is a large share of it)."""
+    clean = [_decode_timing(iv) for iv in intervals if not iv["prefill_tokens"]]
+    if len({len(t.chunks) for t in clean}) < 2:
+        raise ValueError(f"calibration: decode intervals at two batch sizes at least are needed, "
+                         f"got {len(clean)} intervals")
+    decode = C.fit_chunk_cost(clean, C.KUNSERVE_TERMS)
+    by_size: dict[int, list[float]] = {}
+    for iv in intervals:
+        if len(iv["prefill_tokens"]) == 1 and iv["prefill_seqs"] == 1:
+            steps_s = iv["steps"] * decode.seconds(_decode_timing(iv).chunks)
+            by_size.setdefault(iv["prefill_tokens"][0], []).append(iv["seconds"] - steps_s)
+    medians = {n: statistics.median(xs) for n, xs in sorted(by_size.items())}
+    prefill_timings = [C.ForwardTiming((C.Chunk(0, n),), s) for n, s in medians.items() if s > 0]
+    if len(prefill_timings) < len(C.KUNSERVE_TERMS):
+        raise ValueError(f"calibration: prefill medians at {len(C.KUNSERVE_TERMS)} prompt sizes "
+                         f"at least are needed, got {medians}")
+    prefill = C.fit_chunk_cost(prefill_timings, C.KUNSERVE_TERMS)
+    return prefill, decode, {
+        "decode_intervals_fitted": len(clean),
+        "prefill_median_s": {str(n): s for n, s in medians.items()},
+        "prefill_samples": {str(n): len(xs) for n, xs in sorted(by_size.items())},
+        "fit_mean_relative_error": {
+            "prefill": float(C.relative_errors(prefill, prefill_timings).mean()),
+            "decode": float(C.relative_errors(decode, clean).mean())}}
+
+
 def fit_costs(cal: dict, num_layers: int, transfer: dict) -> tuple[S.StepCosts, dict]:
-    """Step costs from the calibration's points and transitions; without a calibration merge or
-    split, KunServe's live drop / restore stand in (as in ``sim.ASSUMED``)."""
-    timings = ([C.ForwardTiming((C.Chunk(0, x["prompt_tokens"]),), x["seconds"])
-                for x in cal["prefill_points"]],
-               [C.ForwardTiming((C.Chunk(x["cached_tokens"], 1),) * x["batch"], x["seconds"])
-                for x in cal["decode_points"]])
-    fits = [C.fit_chunk_cost(ts, C.KUNSERVE_TERMS) for ts in timings]
-    overhead_s = max(0.0, fits[0].gamma_s - fits[1].gamma_s)  # latency, not a replica's time
-    prefill = dataclasses.replace(fits[0], gamma_s=fits[0].gamma_s - overhead_s)
+    """Step costs from the calibration's log intervals, time-to-first-token points and
+    transitions; without a calibration merge or split, KunServe's live drop / restore stand in
+    (as in ``sim.ASSUMED``)."""
+    prefill, decode, fit = fit_step_costs(cal["decode_intervals"])
+    # What a prompt on an idle replica waits beyond its prefill: latency outside the replicas.
+    overhead_s = max(0.0, statistics.median(
+        x["seconds"] - prefill.seconds([C.Chunk(0, x["prompt_tokens"])])
+        for x in cal["prefill_points"]))
     fixed = [[t["duration_s"] for t in cal["transitions"] if t["action"] == a]
              for a in ("merge", "split")]
-    costs = S.StepCosts(C.PhaseCosts(prefill, fits[1], "calibration"), num_layers,
+    costs = S.StepCosts(C.PhaseCosts(prefill, decode, "calibration"), num_layers,
                         S.ALLREDUCES_PER_LAYER * transfer["gloo_latency_s"],
                         statistics.median(fixed[0]) if fixed[0] else 0.14,
                         statistics.median(fixed[1]) if fixed[1] else 0.28,
                         transfer["gloo_bandwidth_bytes_per_s"],
                         transfer["host_copy_bandwidth_bytes_per_s"],
-                        "calibrated on the live server before the replay; all-reduce, link and "
-                        f"host copy: {S.KUNSERVE_RESULTS}/transfer.json")
-    errors = {phase: float(C.relative_errors(fit, ts).mean())
-              for phase, fit, ts in zip(("prefill", "decode"), fits, timings)}
-    return costs, {"request_overhead_s": overhead_s, "transitions_measured": all(fixed),
-                   "fit_mean_relative_error": errors}
+                        "calibrated on the live server before the replay (schedulers' log); "
+                        f"all-reduce, link and host copy: {S.KUNSERVE_RESULTS}/transfer.json")
+    return costs, {**fit, "request_overhead_s": overhead_s, "transitions_measured": all(fixed)}
+
+
+def size_rate(w: ValidationWorkload, capacity_tokens_per_s: float, share: float) -> float:
+    """Short arrivals per second at which the workload offers ``share`` of the server's
+    probed output rate (its long prompts' output included)."""
+    long_tokens_per_s = w.long_new_tokens * len(w.long_arrivals_s) / w.duration_s
+    mean_short_new = (w.short_new_tokens[0] + w.short_new_tokens[1]) / 2
+    rate = (share * capacity_tokens_per_s - long_tokens_per_s) / mean_short_new
+    if rate <= 0:
+        raise ValueError(f"a probed capacity of {capacity_tokens_per_s:.1f} output tok/s leaves "
+                         f"no room for short requests beside the long ones")
+    return round(rate, 3)
 
 
 # ---- the simulator on the same requests -----------------------------------------------------
@@ -342,13 +471,22 @@ def simulate_same(reqs: Sequence[TraceRequest], capacity: CapacityModel, costs: 
 # ---- the live server ------------------------------------------------------------------------
 
 
-def _stream(url: str, ids: list[int], new_tokens: int, rank: int) -> list[tuple[float, int]]:
-    """(seconds since sent, tokens so far) per chunk of one request routed to replica
-    ``rank`` (the controller would place a burst by load, not b per replica)."""
-    body = {"input_ids": ids, "stream": True, "routed_dp_rank": rank, "sampling_params": {
+# One connection pool for every calibration and probe request: a client (and its TLS context)
+# per request costs enough CPU on 2 busy cores that a burst of requests "at once" reached the
+# server over seconds, one replica's batch never complete.
+_CLIENT = httpx.Client(limits=httpx.Limits(max_connections=None, max_keepalive_connections=None))
+
+
+def _stream(url: str, ids: list[int], new_tokens: int,
+            rank: int | None) -> list[tuple[float, int]]:
+    """(seconds since sent, tokens so far) per chunk of one request, routed to replica ``rank``
+    (None: placed by the controller, as a replayed request is)."""
+    body = {"input_ids": ids, "stream": True, "sampling_params": {
         "temperature": 0, "max_new_tokens": new_tokens, "ignore_eos": True}}
+    if rank is not None:
+        body["routed_dp_rank"] = rank
     t0, chunks = time.perf_counter(), []
-    with httpx.stream("POST", f"{url}/generate", json=body, timeout=600) as r:
+    with _CLIENT.stream("POST", f"{url}/generate", json=body, timeout=600) as r:
         r.raise_for_status()
         for line in r.iter_lines():
             if line.startswith("data:") and line != "data: [DONE]":
@@ -358,7 +496,8 @@ def _stream(url: str, ids: list[int], new_tokens: int, rank: int) -> list[tuple[
     return chunks
 
 
-def _at_once(url: str, jobs: list[tuple[list[int], int, int]]) -> list[list[tuple[float, int]]]:
+def _at_once(url: str, jobs: list[tuple[list[int], int, int | None]]
+             ) -> list[list[tuple[float, int]]]:
     with concurrent.futures.ThreadPoolExecutor(len(jobs)) as pool:
         return list(pool.map(lambda job: _stream(url, *job), jobs))
 
@@ -383,34 +522,92 @@ def transitions_since(s: dict, since_unix_s: float) -> list[dict]:
                   key=lambda t: t["at_unix_s"])
 
 
-def calibrate(url: str, plan: CalibrationPlan, pool_tokens: int, rng) -> dict[str, Any]:
-    """The points ``fit_costs`` fits, and one merge and split of a pair."""
+def _log_since(log_path: Path, offset: int) -> tuple[str, int]:
+    """The server log's text from byte ``offset`` on, and the offset of its end."""
+    with open(log_path, "rb") as f:
+        f.seek(offset)
+        data = f.read()
+    return data.decode(errors="replace"), offset + len(data)
+
+
+def _decode_point(url: str, point: tuple[int, int, int], sizes: Sequence[int],
+                  period_s: float, ids) -> None:
+    """``b`` streamed requests on every replica at once; while they run, each replica gets a
+    one-token prompt every ``period_s`` (``sizes`` in turn, staggered across replicas so the
+    cores see one prefill at a time where they can)."""
+    b, prompt, new = point
+    with concurrent.futures.ThreadPoolExecutor(1 + REPLICAS) as pool:
+        done = pool.submit(_at_once, url, [(ids(prompt), new, r) for r in range(REPLICAS)
+                                           for _ in range(b)])
+
+        def inject(rank: int) -> None:
+            time.sleep(period_s * (1 + rank / REPLICAS))  # after the point's own prefills
+            k = rank
+            while not done.done():
+                _stream(url, ids(sizes[k % len(sizes)]), 1, rank)
+                k += 1
+                time.sleep(period_s)
+        for f in [pool.submit(inject, r) for r in range(REPLICAS) if sizes]:
+            f.result()
+        done.result()
+
+
+def calibrate(url: str, log_path: Path, plan: CalibrationPlan, pool_tokens: int,
+              rng) -> dict[str, Any]:
+    """The log intervals and time-to-first-token points ``fit_costs`` fits, and one merge and
+    split of a pair."""
     def ids(n: int) -> list[int]:
         return rng.integers(VOCAB_LOW, VOCAB_HIGH, n).tolist()
 
-    prefill, decode = [], []
-    for n in plan.prefill_prompt_tokens:
+    intervals, ttft = [], []
+    _, offset = _log_since(log_path, 0)
+    for k, point in enumerate(plan.decode_points):
+        sizes = plan.inject_sizes(point, pool_tokens)
+        for _ in range(plan.repeats):
+            _decode_point(url, point, sizes, plan.inject_period_s, ids)
+            time.sleep(LOG_SETTLE_S)
+            text, offset = _log_since(log_path, offset)
+            # A replica's first line in the slice opens no interval, so none spans the idle
+            # gap between points; a prefill of another size is the point's own request.
+            intervals += [{**iv, "point": k}
+                          for iv in decode_intervals(log_events(text), DECODE_LOG_INTERVAL_STEPS)
+                          if iv["batch"] == point[0] and set(iv["prefill_tokens"]) <= set(sizes)]
+    for n in plan.ttft_prompt_tokens:
         runs = [c[0][0] for _ in range(plan.repeats)
                 for c in _at_once(url, [(ids(n), 1, r) for r in range(REPLICAS)])]
-        prefill.append({"prompt_tokens": n, "seconds": statistics.median(runs), "runs": runs})
-    for b, p in plan.decode_points:
-        runs, spans = [], []
-        for _ in range(plan.repeats):
-            for c in _at_once(url, [(ids(p), plan.decode_new_tokens, r)
-                                    for r in range(REPLICAS) for _ in range(b)]):
-                (t1, n1), (t2, n2) = c[1], c[-1]  # after the first chunk: every request decodes
-                runs.append((t2 - t1) / (n2 - n1))
-                spans.append((n1, n2))
-        n1, n2 = spans[0]
-        # The simulator costs a step at context - 1 (sim.decode_s): the mean over the span.
-        decode.append({"batch": b, "prompt_tokens": p, "cached_tokens": round(
-            p + (n1 + n2 - 3) / 2), "seconds": statistics.median(runs), "runs": runs})
+        ttft.append({"prompt_tokens": n, "seconds": statistics.median(runs), "runs": runs})
     since = time.time()  # one long prompt through the controller: a pair merges and splits
     httpx.post(f"{url}/generate", timeout=600, json={"input_ids": ids(pool_tokens + 64),
                "sampling_params": {"temperature": 0, "max_new_tokens": 8, "ignore_eos": True}}
                ).raise_for_status()
-    return {"prefill_points": prefill, "decode_points": decode,
+    return {"decode_log_interval_steps": DECODE_LOG_INTERVAL_STEPS,
+            "decode_intervals": intervals, "prefill_points": ttft,
             "transitions": transitions_since(wait_alone(url, 60.0), since)}
+
+
+def probe(url: str, w: ValidationWorkload, plan: CalibrationPlan, rng) -> dict[str, Any]:
+    """The output tokens per second the server sustains on the replay's short requests:
+    ``probe_per_replica`` of them per replica in flight (each worker sends its next when one
+    finishes), placed by the controller, counted over ``probe_s`` after ``probe_warmup_s``."""
+    workers = REPLICAS * plan.probe_per_replica
+    seeds = rng.integers(0, 2**31, workers)
+    begin = time.perf_counter() + plan.probe_warmup_s
+    end = begin + plan.probe_s
+
+    def worker(seed: int) -> list[list[tuple[float, int]]]:
+        r, out = np.random.default_rng(seed), []
+        while time.perf_counter() < end:
+            p, n = (int(r.integers(lo, hi + 1)) for lo, hi in (w.short_prompt_tokens,
+                                                                w.short_new_tokens))
+            sent = time.perf_counter()
+            out.append([(sent + t, k) for t, k in _stream(
+                url, r.integers(VOCAB_LOW, VOCAB_HIGH, p).tolist(), n, None)])
+        return out
+    with concurrent.futures.ThreadPoolExecutor(workers) as pool:
+        streams = [c for cs in pool.map(worker, seeds) for c in cs]
+    tokens = sum(tokens_by(c, end) - tokens_by(c, begin) for c in streams)
+    return {"in_flight": workers, "window_s": plan.probe_s, "requests": len(streams),
+            "output_tokens_per_s": tokens / plan.probe_s}
 
 
 def _kv_sample(s: dict) -> dict:
@@ -419,16 +616,18 @@ def _kv_sample(s: dict) -> dict:
             "kv_capacity_tokens": [r["kv_capacity_tokens"] for r in reps]}
 
 
-def live_run(st: Settings, model_path: Path, size_rate: bool) -> dict[str, Any]:
-    """Everything the server showed, as JSON. ``size_rate``: the short arrival rate is chosen
-    from the calibration (``choose_rate``) before any replayed request."""
+def live_run(st: Settings, model_path: Path, sized: bool) -> dict[str, Any]:
+    """Everything the server showed, as JSON. ``sized``: the short arrival rate is
+    ``LOAD_SHARE`` of the probed capacity (``size_rate``), chosen before any replayed
+    request."""
     rng = np.random.default_rng(st.workload.seed + 1)
     args = ("--model-path", str(model_path), "--dtype", "float32", "--dp-size", str(REPLICAS),
             "--enable-amoebas", "--max-total-tokens", str(st.pool_tokens),
-            "--stream-interval", str(STREAM_INTERVAL))
+            "--stream-interval", str(STREAM_INTERVAL),
+            "--decode-log-interval", str(DECODE_LOG_INTERVAL_STEPS))
     out: dict[str, Any] = {
         "pool_tokens": st.pool_tokens, "calibration_plan": dataclasses.asdict(st.calibration),
-        "load_before": load_average(), "rate_sized": size_rate,
+        "load_before": load_average(), "rate_sized": sized,
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "server_args": list(args), "server_env": SERVER_ENV}
     t0 = time.time()
@@ -436,12 +635,14 @@ def live_run(st: Settings, model_path: Path, size_rate: bool) -> dict[str, Any]:
         out.update(startup_s=time.time() - t0, status_at_start=status(server.url))
         _at_once(server.url, [(rng.integers(VOCAB_LOW, VOCAB_HIGH, 16).tolist(), 4, r)
                               for r in range(REPLICAS)])  # each process's first forward
-        out["calibration"] = calibrate(server.url, st.calibration, st.pool_tokens, rng)
+        out["calibration"] = calibrate(server.url, server.log_path, st.calibration,
+                                       st.pool_tokens, rng)
+        httpx.post(f"{server.url}/flush_cache", timeout=60)
         w = st.workload
-        if size_rate:
-            _, policy, costs, fit, dwell_s = sim_inputs(out["status_at_start"], out["calibration"])
-            w = dataclasses.replace(w, short_per_s=choose_rate(
-                w, policy, costs, dwell_s, fit["request_overhead_s"]))
+        out["probe"] = probe(server.url, w, st.calibration, rng)
+        if sized:
+            w = dataclasses.replace(w, short_per_s=size_rate(
+                w, out["probe"]["output_tokens_per_s"], LOAD_SHARE))
         reqs, _ = w.requests()
         prompts = [rng.integers(VOCAB_LOW, VOCAB_HIGH, r.prompt_tokens).tolist() for r in reqs]
         httpx.post(f"{server.url}/flush_cache", timeout=60)
@@ -495,21 +696,25 @@ def sim_inputs(status_at_start: dict, cal: dict) -> tuple:
     return params, policy, costs, fit, dwell_s
 
 
-def choose_rate(w: ValidationWorkload, policy: Any, costs: S.StepCosts, dwell_s: float,
-                overhead_s: float) -> float:
-    """The lowest short rate (from 1/s, x1.25 a step) at which the calibrated simulator produces
-    under ``SIZE_RATIO`` of the offered output in the window. There the throughput measures
-    capacity: a server much faster than simulated shows it, instead of both serving all that
-    is offered; and the backlog, so the drain, stays about half the window."""
-    rate = 1.0
-    while rate < 64.0:
-        trial = dataclasses.replace(w, short_per_s=rate)
-        s, _, _ = simulate_same(trial.requests()[0], policy.capacity, costs, policy, dwell_s,
-                             w.duration_s, w.duration_s + 1.0, overhead_s)
-        if s["window_output_tokens_per_s"] < SIZE_RATIO * s["offered_output_tokens_per_s"]:
-            break
-        rate *= 1.25
-    return round(rate, 3)
+def simulated_capacity(w: ValidationWorkload, policy: Any, costs: S.StepCosts, dwell_s: float,
+                       overhead_s: float, seconds: float, start_per_s: float) -> dict:
+    """The simulator's output rate on the probe's mix (the short requests alone) offered open
+    loop for ``seconds``: from ``start_per_s``, doubled until the simulator serves under 90% of
+    what is offered, where its window throughput is its capacity (``saturated`` False: it kept
+    up even at the last rate tried, so the capacity is at least that)."""
+    shorts = dataclasses.replace(w, duration_s=seconds, long_arrivals_s=(),
+                                 long_prompt_tokens=())
+    rate, s = start_per_s, {}
+    for _ in range(8):
+        s, _, _ = simulate_same(dataclasses.replace(shorts, short_per_s=rate).requests()[0],
+                                policy.capacity, costs, policy, dwell_s, seconds, seconds + 1.0,
+                                overhead_s)
+        if s["window_output_tokens_per_s"] < 0.9 * s["offered_output_tokens_per_s"]:
+            return {"short_per_s": rate, "output_tokens_per_s": s["window_output_tokens_per_s"],
+                    "saturated": True}
+        rate *= 2
+    return {"short_per_s": rate / 2, "output_tokens_per_s": s["window_output_tokens_per_s"],
+            "saturated": False}
 
 
 def analyse(st: Settings, live: dict) -> dict[str, Any]:
@@ -521,6 +726,13 @@ def analyse(st: Settings, live: dict) -> dict[str, Any]:
         reqs, policy.capacity, costs, policy, dwell_s, st.workload.duration_s,
         max(r.arrival_s for r in reqs) + st.drain_timeout_s, fit["request_overhead_s"])
     measured, live_out = live_summary(live, longs, st.workload.duration_s)
+    plan, probed = st.calibration, live["probe"]
+    mean_short_new = sum(st.workload.short_new_tokens) / 2
+    capacity = simulated_capacity(
+        st.workload, policy, costs, dwell_s, fit["request_overhead_s"],
+        plan.probe_warmup_s + plan.probe_s, 1.5 * probed["output_tokens_per_s"] / mean_short_new)
+    measured["capacity_output_tokens_per_s"] = probed["output_tokens_per_s"]
+    simulated["capacity_output_tokens_per_s"] = capacity["output_tokens_per_s"]
     sim_by = {o["index"]: o for o in sim_out}
 
     def latency(o: dict, since: str) -> float | None:
@@ -534,6 +746,7 @@ def analyse(st: Settings, live: dict) -> dict[str, Any]:
                                           for d in policy.capacity.allowed_degrees},
                          "policy_params": {k: v for k, v in params.items() if k != "model"}},
             "calibration": {**cal, **fit, "costs": costs.to_json()},
+            "probe": {"live": probed, "SIMULATED": capacity, "load_share": LOAD_SHARE},
             "live": {**measured, "transitions_list": live["transitions"]},
             "simulated": {**simulated, "transitions_list": sim_transitions},
             "comparison": compare(measured, simulated, st.target),
@@ -555,8 +768,15 @@ def _fmt(x: Any) -> str:
 def markdown(r: dict[str, Any]) -> str:
     meta, st, cal, cmp_, live = (r[k] for k in ("meta", "settings", "calibration", "comparison",
                                                 "live"))
-    m, git, w, costs = meta["machine"], meta["git"], st["workload"], cal["costs"]
+    m, git, w, costs, pr = (meta["machine"], meta["git"], st["workload"], cal["costs"],
+                            r["probe"])
     fits, err = costs["phases"], cal["fit_mean_relative_error"]
+    by_batch: dict[int, dict] = {}
+    for iv in cal["decode_intervals"]:
+        if not iv["prefill_tokens"]:
+            by_batch.setdefault(iv["batch"], []).append(iv["seconds"] / iv["steps"])
+    by_batch = {b: {"ms": statistics.median(xs) * 1e3, "n": len(xs)}
+                for b, xs in by_batch.items()}
     lines = [
         "# AMOEBAs simulator vs a live 4-replica tiny-model server", "",
         f"Command: `{meta['command']}`; commit {git['commit']}{' (dirty)' if git['dirty'] else ''}"
@@ -564,29 +784,41 @@ def markdown(r: dict[str, Any]) -> str:
         f"load average before {meta['load_before']}, after {meta['load_after']}.", "",
         f"Server: `{' '.join(st['server_args'][2:])}` (tiny model), env {st['server_env']}; owner "
         f"pools by degree {st['owner_tokens']} tokens.", "",
+        f"Operating point: a closed-loop probe ({pr['live']['in_flight']} short requests in "
+        f"flight, the replay's lengths, {pr['live']['window_s']:g} s) measured "
+        f"{pr['live']['output_tokens_per_s']:.1f} output tok/s live (SIMULATED on the same mix "
+        f"open loop: {pr['SIMULATED']['output_tokens_per_s']:.1f}"
+        + ("" if pr["SIMULATED"]["saturated"] else ", or more: it kept up at every rate tried")
+        + ").", "",
         f"Workload (seed {w['seed']}): {live['requests']} requests; shorts {w['short_per_s']:g}/s"
-        + (" (sized from the calibration: the calibrated simulator serves about 2/3 of the "
-           "offered output)" if st["rate_sized"] else "")
+        + (f" (sized to offer {pr['load_share']:.0%} of the probed capacity)" if st["rate_sized"]
+           else " (--short-per-s)")
         + f" for {w['duration_s']:g} s, prompts {w['short_prompt_tokens']}, new tokens "
         f"{w['short_new_tokens']}; long prompts of {w['long_prompt_tokens']} tokens at "
         f"{w['long_arrivals_s']} s (+{w['long_new_tokens']}). Offered "
-        f"{live['offered_output_tokens_per_s']:.0f} output tok/s; the server produced "
-        f"{live['window_output_tokens_per_s']:.0f} in that window ("
+        f"{live['offered_output_tokens_per_s']:.1f} output tok/s; the server produced "
+        f"{live['window_output_tokens_per_s']:.1f} in that window ("
         f"{live['window_output_tokens_per_s'] / live['offered_output_tokens_per_s']:.0%}: "
-        + ("it fell behind" if cmp_["saturated"] else
-           "it kept up, so the throughput check says little") + "); KV held "
+        + ("it fell behind: the load ran past its capacity" if cmp_["saturated"] else
+           "it kept up") + "); KV held "
         f"{_fmt(live['kv_held_share'])} of the pools on average.", "",
-        "Calibration (before the replay, every replica at once): time to first token "
+        "Calibration (before the replay, every replica at once; times from the schedulers' log, "
+        f"{cal['decode_log_interval_steps']} decode steps a line): decode step "
+        + ", ".join(f"b={b} {x['ms']:.1f} ms ({x['n']} intervals)"
+                    for b, x in sorted(by_batch.items()))
+        + "; prefill injected while decoding (median) "
+        + ", ".join(f"{n} tok {v * 1e3:.1f} ms ({cal['prefill_samples'][n]})"
+                    for n, v in cal["prefill_median_s"].items())
+        + "; time to first token on idle replicas "
         + ", ".join(f"{x['prompt_tokens']} tok {x['seconds'] * 1e3:.0f} ms"
-                    for x in cal["prefill_points"]) + "; time per output token "
-        + ", ".join(f"b={x['batch']} at {x['cached_tokens']} tok {x['seconds'] * 1e3:.1f} ms"
-                    for x in cal["decode_points"])
+                    for x in cal["prefill_points"])
         + f". Fitted (mean error prefill {err['prefill']:.0%}, decode {err['decode']:.0%}): "
         f"prefill {fits['prefill']['gamma_s'] * 1e3:.1f} ms + {fits['prefill']['beta_s'] * 1e6:.0f}"
-        f" us a token, decode {fits['decode']['gamma_s'] * 1e3:.1f} ms + "
-        f"{fits['decode']['beta_s'] * 1e6:.0f} us a request; latency outside the replicas "
-        f"{cal['request_overhead_s'] * 1e3:.0f} ms a request. Merge {costs['merge_fixed_s']:.3f} s,"
-        f" split {costs['split_fixed_s']:.3f} s (" + (
+        f" us a token + {fits['prefill']['alpha_s'] * 1e9:.1f} ns a token squared, decode "
+        f"{fits['decode']['gamma_s'] * 1e3:.1f} ms + {fits['decode']['beta_s'] * 1e6:.0f} us a "
+        f"request + {fits['decode']['alpha_s'] * 1e9:.1f} ns a context token; latency outside "
+        f"the replicas {cal['request_overhead_s'] * 1e3:.0f} ms a request. Merge "
+        f"{costs['merge_fixed_s']:.3f} s, split {costs['split_fixed_s']:.3f} s (" + (
             "one calibration merge and split" if cal["transitions_measured"] else
             "ASSUMED: no calibration transition recorded") + "); all-reduce "
         f"{costs['allreduce_s_per_layer'] * 1e3:.2f} ms a layer (transfer.json).", "",
@@ -607,7 +839,8 @@ def markdown(r: dict[str, Any]) -> str:
             f"{t['kind']} {t['members']} {t['at_s'] + t['seconds']:.1f} s ({t['seconds']:.3f} s)"
             for t in r["simulated"]["transitions_list"]) or "none") + ".", "",
         "Not modelled by the simulator: replicas sharing 2 cores (calibrated with all four "
-        "stepping; fewer step faster), SGLang's chunked prefill and the interleaving of a "
+        "decoding; fewer step faster), SGLang's admission (it reserves part of max_new_tokens, "
+        "the simulator all of it), SGLang's chunked prefill and the interleaving of a "
         "group's members, the board's 0.1 s staleness, and the controller holding every "
         "request behind a queued one (the simulator lets a long prompt pass a queued short one).",
         ""]
@@ -629,9 +862,9 @@ def settings(a: argparse.Namespace, live: dict | None) -> Settings:
         w, plan = (QUICK, QUICK_CAL) if quick else (FULL, FULL_CAL)
         w = dataclasses.replace(w, seed=a.seed, short_per_s=a.short_per_s or w.short_per_s,
                                 duration_s=a.duration_s or w.duration_s)
-    out = a.out or (RAW / "amoebas_validate_quick" if quick else RESULTS)
-    return Settings(w, plan, pool, a.target, 60.0 if quick else 120.0, 30.0, out,
-                    RAW / "amoebas_validate")
+    raw = RAW / ("amoebas_validate_quick" if quick else "amoebas_validate")
+    return Settings(w, plan, pool, a.target, 60.0 if quick else 120.0, 30.0,
+                    a.out or (raw if quick else RESULTS), raw)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -639,7 +872,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--quick", action="store_true", help="harness check: 15 s of load, 1 long")
     p.add_argument("--pool-tokens", type=int, default=1024, help="P: each replica's KV pool")
     p.add_argument("--short-per-s", type=float, help="short arrivals per second (default: "
-                   "sized from the calibration, choose_rate)")
+                   f"{LOAD_SHARE:.0%} of the probed capacity, size_rate)")
     p.add_argument("--duration-s", type=float, help="seconds of short arrivals")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--target", type=float, default=0.15)
@@ -657,7 +890,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         spec = ModelSpec.from_model_dir(tiny_model_path(), dtype_bytes=DTYPE_BYTES)
         st.workload.check_lengths(CapacityModel.from_kv_pool(spec, REPLICAS, st.pool_tokens))
         st.raw_dir.mkdir(parents=True, exist_ok=True)
-        live = {**live_run(st, tiny_model_path(), size_rate=a.short_per_s is None),
+        live = {**live_run(st, tiny_model_path(), sized=a.short_per_s is None),
                 "command": command, "quick": a.quick}
         (st.raw_dir / "live.json").write_text(json.dumps(live))  # before anything can fail
         st = settings(a, live)

@@ -67,6 +67,15 @@ def measure_gloo() -> dict[int, float]:
     return results
 
 
+def fit_wire(one_way_s: dict[int, float]) -> tuple[float, float]:
+    """(latency s, bandwidth bytes/s): the least-squares line ``latency + bytes / bandwidth``
+    through the one-way times (a negative intercept counts as no latency)."""
+    sizes = np.array(sorted(one_way_s), dtype=np.float64)
+    seconds = np.array([one_way_s[int(s)] for s in sizes])
+    slope, intercept = np.polyfit(sizes, seconds, 1)
+    return float(max(intercept, 0.0)), float(1 / slope)
+
+
 def measure_copy() -> float:
     src = torch.ones(COPY_BYTES // 4)
     dst = torch.empty_like(src)
@@ -87,14 +96,12 @@ def main() -> None:
     args.out.mkdir(parents=True, exist_ok=True)
     load_before = load_average()
     gloo = measure_gloo()
-    sizes = np.array(sorted(gloo), dtype=np.float64)
-    seconds = np.array([gloo[int(s)] for s in sizes])
-    slope, intercept = np.polyfit(sizes, seconds, 1)
+    latency_s, bandwidth = fit_wire(gloo)
     copy_bw = measure_copy()
     result = {
         "gloo_one_way_s": {str(k): v for k, v in sorted(gloo.items())},
-        "gloo_latency_s": float(max(intercept, 0.0)),
-        "gloo_bandwidth_bytes_per_s": float(1 / slope),
+        "gloo_latency_s": latency_s,
+        "gloo_bandwidth_bytes_per_s": bandwidth,
         "host_copy_bandwidth_bytes_per_s": copy_bw,
         "meta": run_meta("python -m benchmark.kunserve.transfer", load_before),
     }

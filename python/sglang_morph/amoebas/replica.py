@@ -104,6 +104,7 @@ class AmoebasReplica:
         self.kv_capacity_tokens_whole = int(self.pool.size)
         self.released_ffn_bytes = 0
         self._rss_drop_bytes = 0
+        self._ffn_s = 0.0  # the last transition's FFN release (merge) or gather (split)
         self.faults = FaultInjector()
         ps = self.allocator.page_size
         most = max(self.capacity_after_merge(d) for d in cfg.degrees) // ps * ps
@@ -424,10 +425,23 @@ class AmoebasReplica:
                                  "kv_capacity_tokens": int(self.pool.size),
                                  "released_ffn_bytes": self.released_ffn_bytes,
                                  "rss_drop_bytes": self._rss_drop_bytes if action == "merge"
-                                 else None})
+                                 else None,
+                                 **self._cost_detail()})
         logger.info("sglang-morph: AMOEBAs %s on replica %d: %s", action, self.replica,
                     self.transitions[-1])
         return self.transitions[-1]
+
+    def _cost_detail(self) -> dict[str, Any]:
+        """Where the last transition's time went on this member: the KV phases, the rows and
+        bytes it exchanged, and the FFN release or gather (the benchmarks' cost breakdown)."""
+        stats = self.kv.last_stats
+        if stats is None:
+            return {}
+        return {"live_tokens": stats.live_tokens,
+                "kv_phase_s": {k: round(v, 5) for k, v in stats.phase_s.items()},
+                "kv_sent_bytes": stats.sent_bytes, "kv_received_bytes": stats.received_bytes,
+                "kv_peak_extra_bytes": stats.peak_extra_bytes,
+                "ffn_s": round(self._ffn_s, 5)}
 
     # ---- joining and leaving a group (the views) ----
 
@@ -450,7 +464,9 @@ class AmoebasReplica:
         kv_commit.do()
         resizer = KVResizer(self.scheduler)
         rss_before = process_rss_bytes()
+        started = time.perf_counter()
         keep_shard_layers(self.ffn, self.shard.rank, self.shard.degree)
+        self._ffn_s = time.perf_counter() - started
         self.released_ffn_bytes = self._released_at(self.shard.degree)
         # What the process gave back to the OS, measured (RSS), before the KV takes it.
         self._rss_drop_bytes = rss_before - process_rss_bytes()
@@ -488,6 +504,7 @@ class AmoebasReplica:
         """Every member sends its FFN rows to every other (one all-gather per layer on the
         group's control group) and writes back those of its shard in group ``into`` (None:
         every row, serving alone) into its pages."""
+        started = time.perf_counter()
         shard, pg = self.shard, self.member.link.control
         d = shard.degree
         layout = self.ffn[0].layout
@@ -504,6 +521,7 @@ class AmoebasReplica:
         self.faults.check("ffn_gather")
         restore_layers(self.ffn, payloads)
         self.released_ffn_bytes = self._released_at(1 if into is None else len(into))
+        self._ffn_s = time.perf_counter() - started
 
     def _release_ffn_again(self) -> None:
         """Undo of the gather: back to this member's shard in the group it is in."""
