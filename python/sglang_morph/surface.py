@@ -312,6 +312,9 @@ AMOEBAS_SYMBOLS: tuple[Symbol, ...] = (
             "max_req_input_len waiting_queue running_batch last_batch chunked_req"),
     *_group(_SCHEDULER, "call", "is_fully_idle flush_cache", instance=False),
     Symbol(f"{_SCHEDULER}._request_dispatcher", "write", True),
+    # An idle scheduler's sleep also polls the replica's wake socket (auto.Waker).
+    Symbol(f"{_SCHEDULER}.idle_sleeper", "read", True),
+    Symbol(f"{_COMPONENTS}.idle_sleeper.IdleSleeper.poller", "read", True),
     *_group(_RUNNER, "read", "model model_config"),
     *_group(f"{_MEM}.memory_pool.MHATokenToKVPool", "read", "k_buffer v_buffer size"),
     *_group("sglang.srt.models.llama.LlamaModel", "read", "layers embed_tokens norm"),

@@ -5,6 +5,7 @@ No server; the policy is the live one (``auto.live_policy``) over the default mo
 from __future__ import annotations
 
 import dataclasses
+import os
 from typing import Any
 
 import pytest
@@ -175,3 +176,32 @@ def test_long_prompt_goes_to_the_owner_and_refusals_to_sglang(placed):
                                     received=dispatcher.sent_count[r])
     dispatcher.tick()
     assert sends[-1] == ("socket0", "later")  # the group serves: its least-loaded member
+
+
+def test_a_proposal_wakes_an_idle_scheduler_at_once(tmp_path):
+    """SGLang's own IdleSleeper (``--sleep-on-idle``) sleeps a second on a silent socket; a
+    proposer's wake ends the sleep at once, and a drained wake does not end the next one."""
+    import threading
+    import time
+
+    import zmq
+    from sglang.srt.managers.scheduler_components.idle_sleeper import IdleSleeper
+
+    from sglang_morph.amoebas.auto import Waker
+
+    silent = zmq.Context.instance().socket(zmq.PULL)
+    silent.bind(f"ipc://{tmp_path}/scheduler")  # the scheduler's own socket: nothing arrives
+    sleeper = IdleSleeper([silent])
+    port = 40000 + os.getpid() % 20000
+    sleeping, proposer = Waker(1, 2, port, sleeper), Waker(0, 2, port, None)
+
+    def slept_s() -> float:
+        started = time.perf_counter()
+        sleeper.maybe_sleep()
+        return time.perf_counter() - started
+
+    assert slept_s() > 0.9
+    threading.Timer(0.1, proposer.wake_others).start()
+    assert slept_s() < 0.6
+    sleeping.drain()
+    assert slept_s() > 0.9

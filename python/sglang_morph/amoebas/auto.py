@@ -34,6 +34,7 @@ from __future__ import annotations
 import datetime
 import json
 import logging
+import tempfile
 import time
 from typing import Any
 
@@ -95,6 +96,57 @@ class Board:
         return {r: json.loads(self.store.get(k)) for r, k in zip(replicas, keys)}
 
 
+class Waker:
+    """Wakes the other replicas' idle schedulers when a proposal is posted. With
+    ``--sleep-on-idle`` an idle scheduler waits up to a second on its sockets (SGLang's
+    ``IdleSleeper``) and would read a proposal only then: a merge for a long prompt would wait
+    for its idle members' next wake. Each replica binds a ZeroMQ PULL socket that its sleeper
+    also polls; a proposer pushes one empty message to every other replica, and a replica
+    drains its socket between batches. Without a sleeper the scheduler never sleeps, and
+    nothing is bound."""
+
+    def __init__(self, replica: int, replicas: int, port: int, sleeper: Any | None):
+        import zmq
+
+        context = zmq.Context.instance()
+        self.pull = None
+        if sleeper is not None:
+            self.pull = context.socket(zmq.PULL)
+            self.pull.bind(self.address(port, replica))
+            sleeper.poller.register(self.pull, zmq.POLLIN)
+        self.push = []
+        for r in range(replicas):
+            if r != replica:
+                sock = context.socket(zmq.PUSH)
+                sock.setsockopt(zmq.SNDHWM, 1)  # one pending wake is enough
+                sock.setsockopt(zmq.LINGER, 0)
+                sock.connect(self.address(port, r))
+                self.push.append(sock)
+
+    @staticmethod
+    def address(port: int, replica: int) -> str:
+        """One per server (the board's port) and replica."""
+        return f"ipc://{tempfile.gettempdir()}/sglang-morph-amoebas-{port}-{replica}"
+
+    def wake_others(self) -> None:
+        import zmq
+
+        for sock in self.push:
+            try:
+                sock.send(b"", zmq.NOBLOCK)
+            except zmq.Again:  # a wake is pending there already
+                pass
+
+    def drain(self) -> None:
+        import zmq
+
+        while self.pull is not None:
+            try:
+                self.pull.recv(zmq.NOBLOCK)
+            except zmq.Again:
+                return
+
+
 def policy_params(replica: Any) -> dict[str, Any]:
     """What the scheduler's policy needs of a replica (every replica has the same: one model,
     one pool size), as the board carries it to the data-parallel controller: the pool each
@@ -145,6 +197,8 @@ class AutoControl:
         self.replica, self.board, self.policy = replica, board, live_policy(params)
         board.publish_policy(params)  # for the data-parallel controller's dispatch
         self.received_requests = 0  # generate requests this replica was sent (not re-entries)
+        self.waker = Waker(replica.replica, replica.cfg.replicas, replica.cfg.board_port(),
+                           getattr(replica.scheduler, "idle_sleeper", None))
         self.min_dwell_s = min_dwell_s
         self.parked: list[Any] = []  # requests waiting for a proposed merge
         self._tried: set[str] = set()  # rids parked once: never parked again
@@ -171,6 +225,7 @@ class AutoControl:
         self.parked.append(recv_req)
         self.board.propose({"action": "merge", "group": list(group), "by":
                             self.replica.replica, "reason": f"a {n}-token prompt"})
+        self.waker.wake_others()
         self.merges_proposed += 1
         logger.info("sglang-morph: AMOEBAs replica %d parks a %d-token prompt and proposes "
                     "merging %s", self.replica.replica, n, list(group))
@@ -207,6 +262,7 @@ class AutoControl:
     # ---- between batches ----
 
     def on_step(self) -> None:
+        self.waker.drain()
         now = time.monotonic()
         load = self.load()
         # What placement reads is published as soon as it changes: a replica that just went
@@ -265,3 +321,4 @@ class AutoControl:
         self.splits_proposed += 1
         self.board.propose({"action": "split", "group": list(r.unit), "by": r.replica,
                             "reason": splits[0].reason})
+        self.waker.wake_others()
