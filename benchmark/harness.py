@@ -81,6 +81,17 @@ def run_meta(command: str, load_before: list[float], **extra) -> dict:
             "uptime": subprocess.run(["uptime"], capture_output=True, text=True).stdout.strip()}
 
 
+def write_results(out_dir: Path, name: str, report: dict, markdown_text: str) -> None:
+    """``<name>.json`` (the whole report) and ``<name>.md`` in ``out_dir``; the markdown is
+    printed too."""
+    import json
+
+    out_dir.mkdir(parents=True, exist_ok=True)
+    (out_dir / f"{name}.json").write_text(json.dumps(report, indent=1))
+    (out_dir / f"{name}.md").write_text(markdown_text)
+    print(markdown_text)
+
+
 def load_average() -> list[float]:
     """1, 5 and 15-minute load averages: other work on the machine skews timings."""
     return list(os.getloadavg())

@@ -40,7 +40,7 @@ from typing import Any, Sequence
 
 import httpx
 
-from benchmark.harness import REPO_ROOT, load_average, run_meta, running_server
+from benchmark.harness import REPO_ROOT, load_average, run_meta, running_server, write_results
 from benchmark.kunserve.transfer import fit_wire, measure_gloo
 
 REPLICAS = 3
@@ -384,7 +384,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     wire, one_way = measure_wire()
     operator = operator_part(st, sizes, wire, ids[:operator_tokens], raw / "manual_server.log")
     auto = auto_part(st, ids[operator_tokens:], raw / "auto_server.log")
-    report = {"meta": {**run_meta(command.strip(), load_before), "load_after": load_average()},
+    report = {"meta": run_meta(command.strip(), load_before),
               "settings": {k: (str(v) if isinstance(v, Path) else v)
                            for k, v in dataclasses.asdict(st).items()},
               "sizes": sizes,
@@ -392,9 +392,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                        "bandwidth_bytes_per_s": wire.bandwidth_bytes_per_s,
                        "one_way_s": one_way},
               "operator": operator, "auto": auto}
-    (out / "transition_cost.json").write_text(json.dumps(report, indent=1))
-    (out / "transition_cost.md").write_text(markdown(report))
-    print(markdown(report))
+    write_results(out, "transition_cost", report, markdown(report))
     return 0
 
 

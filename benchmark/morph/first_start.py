@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import argparse
 import concurrent.futures
-import json
 import os
 import sys
 import tempfile
@@ -28,7 +27,7 @@ from typing import Any, Sequence
 
 import httpx
 
-from benchmark.harness import REPO_ROOT, load_average, run_meta, running_server
+from benchmark.harness import REPO_ROOT, load_average, run_meta, running_server, write_results
 
 ARGS = ("--enable-morph", "--max-total-tokens", "2048")
 OUT_DIR = REPO_ROOT / "benchmark" / "results" / "morph"
@@ -180,11 +179,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         second = second_run(cache)
     command = "python -m benchmark.morph.first_start " + " ".join(
         sys.argv[1:] if argv is None else argv)
-    report = {"meta": {**run_meta(command.strip(), load_before), "load_after": load_average()},
-              "first": first, "second": second}
-    (OUT_DIR / "first_start.json").write_text(json.dumps(report, indent=1))
-    (OUT_DIR / "first_start.md").write_text(markdown(report))
-    print(markdown(report))
+    report = {"meta": run_meta(command.strip(), load_before), "first": first, "second": second}
+    write_results(OUT_DIR, "first_start", report, markdown(report))
     return 0
 
 

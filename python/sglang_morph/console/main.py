@@ -260,6 +260,19 @@ def _print_morph_outcome(answer: dict[str, Any], layers: list[int] | None,
                    f"{kv_line(s.get('kv_used_tokens'), s.get('kv_capacity_tokens'))}")
 
 
+def _post_morph(client: Client, route: str, body: dict[str, Any], replica: int | None,
+                as_json: bool, layers: list[int] | None) -> None:
+    """POST a /morph control body (to one replica when given) and print the answer: as JSON,
+    or one line per replica with ``layers``' precision (every quantized layer when None)."""
+    if replica is not None:
+        body["replica"] = replica
+    answer = _call(lambda: client.post(route, body))
+    if as_json:
+        _print_json(answer)
+    else:
+        _print_morph_outcome(answer, layers, replica)
+
+
 @main.command("swap", context_settings=CONTEXT,
               short_help="Move layers to another precision (POST /morph/swap).")
 @click.argument("layers", metavar="LAYERS", callback=_layers_arg)
@@ -283,14 +296,8 @@ def swap(layers: list[int], bits: int, url: str, api_key: str | None,
     body: dict[str, Any] = {"layers": layers, "bits": bits}
     if pin is not None:
         body["pin"] = pin
-    if replica is not None:
-        body["replica"] = replica
-    client = _client(url, api_key, admin_api_key)
-    answer = _call(lambda: client.post("/morph/swap", body))
-    if as_json:
-        _print_json(answer)
-    else:
-        _print_morph_outcome(answer, layers, replica)
+    _post_morph(_client(url, api_key, admin_api_key), "/morph/swap", body, replica, as_json,
+                layers)
 
 
 @main.command("mode", context_settings=CONTEXT,
@@ -307,15 +314,8 @@ def mode(mode: str, url: str, api_key: str | None, admin_api_key: str | None,
     POST /morph/mode. Takes effect at the controller's next decision; prints each replica's
     mode and its quantized layers.
     """
-    body: dict[str, Any] = {"mode": mode}
-    if replica is not None:
-        body["replica"] = replica
-    client = _client(url, api_key, admin_api_key)
-    answer = _call(lambda: client.post("/morph/mode", body))
-    if as_json:
-        _print_json(answer)
-    else:
-        _print_morph_outcome(answer, None, replica)
+    _post_morph(_client(url, api_key, admin_api_key), "/morph/mode", {"mode": mode}, replica,
+                as_json, None)
 
 
 @main.command("top", context_settings=CONTEXT,
