@@ -13,7 +13,8 @@ setup(
     package_dir={"": "python"},
     packages=find_packages("python"),
     python_requires=">=3.10",
-    install_requires=["sglang==0.5.23"],
+    # click, rich and httpx: the operator command; filelock and tqdm: the morph auto-build.
+    install_requires=["sglang==0.5.23", "click>=8", "rich>=13", "httpx", "filelock", "tqdm"],
     entry_points={
         "sglang.srt.plugins": ["morph = sglang_morph.plugin:load"],
         "console_scripts": ["sglang-morph = sglang_morph.console.main:main"],
