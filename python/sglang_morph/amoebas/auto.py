@@ -34,7 +34,6 @@ from __future__ import annotations
 import datetime
 import json
 import logging
-import tempfile
 import time
 from typing import Any
 
@@ -125,8 +124,9 @@ class Waker:
 
     @staticmethod
     def address(port: int, replica: int) -> str:
-        """One per server (the board's port) and replica."""
-        return f"ipc://{tempfile.gettempdir()}/sglang-morph-amoebas-{port}-{replica}"
+        """One per server (the board's port) and replica, in Linux's abstract socket namespace
+        (``@``): no file is left behind when a server is killed."""
+        return f"ipc://@sglang-morph-amoebas-{port}-{replica}"
 
     def wake_others(self) -> None:
         import zmq
