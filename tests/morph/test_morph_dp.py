@@ -15,6 +15,7 @@ replica is its own scheduler with its own runtime, budget and KV pool (parallel/
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 import requests
@@ -149,3 +150,27 @@ def test_the_idle_data_parallel_controller_waits_instead_of_spinning(dp2):
     after = controller.cpu_times()
     busy_s = (after.user + after.system) - (before.user + before.system)
     assert busy_s < 0.3, f"the idle controller used {busy_s:.2f} CPU-s in 3 s"
+
+
+def test_the_operator_view_shows_each_replica(dp2):
+    """``sglang-morph top --once`` (the live view's one frame) and ``status`` against this DP 2
+    server: a panel per replica, the layer swapped on replica 1 only there."""
+    from click.testing import CliRunner
+
+    from sglang_morph.console.main import main
+
+    r = post(dp2, "swap", {"layers": [3], "bits": 4, "replica": 1})
+    assert r.status_code == 200, r.text
+    try:
+        keys = ["--url", dp2.url, "--api-key", "test-api-key"]
+        runner = CliRunner(env={"COLUMNS": "200"})
+        frame = runner.invoke(main, ["top", "--once", *keys])
+        assert frame.exit_code == 0, frame.output
+        panels = frame.output.split("morph replica ")
+        assert [p[:1] for p in panels[1:]] == ["0", "1"], frame.output
+        swapped = re.compile(r"(?<!\d)3:W4")  # layer 3, not 13 or 23
+        assert not swapped.search(panels[1]) and swapped.search(panels[2]), frame.output
+        table = runner.invoke(main, ["status", *keys])
+        assert table.exit_code == 0 and swapped.search(table.output), table.output
+    finally:
+        assert post(dp2, "swap", {"layers": [3], "bits": 16, "replica": 1}).status_code == 200

@@ -23,6 +23,7 @@ same map. Each PP rank runs one torch thread here, so the reference does too
 from __future__ import annotations
 
 import json
+import re
 import threading
 import time
 
@@ -219,6 +220,24 @@ def test_each_stage_logs_its_own_part_of_a_swap_and_says_which_stage(pp2, pp2_lo
         assert t["replica"] == 0 and t["pp_stage"] in (0, 1)
         stage_layers = range(0, 15) if t["pp_stage"] == 0 else range(15, 30)
         assert set(t["layers"]) <= set(stage_layers), t
+
+
+def test_the_operator_view_shows_both_stages(pp2):
+    """``sglang-morph top --once`` against this PP 2 server: one panel with both stages, each
+    with its own layers and KV."""
+    from click.testing import CliRunner
+
+    from sglang_morph.console.main import main
+    from sglang_morph.console.view import precision_label
+
+    frame = CliRunner(env={"COLUMNS": "200"}).invoke(main, ["top", "--once", "--url", pp2.url])
+    assert frame.exit_code == 0, frame.output
+    assert "(2 pipeline stages)" in frame.output, frame.output
+    assert "stage 0 (layers 0-14)" in frame.output and "stage 1 (layers 15-29)" in frame.output
+    bits = {layer["index"]: layer["bits"] for layer in status(pp2)["layers"]}
+    for layer in (0, 14, 15, 29):  # the first and last layer of each stage, as it is served
+        label = re.compile(rf"(?<!\d){layer}:{precision_label(bits[layer])}")
+        assert label.search(frame.output), frame.output
 
 
 def test_a_swap_one_stage_refuses_changes_nothing_on_any_stage(pp2):
