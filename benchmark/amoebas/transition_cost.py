@@ -28,7 +28,6 @@ rounds; the group's time is the slowest member's).
 from __future__ import annotations
 
 import argparse
-import concurrent.futures
 import dataclasses
 import json
 import statistics
@@ -40,13 +39,11 @@ from typing import Any, Sequence
 
 import httpx
 
+from benchmark.amoebas.replay import ALONE, REPLICAS, SERVER_ENV, wait_for_split, warm_up
 from benchmark.harness import REPO_ROOT, load_average, run_meta, running_server, write_results
 from benchmark.kunserve.transfer import fit_wire, measure_gloo
 
-REPLICAS = 3
 BLOCK = list(range(REPLICAS))
-ALONE = [[r] for r in BLOCK]
-SERVER_ENV = {"OMP_NUM_THREADS": "1"}
 COMMON_ARGS = ("--dtype", "float32", "--dp-size", str(REPLICAS), "--enable-amoebas")
 OUT_DIR = REPO_ROOT / "benchmark" / "results" / "amoebas"
 RAW_DIR = REPO_ROOT / "benchmark" / "results" / "raw"  # server logs, quick runs (not in git)
@@ -141,12 +138,6 @@ def last_records(s: dict[str, Any], action: str) -> list[dict[str, Any]]:
     """Each replica's newest transition record of ``action``."""
     return [next(t for t in reversed(b["transitions"]) if t["action"] == action)
             for b in s["replicas"]]
-
-
-def warm_up(url: str, ids: list[int]) -> None:
-    with concurrent.futures.ThreadPoolExecutor(REPLICAS) as pool:
-        list(pool.map(lambda r: Stream(url, ids, 4, r).join(), BLOCK))
-    httpx.post(f"{url}/flush_cache", timeout=60)
 
 
 # ---- the wire model ----
@@ -261,7 +252,7 @@ def operator_part(st: Settings, sizes: dict[str, int], wire: Wire, ids: list[int
     args = (*COMMON_ARGS, "--amoebas-manual", "--max-total-tokens", str(st.manual_pool_tokens))
     levels: dict[str, Any] = {}
     with running_server(args, log, env=SERVER_ENV) as server:
-        warm_up(server.url, ids[:16])
+        warm_up(server.url, "amoebas", ids[:16])
         cursor = 16
         for level in st.live_levels:
             rounds = []
@@ -286,7 +277,7 @@ def auto_part(st: Settings, ids: list[int], log: Path) -> dict[str, Any]:
     args = (*COMMON_ARGS, "--max-total-tokens", str(st.auto_pool_tokens))
     rounds = []
     with running_server(args, log, env=SERVER_ENV) as server:
-        warm_up(server.url, ids[:16])
+        warm_up(server.url, "amoebas", ids[:16])
         cursor = 16
         for k in range(st.rounds):
             prompt = ids[cursor:cursor + st.long_prompt_tokens]
@@ -300,10 +291,8 @@ def auto_part(st: Settings, ids: list[int], log: Path) -> dict[str, Any]:
             end = max(t["at_unix_s"] for t in merged)
             start = min(t["at_unix_s"] - t["duration_s"] for t in merged)
             split_wait = time.time()
-            while status(server.url)["units"] != ALONE:
-                if time.time() - split_wait > st.split_wait_s:
-                    raise RuntimeError("the group did not split back")
-                time.sleep(0.25)
+            if wait_for_split(server.url, [], st.split_wait_s)["units"] != ALONE:
+                raise RuntimeError("the group did not split back")
             rounds.append({"ttft_s": stream.first_token_unix_s - stream.sent_unix_s,
                            "send_to_merge_start_s": start - stream.sent_unix_s,
                            "merge_s": end - start,

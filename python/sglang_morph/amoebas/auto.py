@@ -37,6 +37,7 @@ import logging
 import time
 from typing import Any
 
+import zmq
 from sglang.srt.managers.utils import is_health_check_generate_req
 
 from sglang_morph.elastic.kv_resizer import max_request_tokens
@@ -105,8 +106,6 @@ class Waker:
     nothing is bound."""
 
     def __init__(self, replica: int, replicas: int, port: int, sleeper: Any | None):
-        import zmq
-
         context = zmq.Context.instance()
         self.pull = None
         if sleeper is not None:
@@ -129,8 +128,6 @@ class Waker:
         return f"ipc://@sglang-morph-amoebas-{port}-{replica}"
 
     def wake_others(self) -> None:
-        import zmq
-
         for sock in self.push:
             try:
                 sock.send(b"", zmq.NOBLOCK)
@@ -138,13 +135,9 @@ class Waker:
                 pass
 
     def drain(self) -> None:
-        import zmq
-
-        while self.pull is not None:
-            try:
-                self.pull.recv(zmq.NOBLOCK)
-            except zmq.Again:
-                return
+        """Every scheduler step: a poll that finds nothing costs no exception."""
+        while self.pull is not None and self.pull.poll(0):
+            self.pull.recv()
 
 
 def policy_params(replica: Any) -> dict[str, Any]:

@@ -511,10 +511,9 @@ class KVReshard(MemberKV):
             if me not in (a, b):
                 continue
             peer = b if me == a else a
-            got = _swap(t, peer, me == a, {"state": torch.tensor([error is None,
-                                                                  self.pool.size + ps]),
+            got = _swap(t, peer, me == a, {"rows": torch.tensor([self.pool.size + ps]),
                                            "live": txn.live, "new_live": txn.new_live})
-            owners[peer] = (got["live"].long(), got["new_live"].long(), int(got["state"][1]))
+            owners[peer] = (got["live"].long(), got["new_live"].long(), int(got["rows"][0]))
         staged: dict[int, torch.Tensor] = {}
         local: list = []
         try:

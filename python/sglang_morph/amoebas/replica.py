@@ -135,6 +135,9 @@ class AmoebasReplica:
 
             self.auto = AutoControl(self, Board(self.replica, cfg.replicas, cfg.board_port()))
         self.unit: tuple[int, ...] = (self.replica,)
+        # The unit's replicas by shard rank (its link's ranks), set with ``unit``: every
+        # merged forward looks owners up in it.
+        self.order: tuple[int, ...] = self.unit
         self.merged_at = 0.0
         self.shard: Shard | None = None
         self._layers: list | None = None  # forward.LayerShard per layer while merged
@@ -157,19 +160,11 @@ class AmoebasReplica:
     def member(self) -> GroupMember:
         return self.members[self.unit]
 
-    @property
-    def order(self) -> tuple[int, ...]:
-        """The unit's replicas by shard rank (its link's ranks)."""
-        return self.cfg.shard_order(self.unit)
-
     def capacity_after_merge(self, degree: int) -> int:
         """KV tokens of this replica's pool in a group of ``degree``: its startup pool plus the
         FFN rows it releases, at the bytes per token of every KV head (its own heads and the
         mirrors' share one row)."""
-        store = self.ffn[0].layout
-        released = len(self.ffn) * store.rows_bytes(
-            store.padded_intermediate - store.padded_intermediate // degree)
-        return self.kv_capacity_tokens_whole + released // self.kv_bytes_per_token
+        return self.kv_capacity_tokens_whole + self._released_at(degree) // self.kv_bytes_per_token
 
     def used_tokens(self) -> int:
         return held_kv_tokens(self.scheduler)
@@ -231,6 +226,7 @@ class AmoebasReplica:
             store.check_integrity()
         self.kv.check_integrity()
         held = {store.resident_rows for store in self.ffn}
+        assert self.order == self.cfg.shard_order(self.unit), (self.order, self.unit)
         if not self.merged:
             assert self.shard is None and self._layers is None, (
                 f"replica {self.replica} serves alone but keeps a shard")
@@ -446,13 +442,16 @@ class AmoebasReplica:
     # ---- joining and leaving a group (the views) ----
 
     def _join(self, block: tuple[int, ...]) -> None:
-        d, i = len(block), self.cfg.shard_order(block).index(self.replica)
-        shard = Shard(i, d, self.num_q_heads, self.num_kv_heads, self.intermediate_size)
+        order = self.cfg.shard_order(block)
+        shard = Shard(order.index(self.replica), len(block), self.num_q_heads,
+                      self.num_kv_heads, self.intermediate_size)
         self._layers = layer_shards(self.model, shard, self.head_dim, ffn=self.ffn)
-        self.shard, self.unit, self.merged_at = shard, block, time.monotonic()
+        self.shard, self.unit, self.order = shard, block, order
+        self.merged_at = time.monotonic()
 
     def _leave(self) -> None:
         self.unit, self.shard, self._layers = (self.replica,), None, None
+        self.order = self.unit
 
     # ---- memory: FFN rows released in place become KV capacity, and back ----
 
