@@ -66,14 +66,14 @@ QUICK_WINDOW = dict(DEFAULT_WINDOW, start_s=1203.0, duration_s=4.0, keep_every=4
                     max_prompt_tokens=96, min_output_tokens=8, max_output_tokens=12)
 
 
-def server_args(name: str, budget: str, engines: Path | None, mixed_layers: int,
+def server_args(name: str, budget: str, engines: Path, mixed_layers: int,
                 log: Path) -> tuple[str, ...]:
     # --enable-metrics makes SGLang report each request's queueing time in its meta_info.
     base = ("--enable-morph", "--morph-memory-budget", budget, "--morph-log", str(log),
             "--enable-metrics")
-    if name == "fp":
-        return base  # no engines: nothing can be swapped, the budget and /morph/status stay
     static = base + ("--morph-engines", str(engines), "--disable-morph-controller")
+    if name == "fp":
+        return static  # no controller and no map: nothing is swapped; budget and status stay
     if name == "w4":
         return static + ("--morph-precision-map", "*:4")
     if name == "mixed":
@@ -166,7 +166,7 @@ def trace_settings(window: TraceWindow, requests: Sequence[Any]) -> dict[str, An
 
 def run_driver(profile: Profile) -> dict[str, Any]:
     requests, prompts = load_inputs(profile.window)
-    engines = engines_dir() if set(profile.configs) - {"fp"} else None
+    engines = engines_dir()
     raw = profile.out_dir / "raw"
     raw.mkdir(parents=True, exist_ok=True)
     report: dict[str, Any] = {
@@ -175,7 +175,7 @@ def run_driver(profile: Profile) -> dict[str, Any]:
             "memory_budget": profile.budget,
             "slo": dataclasses.asdict(profile.slo),
             "mixed_layers": profile.mixed_layers,
-            "engines": str(engines) if engines else None,
+            "engines": str(engines),
             "swap_order": repo_path(SWAP_ORDER),
             "prompt_corpus": str(CORPUS.name),
             "sampling": "greedy, ignore_eos, max_new_tokens = the request's output length",

@@ -53,8 +53,10 @@ def _server_greedy(server, ids, n_new):
 
 
 @pytest.fixture(scope="module")
-def fp32_morph_server(server_factory):
-    return server_factory("--dtype", "float32", "--enable-morph")
+def fp32_morph_server(server_factory, engines_awq):
+    # The session's variants, not a first-use build: that one has its own test.
+    return server_factory("--dtype", "float32", "--enable-morph", "--morph-engines",
+                          str(engines_awq))
 
 
 def test_fp32_greedy_equals_transformers_token_for_token(fp32_morph_server, default_model_path):
