@@ -15,7 +15,8 @@ the machine:
    (prepare, exchange, install), the bytes it exchanged, and the FFN release (merge) or
    gather (split). The wire model's figure beside them: the KV exchange visits the pairs one
    after the other, each pair two metadata messages each way and its rows each way; the FFN
-   gather is one all-gather of each layer's shard (``d - 1`` ring steps).
+   gather receives each layer's shard from each of the ``d - 1`` others, one message per
+   section, counted one after the other.
 3. **From the decision to the first token** (automatic transitions, 512-token pools, as the
    live replay): a prompt no replica holds (1,500 tokens): from the client's send to the
    merge's start (placement, parking, the proposal, the vote), the merge itself, and from its
@@ -42,6 +43,7 @@ import httpx
 from benchmark.amoebas.replay import ALONE, REPLICAS, SERVER_ENV, wait_for_split, warm_up
 from benchmark.harness import REPO_ROOT, load_average, run_meta, running_server, write_results
 from benchmark.kunserve.transfer import fit_wire, measure_gloo
+from sglang_morph.amoebas.weights import SECTIONS
 
 BLOCK = list(range(REPLICAS))
 COMMON_ARGS = ("--dtype", "float32", "--dp-size", str(REPLICAS), "--enable-amoebas")
@@ -158,8 +160,9 @@ class Wire:
                    for ab, ba in pair_bytes)
 
     def ffn_gather_s(self, layers: int, shard_bytes: float, degree: int) -> float:
-        """One ring all-gather per layer: ``degree - 1`` steps of one shard."""
-        return layers * (degree - 1) * self.message_s(shard_bytes)
+        """What one member receives, one message after the other: per layer a shard from
+        each of the ``degree - 1`` others, as one message per section (gate, up, down^T)."""
+        return layers * (degree - 1) * SECTIONS * self.message_s(shard_bytes / SECTIONS)
 
 
 def measure_wire() -> tuple[Wire, dict[str, float]]:

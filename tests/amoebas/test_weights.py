@@ -28,6 +28,7 @@ from sglang_morph.amoebas.weights import (  # noqa: E402
     CopiedFfnWeights,
     MappedFfnWeights,
     keep_shard_layers,
+    open_rows_layers,
     restore_layers,
 )
 from sglang_morph.elastic.contract import ElasticError  # noqa: E402
@@ -316,6 +317,69 @@ def test_layers_restore_all_or_nothing(variant):
             assert [w.mapping.resident_bytes() for w in layers] == resident
     restore_layers(layers, payloads)
     assert [held_bytes(w) for w in layers] == before
+
+
+def gloo_pair() -> list:
+    """Two gloo process groups of one 2-rank group in this process (rank 0 sends, rank 1
+    receives): the transport a split's FFN gather uses."""
+    import datetime
+    import threading
+
+    from torch.distributed import HashStore, ProcessGroupGloo
+
+    store, pgs = HashStore(), [None, None]
+
+    def connect(rank: int) -> None:
+        pgs[rank] = ProcessGroupGloo(store, rank, 2, datetime.timedelta(seconds=60))
+
+    threads = [threading.Thread(target=connect, args=(rank,)) for rank in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    return pgs
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_rows_opened_in_place_take_a_gloo_receive_then_commit_or_abort(variant):
+    """``open_rows``: every section of every target is one contiguous block where the rows
+    will be held, so gloo receives straight into it; a commit then holds the sender's rows bit
+    for bit, an abort (after the receive wrote the pages) holds the rows and, in place, the
+    resident pages of before."""
+    sender = variant.from_module(StandInMLP(512, 256, 1), (1, 2))
+    weights = variant.from_module(StandInMLP(512, 256, 1), (1, 2))
+    full = held_bytes(weights)
+    keep_shard_layers([weights], 0, 2)
+    kept = held_bytes(weights)
+    resident = (weights.mapping.resident_bytes() if variant is MappedFfnWeights else None)
+    send_pg, recv_pg = gloo_pair()
+    payload = sender.payload(1, 2)
+    for outcome in ("abort", "commit"):
+        (opened,) = open_rows_layers([weights], [[(256, 512)]])
+        (target,) = opened.targets
+        assert opened.after == (0, 512) and tuple(target.shape) == (3, 256, 256)
+        assert all(target[s].is_contiguous() for s in range(3))
+        assert weights.resident_rows == (0, 256) and held_bytes(weights) == kept
+        works = [send_pg.send([payload[s]], 1, s) for s in range(3)]
+        works += [recv_pg.recv([target[s]], 0, s) for s in range(3)]
+        for work in works:
+            work.wait()
+        if outcome == "abort":
+            opened.abort()
+            assert weights.resident_rows == (0, 256) and held_bytes(weights) == kept
+            if resident is not None:
+                assert weights.mapping.resident_bytes() == resident
+            weights.check_integrity()
+            continue
+        t = opened.commit()
+        assert (t.rows_before, t.rows_after, t.restored_bytes) == (
+            (0, 256), (0, 512), weights.layout.rows_bytes(256))
+        assert weights.whole and held_bytes(weights) == full
+        if resident is not None:
+            assert weights.mapping.resident_bytes() == weights.mapping.nbytes
+        weights.check_integrity()
+    with pytest.raises(ElasticError, match="overlap"):
+        open_rows_layers([weights], [[(256, 512)]])  # every row held: nothing to open
 
 
 def test_variants_agree():

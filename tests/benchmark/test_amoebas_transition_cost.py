@@ -17,7 +17,8 @@ def test_the_wire_model_adds_latency_and_bytes_over_bandwidth():
     # Two pairs: 4 metadata latencies each, then one message each way.
     assert wire.kv_exchange_s([(1e6, 2e6), (0.0, 0.0)]) == pytest.approx(
         (0.004 + 0.002 + 0.003) + (0.004 + 0.001 + 0.001))
-    assert wire.ffn_gather_s(30, 1e6, 3) == pytest.approx(30 * 2 * 0.002)
+    # Per layer two shards, each as three messages of a third of it.
+    assert wire.ffn_gather_s(30, 1e6, 3) == pytest.approx(30 * 2 * 3 * (0.001 + 1e6 / 3 / 1e9))
 
 
 def record(duration_s, live, exchange_s, ffn_s, sent):

@@ -46,10 +46,11 @@ from sglang_morph.amoebas.pages import process_rss_bytes
 from sglang_morph.amoebas.kv_layout import KVLayoutConfig
 from sglang_morph.amoebas.kv_reshard import KVReshard, Transport
 from sglang_morph.amoebas.weights import (
+    SECTIONS,
     CopiedFfnWeights,
     MappedFfnWeights,
     keep_shard_layers,
-    restore_layers,
+    open_rows_layers,
 )
 from sglang_morph.elastic.contract import ElasticError, Outcome
 from sglang_morph.elastic.kv_resizer import KVResizer, held_kv_tokens
@@ -384,7 +385,7 @@ class AmoebasReplica:
                                         capacity, reason=reason)
         locked = resizer.locked_nodes() if kv.refusal is None else []
         phases = (*kv.phases,
-                  Phase("the FFN gather", functools.partial(self._gather_ffn, after),
+                  Phase("the FFN gather", functools.partial(self._gather_ffn, new),
                         self._release_ffn_again),
                   Phase("the switch to the smaller group", functools.partial(self._join, after),
                         functools.partial(self._join, now)))
@@ -499,27 +500,48 @@ class AmoebasReplica:
         return len(self.ffn) * store.rows_bytes(
             store.padded_intermediate - store.padded_intermediate // degree)
 
-    def _gather_ffn(self, into: tuple[int, ...] | None = None) -> None:
-        """Every member sends its FFN rows to every other (one all-gather per layer on the
-        group's control group) and writes back those of its shard in group ``into`` (None:
-        every row, serving alone) into its pages."""
+    def _gather_ffn(self, into: tuple[tuple[int, ...], ...] | None = None) -> None:
+        """The FFN rows each member holds after the split (its shard in its block of ``into``,
+        the blocks the group splits into; None: every row, each replica alone) come back from
+        the members holding them now: one gloo message per layer, section and peer, received
+        straight into the pages they are held in (no staging buffer), all in flight at
+        once."""
         started = time.perf_counter()
-        shard, pg = self.shard, self.member.link.control
-        d = shard.degree
+        link, d, rank = self.member.link, self.shard.degree, self.shard.rank
         layout = self.ffn[0].layout
-        keep = ((0, layout.padded_intermediate) if into is None else
-                layout.shard_rows(self.cfg.shard_order(into).index(self.replica), len(into)))
-        payloads = []
-        for store in self.ffn:
-            mine = store.payload(shard.rank, d).contiguous()
-            outs = [torch.empty_like(mine) for _ in range(d)]
-            pg.allgather([outs], [mine]).wait()
-            rows = {j: store.layout.shard_rows(j, d) for j in range(d) if j != shard.rank}
-            payloads.append({r: outs[j] for j, r in rows.items()
-                             if keep[0] <= r[0] and r[1] <= keep[1]})
-        self.faults.check("ffn_gather")
-        restore_layers(self.ffn, payloads)
-        self.released_ffn_bytes = self._released_at(1 if into is None else len(into))
+        into = into or tuple((r,) for r in self.unit)
+        order = self.cfg.shard_order(self.unit)  # the member of each link (= shard) rank
+        rows = [layout.shard_rows(j, d) for j in range(d)]
+
+        def needs(replica: int, j: int) -> bool:
+            """Whether ``replica`` holds member ``j``'s rows after the split."""
+            (block,) = [b for b in into if replica in b]
+            keep = layout.shard_rows(self.cfg.shard_order(block).index(replica), len(block))
+            return keep[0] <= rows[j][0] and rows[j][1] <= keep[1]
+
+        sources = [j for j in link.others if needs(self.replica, j)]
+        readers = [j for j in link.others if needs(order[j], rank)]
+        opened = open_rows_layers(self.ffn, [[rows[j] for j in sources]] * len(self.ffn))
+        try:
+            works = []
+            for layer, (store, o) in enumerate(zip(self.ffn, opened)):
+                mine, place = store.payload(rank, d), dict(zip(o.ranges, o.targets))
+                for section in range(SECTIONS):
+                    tag = layer * SECTIONS + section
+                    works += [link.control.send([mine[section]], j, tag) for j in readers]
+                    works += [link.control.recv([place[rows[j]][section]], j, tag)
+                              for j in sources]
+            for work in works:
+                work.wait(_ALL_REDUCE_TIMEOUT)
+            self.faults.check("ffn_gather")
+        except BaseException:
+            for o in opened:
+                o.abort()
+            raise
+        for o in opened:
+            o.commit()
+        self.released_ffn_bytes = self._released_at(
+            len(next(b for b in into if self.replica in b)))
         self._ffn_s = time.perf_counter() - started
 
     def _release_ffn_again(self) -> None:

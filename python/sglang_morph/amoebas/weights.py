@@ -32,10 +32,12 @@ and ``restore_layers`` validate every layer before touching any):
   forward); then, as the commit step, ``keep_shard_layers``. A release cannot be undone
   without the peers' shards, so nothing may fail after it; after validation it has no failure
   mode (``madvise`` of page-aligned ranges inside a live private mapping).
-- split: vote; free the KV memory the weights come back into; gather the peers' shards
-  (``payload``, over gloo); ``restore_layers``, which checks shapes, dtypes and ranges of
-  every payload of every layer before writing any byte, and undoes the layers already
-  written if a write fails; only then switch the forward back to the module.
+- split: vote; free the KV memory the weights come back into; ``open_rows_layers``, which
+  checks the ranges of every layer before opening any; receive the peers' shards
+  (``payload``, over gloo) straight into the opened rows; commit every layer, or abort
+  every one (in place: the written pages released again) if any receive fails; only then
+  switch the forward back to the module. ``restore_layers`` is the same from payloads in
+  hand.
 
 ``CopiedFfnWeights`` is the paper's base variant ("weight partial swap by copy") behind the
 same interface, for comparison: compact shard tensors are allocated and copied, and the full
@@ -141,7 +143,8 @@ class FfnWeights(abc.ABC):
     Invariants (``check_integrity``): ``resident_rows`` is one range whose byte bounds lie on
     pages; the padding rows ``[I, I_pad)`` held are zero; while every row is held, an
     installed module's two weights are views of this store. Subclasses decide how rows are
-    dropped (``_drop``) and filled back (``_fill``); all checks happen here, before either.
+    dropped (``_drop``) and opened for filling (``_open``, ``_commit``, ``_abort``); all checks
+    happen here, before either.
     """
 
     def __init__(self, layout: FfnLayout):
@@ -248,14 +251,9 @@ class FfnWeights(abc.ABC):
         nothing) unless every payload is a CPU tensor of this dtype shaped
         ``[3, stop-start, hidden]``, and the ranges with the held rows tile one shard (or all
         rows) without overlap."""
-        if not rows_by_range:
-            raise ElasticError("restore needs at least one row range", 400)
-        writes = []
-        for key, payload in rows_by_range.items():
-            if (not isinstance(key, tuple) or len(key) != 2
-                    or not all(isinstance(v, int) for v in key) or not 0 <= key[0] < key[1]):
-                raise ElasticError(f"row range {key!r} is not (start, stop) with "
-                                   "0 <= start < stop", 400)
+        after, ranges = self.check_ranges(rows_by_range)
+        for key in ranges:
+            payload = rows_by_range[key]
             want = (SECTIONS, key[1] - key[0], self.layout.hidden)
             if (not isinstance(payload, torch.Tensor) or payload.device.type != "cpu"
                     or payload.dtype != self.layout.dtype or tuple(payload.shape) != want):
@@ -263,9 +261,22 @@ class FfnWeights(abc.ABC):
                        else f"{list(payload.shape)} {payload.dtype} on {payload.device}")
                 raise ElasticError(f"payload for rows {key} is {got}; expected {list(want)} "
                                    f"{self.layout.dtype} on cpu", 400)
-            writes.append((key, payload))
-        writes.sort(key=lambda w: w[0])
-        pieces = sorted([self._resident, *(key for key, _ in writes)])
+        return after, [(key, rows_by_range[key]) for key in ranges]
+
+    def check_ranges(self, ranges: Iterable[RowRange]) -> tuple[RowRange, list[RowRange]]:
+        """The rows held after filling ``ranges`` and the ranges in row order; raises (changing
+        nothing) unless they with the held rows tile one shard (or all rows) without
+        overlap."""
+        ranges = list(ranges)
+        if not ranges:
+            raise ElasticError("restore needs at least one row range", 400)
+        for key in ranges:
+            if (not isinstance(key, tuple) or len(key) != 2
+                    or not all(isinstance(v, int) for v in key) or not 0 <= key[0] < key[1]):
+                raise ElasticError(f"row range {key!r} is not (start, stop) with "
+                                   "0 <= start < stop", 400)
+        ranges.sort()
+        pieces = sorted([self._resident, *ranges])
         for (_, stop), (start, _) in zip(pieces, pieces[1:]):
             if start != stop:
                 raise ElasticError(f"row ranges {pieces} (held rows included) "
@@ -274,17 +285,20 @@ class FfnWeights(abc.ABC):
         if not self.layout.is_shard(after):
             raise ElasticError(f"rows {after} after the restore are no shard of the degrees "
                                f"{self.layout.degrees}", 409)
-        return after, writes
+        return after, ranges
 
     def restore(self, rows_by_range: Mapping[RowRange, torch.Tensor]) -> WeightTransition:
         """Write the peers' rows back (bit for bit), after ``check_restore``. All or nothing:
         a write that fails leaves the rows held before, and only those."""
-        after, writes = self.check_restore(rows_by_range)
-        before = self._resident
-        peak_extra_bytes = self._fill(after, writes)
-        return WeightTransition("restore", before, after, 0,
-                                self.layout.rows_bytes(sum(b - a for (a, b), _ in writes)),
-                                peak_extra_bytes)
+        return restore_layers([self], [rows_by_range])[0]
+
+    def open_rows(self, ranges: Iterable[RowRange]) -> "OpenRows":
+        """Rows ``ranges`` made writable where they will be held (after ``check_ranges``), for
+        the caller to fill, e.g. a receive straight into them, then ``commit`` or ``abort``.
+        Until one of the two, the store holds and serves the rows it held before."""
+        after, ranges = self.check_ranges(ranges)
+        targets, peak_extra_bytes = self._open(after, ranges)
+        return OpenRows(self, after, tuple(ranges), tuple(targets), peak_extra_bytes)
 
     def check_integrity(self) -> None:
         layout, (r0, r1) = self.layout, self._resident
@@ -317,9 +331,17 @@ class FfnWeights(abc.ABC):
         """Hold only ``keep`` (inside the held rows); returns the peak extra bytes."""
 
     @abc.abstractmethod
-    def _fill(self, after: RowRange, writes: list[tuple[RowRange, torch.Tensor]]) -> int:
-        """Hold ``after``, the held rows plus ``writes``; all or nothing; returns the peak extra
-        bytes."""
+    def _open(self, after: RowRange, ranges: list[RowRange]) -> tuple[list[torch.Tensor], int]:
+        """Writable ``[3, rows, hidden]`` tensors for ``ranges``, where they will be held once
+        ``after`` is (``_commit``); the peak extra bytes. The rows held stay as they are."""
+
+    @abc.abstractmethod
+    def _commit(self, opened: "OpenRows") -> None:
+        """Hold ``opened.after``; cannot fail."""
+
+    @abc.abstractmethod
+    def _abort(self, opened: "OpenRows") -> None:
+        """Give back what ``_open`` took; the rows held are as before."""
 
 
 class MappedFfnWeights(FfnWeights):
@@ -354,20 +376,18 @@ class MappedFfnWeights(FfnWeights):
         self._release((keep[1], before[1]))
         return 0
 
-    def _fill(self, after: RowRange, writes: list[tuple[RowRange, torch.Tensor]]) -> int:
-        try:
-            with torch.no_grad():
-                for (start, stop), payload in writes:
-                    self._all[:, start:stop].copy_(payload)
-        except BaseException as e:
-            # Released again, written rows are as before the restore: zeros costing no memory.
-            for rows, _ in writes:
-                self._release(rows)
-            if not isinstance(e, Exception):
-                raise
-            raise ElasticError(f"restore failed and was undone: {e!r}", 500) from e
-        self._resident = after
-        return 0
+    def _open(self, after: RowRange, ranges: list[RowRange]) -> tuple[list[torch.Tensor], int]:
+        # The released pages themselves: written, they come back (the paper's map-back).
+        return [self._all[:, start:stop] for start, stop in ranges], 0
+
+    def _commit(self, opened: "OpenRows") -> None:
+        self._resident = opened.after
+
+    def _abort(self, opened: "OpenRows") -> None:
+        # Released again, rows written or not read as before the restore: zeros costing no
+        # memory.
+        for rows in opened.ranges:
+            self._release(rows)
 
     def check_integrity(self) -> None:
         super().check_integrity()
@@ -387,6 +407,7 @@ class CopiedFfnWeights(FfnWeights):
         super().__init__(layout)
         self._tensor = torch.zeros(SECTIONS, layout.padded_intermediate, layout.hidden,
                                    dtype=layout.dtype)
+        self._new: torch.Tensor | None = None  # an open restore's tensor
 
     def _held(self) -> torch.Tensor:
         return self._tensor
@@ -400,20 +421,46 @@ class CopiedFfnWeights(FfnWeights):
         self._tensor, self._resident = shard, keep
         return shard.nbytes
 
-    def _fill(self, after: RowRange, writes: list[tuple[RowRange, torch.Tensor]]) -> int:
+    def _open(self, after: RowRange, ranges: list[RowRange]) -> tuple[list[torch.Tensor], int]:
         old, (r0, r1) = self._tensor, self._resident
         new = old.new_empty(SECTIONS, after[1] - after[0], self.layout.hidden)
-        try:
-            with torch.no_grad():
-                new[:, r0 - after[0]:r1 - after[0]].copy_(old)
-                for (start, stop), payload in writes:
-                    new[:, start - after[0]:stop - after[0]].copy_(payload)
-        except Exception as e:
-            raise ElasticError(f"restore failed and was undone: {e!r}", 500) from e
-        self._tensor, self._resident = new, after
+        with torch.no_grad():
+            new[:, r0 - after[0]:r1 - after[0]].copy_(old)
+        self._new = new
+        return [new[:, start - after[0]:stop - after[0]] for start, stop in ranges], old.nbytes
+
+    def _commit(self, opened: "OpenRows") -> None:
+        self._tensor, self._resident, self._new = self._new, opened.after, None
         if self._module is not None and self.whole:
             self._point_module()
-        return old.nbytes
+
+    def _abort(self, opened: "OpenRows") -> None:
+        self._new = None
+
+
+@dataclasses.dataclass(frozen=True)
+class OpenRows:
+    """Rows of one store opened for a restore (``FfnWeights.open_rows``): ``targets[i]`` is
+    the writable ``[3, rows, hidden]`` place of ``ranges[i]`` (each section a contiguous
+    ``[rows, hidden]``, so a gloo receive can write it directly). Exactly one of ``commit``
+    and ``abort`` ends it."""
+
+    store: FfnWeights
+    after: RowRange
+    ranges: tuple[RowRange, ...]
+    targets: tuple[torch.Tensor, ...]
+    peak_extra_bytes: int
+
+    def commit(self) -> WeightTransition:
+        """The store holds ``after``, with whatever the targets were filled with."""
+        before = self.store.resident_rows
+        self.store._commit(self)
+        restored = self.store.layout.rows_bytes(sum(b - a for a, b in self.ranges))
+        return WeightTransition("restore", before, self.after, 0, restored,
+                                self.peak_extra_bytes)
+
+    def abort(self) -> None:
+        self.store._abort(self)
 
 
 def keep_shard_layers(layers: Sequence[FfnWeights], rank: int, degree: int
@@ -424,23 +471,46 @@ def keep_shard_layers(layers: Sequence[FfnWeights], rank: int, degree: int
     return [weights.keep_shard(rank, degree) for weights in layers]
 
 
+def open_rows_layers(layers: Sequence[FfnWeights],
+                     ranges_per_layer: Sequence[Iterable[RowRange]]) -> list[OpenRows]:
+    """``open_rows`` on every layer, after checking that none would refuse; the caller
+    commits or aborts every one."""
+    if len(layers) != len(ranges_per_layer):
+        raise ElasticError(f"{len(ranges_per_layer)} range sets for {len(layers)} layers", 400)
+    ranges_per_layer = [list(r) for r in ranges_per_layer]
+    for weights, ranges in zip(layers, ranges_per_layer):
+        weights.check_ranges(ranges)
+    opened: list[OpenRows] = []
+    try:
+        for weights, ranges in zip(layers, ranges_per_layer):
+            opened.append(weights.open_rows(ranges))
+    except BaseException:
+        for o in opened:
+            o.abort()
+        raise
+    return opened
+
+
 def restore_layers(layers: Sequence[FfnWeights],
                    rows_by_range_per_layer: Sequence[Mapping[RowRange, torch.Tensor]]
                    ) -> list[WeightTransition]:
     """``restore`` on every layer, all or nothing: every payload of every layer is checked
-    before any is written, and a layer failing drops the layers restored before it back to
-    the rows they held."""
+    before any is written, and a write failing leaves every layer with the rows it held."""
     if len(layers) != len(rows_by_range_per_layer):
         raise ElasticError(f"{len(rows_by_range_per_layer)} payload sets for {len(layers)} "
                            "layers", 400)
-    for weights, rows_by_range in zip(layers, rows_by_range_per_layer):
-        weights.check_restore(rows_by_range)
-    done: list[WeightTransition] = []
+    writes = [weights.check_restore(rows_by_range)[1]
+              for weights, rows_by_range in zip(layers, rows_by_range_per_layer)]
+    opened = open_rows_layers(layers, [[key for key, _ in w] for w in writes])
     try:
-        for weights, rows_by_range in zip(layers, rows_by_range_per_layer):
-            done.append(weights.restore(rows_by_range))
-    except BaseException:
-        for weights, transition in zip(layers, done):
-            weights._drop(transition.rows_before)
-        raise
-    return done
+        with torch.no_grad():
+            for o, layer_writes in zip(opened, writes):
+                for target, (_, payload) in zip(o.targets, layer_writes):
+                    target.copy_(payload)
+    except BaseException as e:
+        for o in opened:
+            o.abort()
+        if not isinstance(e, Exception):
+            raise
+        raise ElasticError(f"restore failed and was undone: {e!r}", 500) from e
+    return [o.commit() for o in opened]
