@@ -1,12 +1,16 @@
-"""AMOEBAs' premise on this machine: short-request throughput of three replicas at TP 1 vs the
-same replicas merged into one TP 3 group.
+"""AMOEBAs' premise, and what its layouts cost at TP 1, on this machine: short requests on
+three replicas alone vs the same replicas merged into one TP 3 group, and vs plain SGLang's
+three replicas.
 
-One ``--dp-size 3 --enable-amoebas --amoebas-manual`` server (float32, the default model).
-Each round measures both layouts side by side: the replicas alone, then merged
-(``POST /amoebas/merge``), then split back. A measurement sends ``PER_REPLICA`` greedy short
-requests to every replica at once (``routed_dp_rank``; prompt ``PROMPT_TOKENS``, exactly
-``NEW_TOKENS`` new tokens) and reports output tokens per second of the whole batch and each
-request's end-to-end latency.
+Two servers at once, float32, the default model, ``--dp-size 3 --max-total-tokens 1024
+--sleep-on-idle``, one thread per rank (the live replay's environment): plain SGLang, and the
+same with ``--enable-amoebas --amoebas-manual``, whose replicas hold their KV head by head and
+their FFN weights as views of the in-place store. Each round measures, one after the other:
+plain SGLang, AMOEBAs' replicas alone, then the group merged (``POST /amoebas/merge``), which
+is then split back. A measurement streams ``PER_REPLICA`` greedy requests to every replica at
+once (``routed_dp_rank``; prompt ``PROMPT_TOKENS``, exactly ``NEW_TOKENS`` new tokens) and
+reports output tokens per second of the whole batch and each request's TTFT, TPOT (the
+decode step it saw, ``(E2E - TTFT) / (new tokens - 1)``) and E2E.
 
     .venv/bin/python -m benchmark.amoebas.premise [--rounds 3] [--out benchmark/results/amoebas]
 """
@@ -14,8 +18,7 @@ request's end-to-end latency.
 from __future__ import annotations
 
 import argparse
-import concurrent.futures
-import json
+import contextlib
 import statistics
 import tempfile
 import time
@@ -23,12 +26,18 @@ from pathlib import Path
 
 import httpx
 
-from benchmark.harness import load_average, run_meta, running_server
+from benchmark.amoebas.replay import SERVER_ENV
+from benchmark.amoebas.validate import streams_at_once
+from benchmark.harness import load_average, run_meta, running_server, write_results
+from benchmark.replay.metrics import percentiles
 
-SERVER_ARGS = ("--dp-size", "3", "--dtype", "float32", "--max-total-tokens", "1024",
-               "--enable-amoebas", "--amoebas-manual")
+PLAIN_ARGS = ("--dp-size", "3", "--dtype", "float32", "--max-total-tokens", "1024",
+              "--sleep-on-idle")
+AMOEBAS_ARGS = PLAIN_ARGS + ("--enable-amoebas", "--amoebas-manual")
 REPLICAS = (0, 1, 2)
 PER_REPLICA, PROMPT_TOKENS, NEW_TOKENS = 4, 48, 32
+LAYOUTS = {"plain": "3 x TP 1, plain SGLang", "alone": "3 x TP 1, AMOEBAs' layouts",
+           "merged": "TP 3 group"}
 
 
 def prompt(seed: int) -> list[int]:
@@ -36,25 +45,24 @@ def prompt(seed: int) -> list[int]:
     return [(seed * 97 + i * 31) % 40000 + 100 for i in range(PROMPT_TOKENS)]
 
 
+def request_times(chunks: list[tuple[float, int]]) -> dict[str, float]:
+    """TTFT, TPOT and E2E of one streamed request from its (seconds since sent, tokens so far)
+    chunks; it must have produced exactly ``NEW_TOKENS``."""
+    if not chunks or chunks[-1][1] != NEW_TOKENS:
+        raise RuntimeError(f"a request ended with {chunks[-1][1] if chunks else 0} of "
+                           f"{NEW_TOKENS} tokens")
+    ttft_s, e2e_s = chunks[0][0], chunks[-1][0]
+    return {"ttft_s": ttft_s, "tpot_s": (e2e_s - ttft_s) / (NEW_TOKENS - 1), "e2e_s": e2e_s}
+
+
 def measure(url: str, round_no: int) -> dict:
-    jobs = [(r, prompt(1000 * round_no + 10 * r + i)) for r in REPLICAS for i in range(PER_REPLICA)]
-
-    def one(job) -> float:
-        replica, ids = job
-        started = time.perf_counter()
-        resp = httpx.post(f"{url}/generate", timeout=900, json={
-            "input_ids": ids, "routed_dp_rank": replica, "sampling_params": {
-                "temperature": 0, "max_new_tokens": NEW_TOKENS, "ignore_eos": True}})
-        resp.raise_for_status()
-        assert len(resp.json()["output_ids"]) == NEW_TOKENS
-        return time.perf_counter() - started
-
+    jobs = [(prompt(1000 * round_no + 10 * r + i), NEW_TOKENS, r)
+            for r in REPLICAS for i in range(PER_REPLICA)]
     started = time.perf_counter()
-    with concurrent.futures.ThreadPoolExecutor(len(jobs)) as pool:
-        e2e = list(pool.map(one, jobs))
-    wall = time.perf_counter() - started
-    return {"output_tokens_per_s": len(jobs) * NEW_TOKENS / wall, "wall_s": wall,
-            "e2e_s": sorted(e2e)}
+    times = [request_times(c) for c in streams_at_once(url, jobs)]
+    wall_s = time.perf_counter() - started
+    return {"output_tokens_per_s": len(jobs) * NEW_TOKENS / wall_s, "wall_s": wall_s,
+            "requests": times}
 
 
 def transition(url: str, route: str, body: dict) -> float:
@@ -66,11 +74,70 @@ def transition(url: str, route: str, body: dict) -> float:
 
 def summary(runs: list[dict]) -> dict:
     rates = [r["output_tokens_per_s"] for r in runs]
-    e2e = sorted(x for r in runs for x in r["e2e_s"])
-    return {"output_tokens_per_s_median": statistics.median(rates),
-            "output_tokens_per_s_min": min(rates), "output_tokens_per_s_max": max(rates),
-            "e2e_s_p50": statistics.median(e2e), "e2e_s_p95": e2e[int(0.95 * (len(e2e) - 1))],
-            "e2e_s_p99": e2e[int(0.99 * (len(e2e) - 1))]}
+    out = {"output_tokens_per_s_median": statistics.median(rates),
+           "output_tokens_per_s_min": min(rates), "output_tokens_per_s_max": max(rates)}
+    for key in ("ttft_s", "tpot_s", "e2e_s"):
+        out[key] = percentiles([t[key] for r in runs for t in r["requests"]])
+    return out
+
+
+def ratios(over: list[dict], under: list[dict]) -> dict:
+    """Per round, ``over`` / ``under`` of the batch's throughput and of its median TPOT;
+    median, min and max over the rounds."""
+    def spread(values: list[float]) -> dict:
+        return {"median": statistics.median(values), "min": min(values), "max": max(values)}
+
+    def tpot_p50(run: dict) -> float:
+        return statistics.median(t["tpot_s"] for t in run["requests"])
+
+    return {"throughput": spread([a["output_tokens_per_s"] / b["output_tokens_per_s"]
+                                  for a, b in zip(over, under)]),
+            "tpot_p50": spread([tpot_p50(a) / tpot_p50(b) for a, b in zip(over, under)])}
+
+
+def report(result: dict, rounds: int) -> str:
+    meta = result["meta"]
+    lines = [
+        "# AMOEBAs' premise: short requests on 3 x TP 1 vs one TP 3 group, and vs plain SGLang",
+        "",
+        f"`{meta['command']}` at commit {meta['git']['commit'][:7]} (dirty: "
+        f"{meta['git']['dirty']}), {meta['machine']['cpu_model']}, "
+        f"{meta['machine']['cpu_cores']} cores; load before {meta['load_before']}, after {meta['load_after']}.",
+        "",
+        f"Measured, {rounds} rounds, the three layouts one after the other in each round, two "
+        f"servers up at once (plain `{' '.join(PLAIN_ARGS)}`; AMOEBAs adds "
+        f"`{' '.join(AMOEBAS_ARGS[len(PLAIN_ARGS):])}`), environment {SERVER_ENV}; "
+        f"{PER_REPLICA} streamed requests per replica at once, {PROMPT_TOKENS}-token prompts, "
+        f"{NEW_TOKENS} new tokens each. Percentiles over every request of every round.",
+        "",
+        "| layout | output tok/s median (min-max) | TTFT P50 / P95 / P99 s | "
+        "TPOT P50 / P95 / P99 ms | E2E P50 / P95 / P99 s |",
+        "|---|---|---|---|---|",
+    ]
+    for name, label in LAYOUTS.items():
+        s = result[name]
+        ttft, tpot, e2e = s["ttft_s"], s["tpot_s"], s["e2e_s"]
+        lines.append(
+            f"| {label} | {s['output_tokens_per_s_median']:.1f} "
+            f"({s['output_tokens_per_s_min']:.1f}-{s['output_tokens_per_s_max']:.1f}) | "
+            f"{ttft['p50']:.2f} / {ttft['p95']:.2f} / {ttft['p99']:.2f} | "
+            f"{1e3 * tpot['p50']:.0f} / {1e3 * tpot['p95']:.0f} / {1e3 * tpot['p99']:.0f} | "
+            f"{e2e['p50']:.2f} / {e2e['p95']:.2f} / {e2e['p99']:.2f} |")
+
+    def ratio_line(what: str, r: dict) -> str:
+        return (f"{what}: throughput {r['throughput']['median']:.3f} "
+                f"({r['throughput']['min']:.3f}-{r['throughput']['max']:.3f}), median TPOT "
+                f"{r['tpot_p50']['median']:.3f} ({r['tpot_p50']['min']:.3f}-"
+                f"{r['tpot_p50']['max']:.3f}); per round, median (min-max) over rounds.")
+
+    lines += ["", ratio_line("TP 3 group / 3 x TP 1 (AMOEBAs' layouts)",
+                             result["merged_over_alone"]),
+              "", ratio_line("AMOEBAs' layouts / plain SGLang, both 3 x TP 1",
+                             result["alone_over_plain"]),
+              "", "Merge / split wall time per round (idle replicas): "
+              + ", ".join(f"{t['merge_s']:.2f} / {t['split_s']:.2f} s"
+                          for t in result["transitions_s"]) + "."]
+    return "\n".join(lines) + "\n"
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -79,57 +146,35 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", type=Path, default=Path("benchmark/results/amoebas"))
     args = parser.parse_args(argv)
     load_before = load_average()
-    alone, merged, transitions = [], [], []
-    with tempfile.TemporaryDirectory() as tmp, \
-            running_server(SERVER_ARGS, Path(tmp) / "server.log") as server:
-        measure(server.url, -1)  # warm-up (not reported)
+    runs: dict[str, list[dict]] = {name: [] for name in LAYOUTS}
+    transitions = []
+    with tempfile.TemporaryDirectory() as tmp, contextlib.ExitStack() as servers:
+        plain = servers.enter_context(running_server(PLAIN_ARGS, Path(tmp) / "plain.log",
+                                                     env=SERVER_ENV))
+        amoebas = servers.enter_context(running_server(AMOEBAS_ARGS, Path(tmp) / "amoebas.log",
+                                                       env=SERVER_ENV))
+        for url in (plain.url, amoebas.url):
+            measure(url, -1)  # warm-up (not reported)
         for k in range(args.rounds):
-            alone.append(measure(server.url, k))
-            merge_s = transition(server.url, "merge", {"replicas": list(REPLICAS)})
-            merged.append(measure(server.url, k))
-            split_s = transition(server.url, "split", {"group": list(REPLICAS)})
+            runs["plain"].append(measure(plain.url, k))
+            runs["alone"].append(measure(amoebas.url, k))
+            merge_s = transition(amoebas.url, "merge", {"replicas": list(REPLICAS)})
+            runs["merged"].append(measure(amoebas.url, k))
+            split_s = transition(amoebas.url, "split", {"group": list(REPLICAS)})
             transitions.append({"merge_s": merge_s, "split_s": split_s})
-            print(f"round {k}: alone {alone[-1]['output_tokens_per_s']:.1f} tok/s, merged "
-                  f"{merged[-1]['output_tokens_per_s']:.1f} tok/s", flush=True)
-    ratios = [m["output_tokens_per_s"] / a["output_tokens_per_s"] for a, m in zip(alone, merged)]
+            rates = [f"{name} {runs[name][-1]['output_tokens_per_s']:.1f}" for name in LAYOUTS]
+            print(f"round {k}: {', '.join(rates)} tok/s", flush=True)
     result = {
         "meta": run_meta("python -m benchmark.amoebas.premise " + " ".join(argv or []),
-                         load_before, server_args=list(SERVER_ARGS),
+                         load_before, plain_args=list(PLAIN_ARGS),
+                         amoebas_args=list(AMOEBAS_ARGS), server_env=SERVER_ENV,
                          per_replica=PER_REPLICA, prompt_tokens=PROMPT_TOKENS,
                          new_tokens=NEW_TOKENS),
-        "alone": summary(alone), "merged": summary(merged),
-        "merged_over_alone_median": statistics.median(ratios),
-        "merged_over_alone_min": min(ratios), "merged_over_alone_max": max(ratios),
-        "transitions_s": transitions, "runs": {"alone": alone, "merged": merged}}
-    args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "premise.json").write_text(json.dumps(result, indent=1))
-    meta = result["meta"]
-    lines = [
-        "# AMOEBAs' premise: short requests on 3 x TP 1 vs one TP 3 group",
-        "",
-        f"`{meta['command']}` at commit {meta['git']['commit'][:7]} (dirty: "
-        f"{meta['git']['dirty']}), {meta['machine']['cpu_model']}, {meta['machine']['cpu_cores']} cores; load before {load_before}.",
-        "",
-        f"Measured, {args.rounds} rounds, both layouts side by side in each round; "
-        f"{PER_REPLICA} requests per replica at once, {PROMPT_TOKENS}-token prompts, "
-        f"{NEW_TOKENS} new tokens each; server `{' '.join(SERVER_ARGS)}`.",
-        "",
-        "| layout | output tok/s median (min-max) | E2E P50 / P95 / P99 s |",
-        "|---|---|---|",
-    ]
-    for name in ("alone", "merged"):
-        s = result[name]
-        lines.append(f"| {'3 x TP 1' if name == 'alone' else 'TP 3 group'} | "
-                     f"{s['output_tokens_per_s_median']:.1f} ({s['output_tokens_per_s_min']:.1f}"
-                     f"-{s['output_tokens_per_s_max']:.1f}) | {s['e2e_s_p50']:.2f} / "
-                     f"{s['e2e_s_p95']:.2f} / {s['e2e_s_p99']:.2f} |")
-    lines += ["", f"TP 3 / 3 x TP 1 throughput: median {result['merged_over_alone_median']:.3f} "
-                  f"(min {result['merged_over_alone_min']:.3f}, max "
-                  f"{result['merged_over_alone_max']:.3f}). Merge / split wall time per round "
-                  f"(idle replicas): " + ", ".join(f"{t['merge_s']:.2f} / {t['split_s']:.2f} s"
-                                                   for t in transitions) + "."]
-    (args.out / "premise.md").write_text("\n".join(lines) + "\n")
-    print("\n".join(lines))
+        **{name: summary(r) for name, r in runs.items()},
+        "merged_over_alone": ratios(runs["merged"], runs["alone"]),
+        "alone_over_plain": ratios(runs["alone"], runs["plain"]),
+        "transitions_s": transitions, "runs": runs}
+    write_results(args.out, "premise", result, report(result, args.rounds))
     return 0
 
 

@@ -477,7 +477,7 @@ def simulate_same(reqs: Sequence[TraceRequest], capacity: CapacityModel, costs: 
 _CLIENT = httpx.Client(limits=httpx.Limits(max_connections=None, max_keepalive_connections=None))
 
 
-def _stream(url: str, ids: list[int], new_tokens: int,
+def stream_chunks(url: str, ids: list[int], new_tokens: int,
             rank: int | None) -> list[tuple[float, int]]:
     """(seconds since sent, tokens so far) per chunk of one request, routed to replica ``rank``
     (None: placed by the controller, as a replayed request is)."""
@@ -496,10 +496,10 @@ def _stream(url: str, ids: list[int], new_tokens: int,
     return chunks
 
 
-def _at_once(url: str, jobs: list[tuple[list[int], int, int | None]]
+def streams_at_once(url: str, jobs: list[tuple[list[int], int, int | None]]
              ) -> list[list[tuple[float, int]]]:
     with concurrent.futures.ThreadPoolExecutor(len(jobs)) as pool:
-        return list(pool.map(lambda job: _stream(url, *job), jobs))
+        return list(pool.map(lambda job: stream_chunks(url, *job), jobs))
 
 
 def status(url: str) -> dict:
@@ -537,14 +537,14 @@ def _decode_point(url: str, point: tuple[int, int, int], sizes: Sequence[int],
     cores see one prefill at a time where they can)."""
     b, prompt, new = point
     with concurrent.futures.ThreadPoolExecutor(1 + REPLICAS) as pool:
-        done = pool.submit(_at_once, url, [(ids(prompt), new, r) for r in range(REPLICAS)
-                                           for _ in range(b)])
+        done = pool.submit(streams_at_once, url, [(ids(prompt), new, r) for r in range(REPLICAS)
+                                                  for _ in range(b)])
 
         def inject(rank: int) -> None:
             time.sleep(period_s * (1 + rank / REPLICAS))  # after the point's own prefills
             k = rank
             while not done.done():
-                _stream(url, ids(sizes[k % len(sizes)]), 1, rank)
+                stream_chunks(url, ids(sizes[k % len(sizes)]), 1, rank)
                 k += 1
                 time.sleep(period_s)
         for f in [pool.submit(inject, r) for r in range(REPLICAS) if sizes]:
@@ -574,7 +574,7 @@ def calibrate(url: str, log_path: Path, plan: CalibrationPlan, pool_tokens: int,
                           if iv["batch"] == point[0] and set(iv["prefill_tokens"]) <= set(sizes)]
     for n in plan.ttft_prompt_tokens:
         runs = [c[0][0] for _ in range(plan.repeats)
-                for c in _at_once(url, [(ids(n), 1, r) for r in range(REPLICAS)])]
+                for c in streams_at_once(url, [(ids(n), 1, r) for r in range(REPLICAS)])]
         ttft.append({"prompt_tokens": n, "seconds": statistics.median(runs), "runs": runs})
     since = time.time()  # one long prompt through the controller: a pair merges and splits
     httpx.post(f"{url}/generate", timeout=600, json={"input_ids": ids(pool_tokens + 64),
@@ -600,7 +600,7 @@ def probe(url: str, w: ValidationWorkload, plan: CalibrationPlan, rng) -> dict[s
             p, n = (int(r.integers(lo, hi + 1)) for lo, hi in (w.short_prompt_tokens,
                                                                 w.short_new_tokens))
             sent = time.perf_counter()
-            out.append([(sent + t, k) for t, k in _stream(
+            out.append([(sent + t, k) for t, k in stream_chunks(
                 url, r.integers(VOCAB_LOW, VOCAB_HIGH, p).tolist(), n, None)])
         return out
     with concurrent.futures.ThreadPoolExecutor(workers) as pool:
@@ -633,7 +633,7 @@ def live_run(st: Settings, model_path: Path, sized: bool) -> dict[str, Any]:
     t0 = time.time()
     with running_server(args, st.raw_dir / "server.log", env=SERVER_ENV) as server:
         out.update(startup_s=time.time() - t0, status_at_start=status(server.url))
-        _at_once(server.url, [(rng.integers(VOCAB_LOW, VOCAB_HIGH, 16).tolist(), 4, r)
+        streams_at_once(server.url, [(rng.integers(VOCAB_LOW, VOCAB_HIGH, 16).tolist(), 4, r)
                               for r in range(REPLICAS)])  # each process's first forward
         out["calibration"] = calibrate(server.url, server.log_path, st.calibration,
                                        st.pool_tokens, rng)
