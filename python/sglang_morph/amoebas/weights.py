@@ -10,20 +10,24 @@ anonymous mapping (``pages.AnonymousMapping``) laid out as three sections of
 
     gate | up | down^T
 
-``down`` is stored transposed so that a shard of its input columns is a range of rows, like
-the shards of ``gate`` and ``up``. The padded intermediate size ``I_pad`` (the paper's Eq. 2,
-``pages.padded_intermediate``) makes every allowed degree's shard boundaries fall on pages, so
-freeing a shard is ``madvise(MADV_DONTNEED)`` of whole pages; the padding rows are zero.
+While a member holds a shard, ``down`` is stored transposed, so that a shard of its input
+columns is a range of rows like the shards of ``gate`` and ``up``. While it holds every row
+(serving alone), the third section holds ``down`` itself, ``[hidden, I_pad]`` row major:
+``keep_shard`` turns it into ``down^T`` in place just before the release, and a restore that
+makes the store whole turns it back (two copies of one section through one section of
+scratch shared by all layers). The padded intermediate size ``I_pad`` (the paper's Eq. 2,
+``pages.padded_intermediate``) makes every allowed degree's shard boundaries fall on pages,
+so freeing a shard is ``madvise(MADV_DONTNEED)`` of whole pages; the padding rows (columns of
+``down``) are zero.
 
 Installed into a module (``from_module``), ``gate_up_proj.weight`` becomes the view
 ``[2*I_pad, hidden]`` of the first two sections (gate and up are adjacent, as SGLang's merged
 projection and ``SiluAndMul``'s split in the middle expect) and ``down_proj.weight`` the view
-``[hidden, I_pad]`` of the transposed third. Consequences (``benchmark/amoebas/
-weights_cost.py`` measures them): the gate/up projection reads the same layout, so it is
-bit-identical; the down projection reads a transposed operand, for which the BLAS may pick
-another kernel and sum the same products in another order (float32 rounding, not bits, is
-kept); with padding the module computes with ``I_pad`` rows, the zero rows adding exact zeros
-to a longer reduction, whose blocking, hence rounding, may differ too.
+``[hidden, I_pad]`` of the third. A replica serving alone thus runs SGLang's own operands in
+SGLang's own layout: the same kernels and, without padding, the same bits
+(``benchmark/amoebas/weights_cost.py`` measures it). With padding the module computes with
+``I_pad`` rows, the zero rows adding exact zeros to a longer reduction, whose blocking, hence
+rounding, may differ.
 
 The order a live transition must use (all-or-nothing over the layers: ``keep_shard_layers``
 and ``restore_layers`` validate every layer before touching any):
@@ -140,9 +144,15 @@ class WeightTransition:
 class FfnWeights(abc.ABC):
     """One MLP's gate, up and down^T rows, of which ``resident_rows`` are held.
 
+    While every row is held, the third section holds ``down`` itself (``[hidden, I_pad]``, row
+    major: the installed module's ``down_proj`` then reads SGLang's own layout, the same
+    kernel and the same bits); ``keep_shard`` first turns it into ``down^T`` rows in place
+    (through one section of scratch), and a restore that makes the store whole turns it back.
+
     Invariants (``check_integrity``): ``resident_rows`` is one range whose byte bounds lie on
-    pages; the padding rows ``[I, I_pad)`` held are zero; while every row is held, an
-    installed module's two weights are views of this store. Subclasses decide how rows are
+    pages; a store not whole holds ``down^T``; the padding rows ``[I, I_pad)`` held (padding
+    columns of ``down``) are zero; while every row is held, an installed module's two weights
+    are views of this store. Subclasses decide how rows are
     dropped (``_drop``) and opened for filling (``_open``, ``_commit``, ``_abort``); all checks
     happen here, before either.
     """
@@ -151,6 +161,7 @@ class FfnWeights(abc.ABC):
         self.layout = layout
         self._resident: RowRange = (0, layout.padded_intermediate)
         self._module: torch.nn.Module | None = None
+        self._down_transposed = False  # the third section: down (False) or down^T rows
 
     @classmethod
     def from_tensors(cls, gate_up: torch.Tensor, down: torch.Tensor, degrees: Iterable[int],
@@ -165,11 +176,11 @@ class FfnWeights(abc.ABC):
             raise ElasticError(f"down {list(down.shape)} {down.dtype} does not match gate_up "
                                f"{list(gate_up.shape)} {gate_up.dtype}", 400)
         store = cls(FfnLayout(intermediate, hidden, gate_up.dtype, tuple(degrees), page_bytes))
-        rows = store.rows(0, intermediate)
+        held = store._held()
         with torch.no_grad():
-            rows[0].copy_(gate_up[:intermediate])
-            rows[1].copy_(gate_up[intermediate:])
-            rows[2].copy_(down.t())
+            held[0, :intermediate].copy_(gate_up[:intermediate])
+            held[1, :intermediate].copy_(gate_up[intermediate:])
+            store._down()[:, :intermediate].copy_(down)
         return store
 
     @classmethod
@@ -203,12 +214,16 @@ class FfnWeights(abc.ABC):
         return self._resident == (0, self.layout.padded_intermediate)
 
     def rows(self, start: int, stop: int) -> torch.Tensor:
-        """``[3, stop-start, hidden]`` view of held rows (gate, up, down^T)."""
+        """``[3, stop-start, hidden]`` held rows (gate, up, down^T): a view of the store while
+        it holds ``down^T`` (whenever it is not whole), a copy of a whole store."""
         r0, r1 = self._resident
         if not r0 <= start <= stop <= r1:
             raise ElasticError(f"rows [{start}, {stop}) are not all held (held [{r0}, {r1}))",
                                409)
-        return self._held()[:, start - r0:stop - r0]
+        held = self._held()[:, start - r0:stop - r0]
+        if self._down_transposed:
+            return held
+        return torch.cat([held[:2], self._down()[:, start:stop].t().unsqueeze(0)])
 
     def payload(self, rank: int, degree: int) -> torch.Tensor:
         """Member ``rank``'s shard, what it sends a peer that restores (``.contiguous()`` it
@@ -216,17 +231,49 @@ class FfnWeights(abc.ABC):
         return self.rows(*self.layout.shard_rows(rank, degree))
 
     def module_views(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """``gate_up`` ``[2*I_pad, hidden]`` and ``down`` ``[hidden, I_pad]`` over all rows."""
-        full = self.rows(0, self.layout.padded_intermediate)
-        return full[:2].reshape(-1, self.layout.hidden), full[2].t()
+        """``gate_up`` ``[2*I_pad, hidden]`` and ``down`` ``[hidden, I_pad]`` over all rows
+        (``down`` contiguous unless the store holds ``down^T``)."""
+        held = self._held()
+        down = held[2].t() if self._down_transposed else self._down()
+        return held[:2].reshape(-1, self.layout.hidden), down
+
+    def _down(self) -> torch.Tensor:
+        """The third section of a whole store read as ``down`` ``[hidden, I_pad]``."""
+        return self._held()[2].view(self.layout.hidden, self.layout.padded_intermediate)
+
+    def _transpose_down(self, scratch: torch.Tensor | None = None) -> None:
+        """A whole store's third section between ``down`` and ``down^T`` rows, in place, through
+        ``scratch`` (at least one section of elements; None: allocated here). No failure
+        mode once the scratch exists: two copies within memory the store holds."""
+        layout = self.layout
+        section = self._held()[2].reshape(-1)
+        if scratch is None:
+            scratch = section.new_empty(section.numel())
+        buf = scratch[:section.numel()]
+        shape = (layout.hidden, layout.padded_intermediate)
+        with torch.no_grad():
+            buf.copy_(section)
+            if self._down_transposed:  # rows [I_pad, hidden] back to down [hidden, I_pad]
+                section.view(shape).copy_(buf.view(shape[::-1]).t())
+            else:
+                section.view(shape[::-1]).copy_(buf.view(shape).t())
+        self._down_transposed = not self._down_transposed
+        if self._module is not None:
+            self._point_module()
 
     def ffn_partial(self, x: torch.Tensor, rank: int, degree: int) -> torch.Tensor:
         """This member's term of the MLP output: ``down[:, shard] @ (silu(gate[shard] x) *
         up[shard] x)``. The terms of all ranks of one degree sum to the MLP's output; at
         degree 1 it runs the same GEMMs as the installed module."""
-        shard = self.rows(*self.layout.shard_rows(rank, degree))
-        hidden = F.silu(F.linear(x, shard[0])) * F.linear(x, shard[1])
-        return F.linear(hidden, shard[2].t())
+        start, stop = self.layout.shard_rows(rank, degree)
+        if self._down_transposed:
+            gate, up, down_t = self.rows(start, stop)
+            down = down_t.t()
+        else:  # a whole store: the module's own operands
+            gate, up = self._held()[:2, start:stop]
+            down = self._down()[:, start:stop]
+        hidden = F.silu(F.linear(x, gate)) * F.linear(x, up)
+        return F.linear(hidden, down)
 
     def check_keep_shard(self, rank: int, degree: int) -> RowRange:
         """The rows ``keep_shard`` would keep; raises (changing nothing) when it would refuse."""
@@ -234,12 +281,19 @@ class FfnWeights(abc.ABC):
         self.rows(start, stop)
         return start, stop
 
-    def keep_shard(self, rank: int, degree: int) -> WeightTransition:
+    def keep_shard(self, rank: int, degree: int,
+                   scratch: torch.Tensor | None = None) -> WeightTransition:
         """Drop every held row outside member ``rank``'s shard. The commit step of a merge:
-        the dropped rows come back only from the peers (``restore``)."""
+        the dropped rows come back only from the peers (``restore``). A whole store first
+        turns ``down`` into ``down^T`` rows through ``scratch`` (``keep_shard_layers`` gives
+        all layers one, allocated before any layer changes)."""
         keep = self.check_keep_shard(rank, degree)
         before = self._resident
-        peak_extra_bytes = self._drop(keep)
+        peak_extra_bytes = 0
+        if not self._down_transposed:
+            self._transpose_down(scratch)
+            peak_extra_bytes = self.layout.section_bytes
+        peak_extra_bytes = max(peak_extra_bytes, self._drop(keep))
         return WeightTransition("keep_shard", before, keep,
                                 self.layout.rows_bytes((before[1] - before[0])
                                                        - (keep[1] - keep[0])),
@@ -292,13 +346,23 @@ class FfnWeights(abc.ABC):
         a write that fails leaves the rows held before, and only those."""
         return restore_layers([self], [rows_by_range])[0]
 
-    def open_rows(self, ranges: Iterable[RowRange]) -> "OpenRows":
+    def open_rows(self, ranges: Iterable[RowRange],
+                  scratch: torch.Tensor | None = None) -> "OpenRows":
         """Rows ``ranges`` made writable where they will be held (after ``check_ranges``), for
         the caller to fill, e.g. a receive straight into them, then ``commit`` or ``abort``.
-        Until one of the two, the store holds and serves the rows it held before."""
+        Until one of the two, the store holds and serves the rows it held before. When the
+        store will be whole, the commit turns ``down^T`` back into ``down`` through
+        ``scratch`` (None: one section allocated now, so that the commit cannot fail)."""
         after, ranges = self.check_ranges(ranges)
+        whole = after == (0, self.layout.padded_intermediate)
+        if whole and scratch is None:
+            scratch = torch.empty(self.layout.section_bytes // self.layout.dtype_bytes,
+                                  dtype=self.layout.dtype)
         targets, peak_extra_bytes = self._open(after, ranges)
-        return OpenRows(self, after, tuple(ranges), tuple(targets), peak_extra_bytes)
+        if whole:
+            peak_extra_bytes = max(peak_extra_bytes, self.layout.section_bytes)
+        return OpenRows(self, after, tuple(ranges), tuple(targets), peak_extra_bytes,
+                        scratch if whole else None)
 
     def check_integrity(self) -> None:
         layout, (r0, r1) = self.layout, self._resident
@@ -307,7 +371,12 @@ class FfnWeights(abc.ABC):
         assert r1 * layout.row_bytes % layout.page_bytes == 0, f"rows to {r1} off a page"
         held = self._held()
         assert tuple(held.shape) == (SECTIONS, r1 - r0, layout.hidden), list(held.shape)
+        assert self._down_transposed or self.whole, "a store not whole holds down, not down^T"
         padding = held[:, max(layout.intermediate, r0) - r0:]
+        if not self._down_transposed:
+            assert not self._down()[:, layout.intermediate:].any(), (
+                "padding columns of down hold non-zero values")
+            padding = padding[:2]
         assert not padding.any(), "padding rows hold non-zero values"
         if self._module is not None and self.whole:
             gate_up, down = self.module_views()
@@ -450,11 +519,15 @@ class OpenRows:
     ranges: tuple[RowRange, ...]
     targets: tuple[torch.Tensor, ...]
     peak_extra_bytes: int
+    scratch: torch.Tensor | None = None  # for the layout change of a store made whole
 
     def commit(self) -> WeightTransition:
-        """The store holds ``after``, with whatever the targets were filled with."""
+        """The store holds ``after``, with whatever the targets were filled with (a whole
+        store with ``down`` back in its own layout)."""
         before = self.store.resident_rows
         self.store._commit(self)
+        if self.store.whole and self.store._down_transposed:
+            self.store._transpose_down(self.scratch)
         restored = self.store.layout.rows_bytes(sum(b - a for a, b in self.ranges))
         return WeightTransition("restore", before, self.after, 0, restored,
                                 self.peak_extra_bytes)
@@ -468,7 +541,10 @@ def keep_shard_layers(layers: Sequence[FfnWeights], rank: int, degree: int
     """``keep_shard`` on every layer, after checking that none would refuse."""
     for weights in layers:
         weights.check_keep_shard(rank, degree)
-    return [weights.keep_shard(rank, degree) for weights in layers]
+    sizes = [w.layout.section_bytes // w.layout.dtype_bytes for w in layers
+             if not w._down_transposed]
+    scratch = (torch.empty(max(sizes), dtype=layers[0].layout.dtype) if sizes else None)
+    return [weights.keep_shard(rank, degree, scratch) for weights in layers]
 
 
 def open_rows_layers(layers: Sequence[FfnWeights],
@@ -478,12 +554,15 @@ def open_rows_layers(layers: Sequence[FfnWeights],
     if len(layers) != len(ranges_per_layer):
         raise ElasticError(f"{len(ranges_per_layer)} range sets for {len(layers)} layers", 400)
     ranges_per_layer = [list(r) for r in ranges_per_layer]
-    for weights, ranges in zip(layers, ranges_per_layer):
-        weights.check_ranges(ranges)
+    sizes = [w.layout.section_bytes // w.layout.dtype_bytes
+             for w, ranges in zip(layers, ranges_per_layer)
+             if w.check_ranges(ranges)[0] == (0, w.layout.padded_intermediate)]
+    # One scratch for every layer made whole: their commits change the layout one by one.
+    scratch = (torch.empty(max(sizes), dtype=layers[0].layout.dtype) if sizes else None)
     opened: list[OpenRows] = []
     try:
         for weights, ranges in zip(layers, ranges_per_layer):
-            opened.append(weights.open_rows(ranges))
+            opened.append(weights.open_rows(ranges, scratch))
     except BaseException:
         for o in opened:
             o.abort()
