@@ -12,9 +12,9 @@ not depend on the values):
   the default model, the tiny model and odd intermediate sizes, and the bytes the store's
   mapping really has beyond the unpadded weights;
 - the FFN forward at TP 1: SGLang's ``LlamaMLP`` as loaded against one whose weights are views
-  of the store (gate/up rows, down row major while the store is whole), alternated, many repetitions, median and
-  10th-90th percentile, with the largest output difference and whether outputs are bitwise
-  equal.
+  of the store (gate/up rows, down row major while the store is whole), alternated, many
+  repetitions, median and 10th-90th percentile, with the largest output difference and
+  whether outputs are bitwise equal.
 
     .venv/bin/python -m benchmark.amoebas.weights_cost [--layers 30] [--repeats 200] \\
         [--out benchmark/results/amoebas]
