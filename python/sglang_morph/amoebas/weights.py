@@ -217,9 +217,7 @@ class FfnWeights(abc.ABC):
         """``[3, stop-start, hidden]`` held rows (gate, up, down^T): a view of the store while
         it holds ``down^T`` (whenever it is not whole), a copy of a whole store."""
         r0, r1 = self._resident
-        if not r0 <= start <= stop <= r1:
-            raise ElasticError(f"rows [{start}, {stop}) are not all held (held [{r0}, {r1}))",
-                               409)
+        self._check_held(start, stop)
         held = self._held()[:, start - r0:stop - r0]
         if self._down_transposed:
             return held
@@ -278,8 +276,14 @@ class FfnWeights(abc.ABC):
     def check_keep_shard(self, rank: int, degree: int) -> RowRange:
         """The rows ``keep_shard`` would keep; raises (changing nothing) when it would refuse."""
         start, stop = self.layout.shard_rows(rank, degree)
-        self.rows(start, stop)
+        self._check_held(start, stop)
         return start, stop
+
+    def _check_held(self, start: int, stop: int) -> None:
+        r0, r1 = self._resident
+        if not r0 <= start <= stop <= r1:
+            raise ElasticError(f"rows [{start}, {stop}) are not all held (held [{r0}, {r1}))",
+                               409)
 
     def keep_shard(self, rank: int, degree: int,
                    scratch: torch.Tensor | None = None) -> WeightTransition:
