@@ -157,6 +157,9 @@ class FfnWeights(abc.ABC):
     happen here, before either.
     """
 
+    _drops_in_place = False  # whether ``_drop`` cannot fail (then a merge turns only the kept
+    # columns of down into down^T rows)
+
     def __init__(self, layout: FfnLayout):
         self.layout = layout
         self._resident: RowRange = (0, layout.padded_intermediate)
@@ -239,21 +242,31 @@ class FfnWeights(abc.ABC):
         """The third section of a whole store read as ``down`` ``[hidden, I_pad]``."""
         return self._held()[2].view(self.layout.hidden, self.layout.padded_intermediate)
 
-    def _transpose_down(self, scratch: torch.Tensor | None = None) -> None:
+    def _transpose_down(self, scratch: torch.Tensor | None = None,
+                        only: RowRange | None = None) -> None:
         """A whole store's third section between ``down`` and ``down^T`` rows, in place, through
-        ``scratch`` (at least one section of elements; None: allocated here). No failure
-        mode once the scratch exists: two copies within memory the store holds."""
+        ``scratch`` (at least one section of elements; None: allocated here). ``only``: turn
+        just those columns of ``down`` into their ``down^T`` rows, leaving the rest of the
+        section undefined (for a release right after). No failure mode once the scratch
+        exists: copies within memory the store holds."""
         layout = self.layout
-        section = self._held()[2].reshape(-1)
+        section = self._held()[2]
         if scratch is None:
             scratch = section.new_empty(section.numel())
-        buf = scratch[:section.numel()]
         shape = (layout.hidden, layout.padded_intermediate)
         with torch.no_grad():
-            buf.copy_(section)
-            if self._down_transposed:  # rows [I_pad, hidden] back to down [hidden, I_pad]
+            if only is not None:
+                start, stop = only
+                buf = scratch[:layout.hidden * (stop - start)].view(layout.hidden, stop - start)
+                buf.copy_(self._down()[:, start:stop])
+                section[start:stop].copy_(buf.t())
+            elif self._down_transposed:  # rows [I_pad, hidden] back to down [hidden, I_pad]
+                buf = scratch[:section.numel()]
+                buf.copy_(section.reshape(-1))
                 section.view(shape).copy_(buf.view(shape[::-1]).t())
             else:
+                buf = scratch[:section.numel()]
+                buf.copy_(section.reshape(-1))
                 section.view(shape[::-1]).copy_(buf.view(shape).t())
         self._down_transposed = not self._down_transposed
         if self._module is not None:
@@ -294,7 +307,12 @@ class FfnWeights(abc.ABC):
         keep = self.check_keep_shard(rank, degree)
         before = self._resident
         peak_extra_bytes = 0
-        if not self._down_transposed:
+        if not self._down_transposed and self._drops_in_place:
+            # Only the kept columns: the rest of the section is released next, and a release
+            # in place cannot fail, so the store is never left half changed.
+            self._transpose_down(scratch, keep)
+            peak_extra_bytes = self.layout.rows_bytes(keep[1] - keep[0]) // SECTIONS
+        elif not self._down_transposed:
             self._transpose_down(scratch)
             peak_extra_bytes = self.layout.section_bytes
         peak_extra_bytes = max(peak_extra_bytes, self._drop(keep))
@@ -424,6 +442,8 @@ class MappedFfnWeights(FfnWeights):
     unmapped granules keep captured graphs valid), but rows outside the shard read as zeros:
     a merged member runs ``ffn_partial``, never the module's full forward.
     """
+
+    _drops_in_place = True  # a release of pages: no failure mode
 
     def __init__(self, layout: FfnLayout):
         super().__init__(layout)
