@@ -239,6 +239,10 @@ class AmoebasReplica:
         assert shard is not None and shard.degree == len(self.unit)
         rows = shard.ffn_rows
         assert held == {(rows.start, rows.stop)}, f"FFN rows held in a group: {held}"
+        for layer, store in zip(self._layers or (), self.ffn):
+            gate, _, down_t = store.rows(rows.start, rows.stop)
+            assert (layer.gate.data_ptr(), layer.down.data_ptr()) == (
+                gate.data_ptr(), down_t.data_ptr()), "the shard's FFN weights left the store"
 
     # ---- control requests (scheduler thread, between batches) ----
 
@@ -446,7 +450,9 @@ class AmoebasReplica:
         order = self.cfg.shard_order(block)
         shard = Shard(order.index(self.replica), len(block), self.num_q_heads,
                       self.num_kv_heads, self.intermediate_size)
-        self._layers = layer_shards(self.model, shard, self.head_dim, ffn=self.ffn)
+        # The shard's weight views are taken at the first merged forward: the FFN stores
+        # change their rows (and a whole store its layout of down) at the commit.
+        self._layers = None
         self.shard, self.unit, self.order = shard, block, order
         self.merged_at = time.monotonic()
 
@@ -467,6 +473,7 @@ class AmoebasReplica:
         started = time.perf_counter()
         keep_shard_layers(self.ffn, self.shard.rank, self.shard.degree)
         self._ffn_s = time.perf_counter() - started
+        self._layers = None
         self.released_ffn_bytes = self._released_at(self.shard.degree)
         # What the process gave back to the OS, measured (RSS), before the KV takes it.
         self._rss_drop_bytes = rss_before - process_rss_bytes()
@@ -540,6 +547,7 @@ class AmoebasReplica:
             raise
         for o in opened:
             o.commit()
+        self._layers = None
         self.released_ffn_bytes = self._released_at(
             len(next(b for b in into if self.replica in b)))
         self._ffn_s = time.perf_counter() - started
@@ -549,6 +557,7 @@ class AmoebasReplica:
         rows = self.ffn[0].layout.shard_rows(self.shard.rank, self.shard.degree)
         if any(store.resident_rows != rows for store in self.ffn):
             keep_shard_layers(self.ffn, self.shard.rank, self.shard.degree)
+            self._layers = None
         self.released_ffn_bytes = self._released_at(self.shard.degree)
 
     # ---- the merged forward ----
@@ -567,7 +576,7 @@ class AmoebasReplica:
                                          input_ids, positions)
         for other in member.link.others:
             member.call(other, batch.tensors())
-        hidden = forward(self.model, self._layers, self.shard, self.head_dim, batch,
+        hidden = forward(self.model, self._shard_layers(), self.shard, self.head_dim, batch,
                          *self.kv_views(self.replica),
                          self._all_reduce(member.link.calls[member.link.rank]), final_norm=True)
         for other in member.link.others:
@@ -582,11 +591,18 @@ class AmoebasReplica:
         if self.unit != block:
             raise RuntimeError(f"a batch of group {list(block)} reached replica {self.replica} "
                                f"serving in {list(self.unit)}")
-        forward(self.model, self._layers, self.shard, self.head_dim,
+        forward(self.model, self._shard_layers(), self.shard, self.head_dim,
                 Batch.from_tensors(tensors), *self.kv_views(self.order[caller]),
                 self._all_reduce(self.members[block].link.calls[caller]), final_norm=False)
         self.batches_served_for_others += 1
         return {}
+
+    def _shard_layers(self) -> list:
+        """``forward.LayerShard`` per layer: views of the model's attention weights and of the
+        FFN stores' rows of this member's shard, taken once the stores hold that shard."""
+        if self._layers is None:
+            self._layers = layer_shards(self.model, self.shard, self.head_dim, ffn=self.ffn)
+        return self._layers
 
     def _all_reduce(self, pg: Any):
         def all_reduce(t: torch.Tensor) -> None:
