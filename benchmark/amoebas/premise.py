@@ -20,6 +20,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import statistics
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -144,6 +145,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--out", type=Path, default=Path("benchmark/results/amoebas"))
+    argv = sys.argv[1:] if argv is None else argv
     args = parser.parse_args(argv)
     load_before = load_average()
     runs: dict[str, list[dict]] = {name: [] for name in LAYOUTS}
@@ -165,7 +167,7 @@ def main(argv: list[str] | None = None) -> int:
             rates = [f"{name} {runs[name][-1]['output_tokens_per_s']:.1f}" for name in LAYOUTS]
             print(f"round {k}: {', '.join(rates)} tok/s", flush=True)
     result = {
-        "meta": run_meta("python -m benchmark.amoebas.premise " + " ".join(argv or []),
+        "meta": run_meta(" ".join(["python -m benchmark.amoebas.premise", *argv]),
                          load_before, plain_args=list(PLAIN_ARGS),
                          amoebas_args=list(AMOEBAS_ARGS), server_env=SERVER_ENV,
                          per_replica=PER_REPLICA, prompt_tokens=PROMPT_TOKENS,
