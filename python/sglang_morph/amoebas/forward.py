@@ -89,6 +89,7 @@ def layer_shards(model: Any, shard: Shard, head_dim: int,
     ``weights.FfnWeights`` per layer, holding at least the shard) the FFN rows are views of
     those stores instead (gate, up and down^T rows, padded to ``shard.intermediate_size``).
     Raises NotImplementedError for a layer this forward does not compute (biases)."""
+    check_layers(model)
     q_rows = _rows(shard.q_heads, head_dim)
     kv_rows = _rows(shard.kv_heads, head_dim)
     q_size, kv_size = shard.num_q_heads * head_dim, shard.num_kv_heads * head_dim
@@ -96,9 +97,6 @@ def layer_shards(model: Any, shard: Shard, head_dim: int,
     out = []
     for i, layer in enumerate(model.layers):
         attn, mlp = layer.self_attn, layer.mlp
-        for linear in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj):
-            if getattr(linear, "bias", None) is not None:
-                raise NotImplementedError(f"{type(linear).__name__} with a bias")
         if ffn is not None:
             gate, up, down_t = ffn[i].rows(rows.start, rows.stop)
             down = down_t.t()
@@ -115,6 +113,15 @@ def layer_shards(model: Any, shard: Shard, head_dim: int,
             v=qkv[q_size + kv_size + kv_rows.start:q_size + kv_size + kv_rows.stop],
             o=attn.o_proj.weight[:, q_rows.start:q_rows.stop], gate=gate, up=up, down=down))
     return out
+
+
+def check_layers(model: Any) -> None:
+    """Raises NotImplementedError for a layer this forward does not compute (biases)."""
+    for layer in model.layers:
+        attn, mlp = layer.self_attn, layer.mlp
+        for linear in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj):
+            if getattr(linear, "bias", None) is not None:
+                raise NotImplementedError(f"{type(linear).__name__} with a bias")
 
 
 def _rows(heads: range, head_dim: int) -> range:

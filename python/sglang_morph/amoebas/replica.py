@@ -41,7 +41,7 @@ from typing import Any
 import torch
 
 from sglang_morph.amoebas.config import AmoebasConfig
-from sglang_morph.amoebas.forward import Batch, Shard, forward, layer_shards
+from sglang_morph.amoebas.forward import Batch, Shard, check_layers, forward, layer_shards
 from sglang_morph.amoebas.pages import process_rss_bytes
 from sglang_morph.amoebas.kv_layout import KVLayoutConfig
 from sglang_morph.amoebas.kv_reshard import KVReshard, Transport
@@ -450,8 +450,10 @@ class AmoebasReplica:
         order = self.cfg.shard_order(block)
         shard = Shard(order.index(self.replica), len(block), self.num_q_heads,
                       self.num_kv_heads, self.intermediate_size)
-        # The shard's weight views are taken at the first merged forward: the FFN stores
-        # change their rows (and a whole store its layout of down) at the commit.
+        # Refused here, while the switch can still be undone; the shard's weight views are
+        # taken at the first merged forward: the FFN stores change their rows (and a whole
+        # store its layout of down) at the commit.
+        check_layers(self.model)
         self._layers = None
         self.shard, self.unit, self.order = shard, block, order
         self.merged_at = time.monotonic()
@@ -517,7 +519,6 @@ class AmoebasReplica:
         link, d, rank = self.member.link, self.shard.degree, self.shard.rank
         layout = self.ffn[0].layout
         into = into or tuple((r,) for r in self.unit)
-        order = self.cfg.shard_order(self.unit)  # the member of each link (= shard) rank
         rows = [layout.shard_rows(j, d) for j in range(d)]
 
         def needs(replica: int, j: int) -> bool:
@@ -527,7 +528,7 @@ class AmoebasReplica:
             return keep[0] <= rows[j][0] and rows[j][1] <= keep[1]
 
         sources = [j for j in link.others if needs(self.replica, j)]
-        readers = [j for j in link.others if needs(order[j], rank)]
+        readers = [j for j in link.others if needs(self.order[j], rank)]
         opened = open_rows_layers(self.ffn, [[rows[j] for j in sources]] * len(self.ffn))
         try:
             works = []

@@ -109,6 +109,10 @@ class FfnLayout:
         return self.padded_intermediate * self.row_bytes
 
     @property
+    def section_elements(self) -> int:
+        return self.padded_intermediate * self.hidden
+
+    @property
     def mapping_bytes(self) -> int:
         return SECTIONS * self.section_bytes
 
@@ -260,14 +264,11 @@ class FfnWeights(abc.ABC):
                 buf = scratch[:layout.hidden * (stop - start)].view(layout.hidden, stop - start)
                 buf.copy_(self._down()[:, start:stop])
                 section[start:stop].copy_(buf.t())
-            elif self._down_transposed:  # rows [I_pad, hidden] back to down [hidden, I_pad]
+            else:  # the whole section, one way (down^T rows back to down) or the other
+                now = shape[::-1] if self._down_transposed else shape
                 buf = scratch[:section.numel()]
                 buf.copy_(section.reshape(-1))
-                section.view(shape).copy_(buf.view(shape[::-1]).t())
-            else:
-                buf = scratch[:section.numel()]
-                buf.copy_(section.reshape(-1))
-                section.view(shape[::-1]).copy_(buf.view(shape).t())
+                section.view(now[::-1]).copy_(buf.view(now).t())
         self._down_transposed = not self._down_transposed
         if self._module is not None:
             self._point_module()
@@ -378,8 +379,7 @@ class FfnWeights(abc.ABC):
         after, ranges = self.check_ranges(ranges)
         whole = after == (0, self.layout.padded_intermediate)
         if whole and scratch is None:
-            scratch = torch.empty(self.layout.section_bytes // self.layout.dtype_bytes,
-                                  dtype=self.layout.dtype)
+            scratch = _scratch([self.layout])
         targets, peak_extra_bytes = self._open(after, ranges)
         if whole:
             peak_extra_bytes = max(peak_extra_bytes, self.layout.section_bytes)
@@ -560,14 +560,20 @@ class OpenRows:
         self.store._abort(self)
 
 
+def _scratch(layouts: Sequence[FfnLayout]) -> torch.Tensor | None:
+    """One buffer large enough for a section of each of ``layouts`` (None when there are
+    none): what their layout changes of down go through, one after the other."""
+    if not layouts:
+        return None
+    return torch.empty(max(lay.section_elements for lay in layouts), dtype=layouts[0].dtype)
+
+
 def keep_shard_layers(layers: Sequence[FfnWeights], rank: int, degree: int
                       ) -> list[WeightTransition]:
     """``keep_shard`` on every layer, after checking that none would refuse."""
     for weights in layers:
         weights.check_keep_shard(rank, degree)
-    sizes = [w.layout.section_bytes // w.layout.dtype_bytes for w in layers
-             if not w._down_transposed]
-    scratch = (torch.empty(max(sizes), dtype=layers[0].layout.dtype) if sizes else None)
+    scratch = _scratch([w.layout for w in layers if not w._down_transposed])
     return [weights.keep_shard(rank, degree, scratch) for weights in layers]
 
 
@@ -578,11 +584,9 @@ def open_rows_layers(layers: Sequence[FfnWeights],
     if len(layers) != len(ranges_per_layer):
         raise ElasticError(f"{len(ranges_per_layer)} range sets for {len(layers)} layers", 400)
     ranges_per_layer = [list(r) for r in ranges_per_layer]
-    sizes = [w.layout.section_bytes // w.layout.dtype_bytes
-             for w, ranges in zip(layers, ranges_per_layer)
-             if w.check_ranges(ranges)[0] == (0, w.layout.padded_intermediate)]
     # One scratch for every layer made whole: their commits change the layout one by one.
-    scratch = (torch.empty(max(sizes), dtype=layers[0].layout.dtype) if sizes else None)
+    scratch = _scratch([w.layout for w, ranges in zip(layers, ranges_per_layer)
+                        if w.check_ranges(ranges)[0] == (0, w.layout.padded_intermediate)])
     opened: list[OpenRows] = []
     try:
         for weights, ranges in zip(layers, ranges_per_layer):
