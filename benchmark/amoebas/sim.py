@@ -393,14 +393,20 @@ class ClusterSim:
                                           self.costs.merge_s(moved)))
 
     def _split(self, split: Split) -> None:
+        """Into ``split.into``: each member takes back the KV heads and FFN rows of its
+        smaller group's shard."""
         group = self.unit_by_replica[split.members[0]]
-        moved = max(self._kv_bytes(m) for m in group.members) * (group.degree - 1) \
-            // group.degree
-        seconds = self.costs.split_s(moved, self.capacity.freed_bytes(group.degree))
-        units = [SimUnit(self, [m], transitioning=True) for m in group.members]
+        moved = max(self._kv_bytes(m) for m in group.members) * (
+            group.degree - split.degree) // group.degree
+        refill = (self.capacity.freed_bytes(group.degree)
+                  - self.capacity.freed_bytes(split.degree))
+        seconds = self.costs.split_s(moved, refill)
+        units = [SimUnit(self, [self.members[m] for m in part], transitioning=True)
+                 for part in split.into]
         self.units = [u for u in self.units if u is not group] + units
         self.applied.append({"decision": "split", "at_s": self.env.now,
-                             "members": list(split.members), "degree": group.degree})
+                             "members": list(split.members), "degree": group.degree,
+                             "into_degree": split.degree})
         self.env.process(self._transition("split", [group], units, seconds))
 
     def _transition(self, kind: str, old: list[SimUnit], new: list[SimUnit], seconds: float):

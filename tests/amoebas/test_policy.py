@@ -254,6 +254,46 @@ def test_split_when_long_requests_are_done_and_half_is_free():
         pair((0, 2048, False, True), (1, 1000, False, True)))] == [(0, 1)]
 
 
+def test_a_group_of_four_splits_into_pairs_once_its_long_requests_fit_them():
+    cap = tiny_capacity(4)  # owner pools: TP 1 2048, TP 2 2816, TP 4 3200 tokens
+    tp1, tp2, tp4 = (cap.owner_capacity_tokens(d) for d in (1, 2, 4))
+    assert tp1 < tp2 < tp4
+    pairs = ((0, 1), (2, 3))
+    policy = AmoebasPolicy(cap, groups=(*pairs, (0, 1, 2, 3)))
+
+    def four(*requests):
+        return fleet(cap, [unit(cap, (0, 1, 2, 3), requests)])
+
+    # A request only the group of four holds: no split.
+    assert policy.maintenance(four((0, tp2 + 1, True, True))) == []
+    # Its long request fits a TP 2 pool: two TP 2 groups, the live server's aligned pairs.
+    (split,) = policy.maintenance(four((2, tp2, True, True), (0, 100, False, True)))
+    assert (split.members, split.degree, split.into) == ((0, 1, 2, 3), 2, pairs)
+    # A queued request counts: member 2's own requests exceed a TP 2 pool.
+    assert policy.maintenance(four((2, tp2 - 100, True, True), (2, 200, False, False))) == []
+    # No long request left and every member fits a TP 1 pool: straight to replicas alone.
+    (alone,) = policy.maintenance(four((2, tp1, False, True)))
+    assert (alone.degree, alone.into) == (1, ((0,), (1,), (2,), (3,)))
+    # Less than half free: no split of either kind.
+    assert policy.maintenance(four(*((m, tp4 // 2 + 50, m == 0, True) for m in range(4)))) == []
+    # Without split_to_groups the group waits for its long requests to end.
+    assert AmoebasPolicy(cap, split_to_groups=False).maintenance(
+        four((2, tp2, True, True))) == []
+    # Without the live server's groups (the simulator), the members in order.
+    (sim_split,) = AmoebasPolicy(cap).maintenance(four((3, tp2, True, True)))
+    assert sim_split.into == pairs
+    # The baselines split only into replicas alone.
+    assert MergeOnDemand(cap).maintenance(four((2, tp2, True, True))) == []
+
+
+def test_a_split_names_groups_that_tile_it():
+    with pytest.raises(ValueError, match="tile"):
+        Split((0, 1, 2, 3), "r", 2, ((0, 1), (1, 2)))
+    with pytest.raises(ValueError, match="tile"):
+        Split((0, 1, 2, 3), "r", 2, ((0, 1, 2), (3,)))
+    assert Split((0, 1), "r").into == ((0,), (1,))
+
+
 # ---- baselines, determinism, integrity ------------------------------------------------------
 
 

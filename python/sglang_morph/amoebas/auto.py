@@ -21,7 +21,9 @@ waiting for each other in two different votes.
   hands the group it sees to the scheduler's policy (``policy.AmoebasPolicy.maintenance``,
   the code the simulator drives), which splits a group with no long request left, at least
   ``split_free_fraction`` of its KV free and every member's own requests fitting a replica
-  alone; proposals wait ``min_dwell_s`` after a merge and after a refused split.
+  alone into replicas alone, and a group whose long requests all fit a smaller group's pools
+  into those groups (TP 4 -> 2 x TP 2); proposals wait ``min_dwell_s`` after a merge and
+  after a refused split.
 - **What the controller places by.** The published load also carries the tokens requests
   reserve, how many requests the replica received and the last proposal it ran; the policy's
   parameters (``policy_params``: the pool each degree gives, SGLang's longest prompt there)
@@ -276,7 +278,8 @@ class AutoControl:
             group = tuple(proposal["group"])
             if self.replica.replica in group:
                 self.replica.transition(group, merge=proposal["action"] == "merge",
-                                        trigger="auto", reason=proposal["reason"])
+                                        trigger="auto", reason=proposal["reason"],
+                                        degree=int(proposal.get("degree", 1)))
             if group == self._split_proposed_for and proposal["action"] == "split":
                 # Applied or refused (e.g. a member holds more than it could alone): the next
                 # proposal waits a dwell.
@@ -290,7 +293,7 @@ class AutoControl:
     def _maybe_propose_split(self, now: float) -> None:
         """The group's first member asks the scheduler's policy (``policy.py``, the code the
         simulator drives) whether the group it sees on the board is ready to split."""
-        from sglang_morph.amoebas.policy import Fleet, Unit, UnitRequest
+        from sglang_morph.amoebas.dispatch import fleet_of
 
         r = self.replica
         if (not r.merged or r.unit[0] != r.replica or self._split_proposed_for == r.unit
@@ -299,19 +302,15 @@ class AutoControl:
         states = self.board.states(r.unit)
         if states is None or any(tuple(s["group"]) != r.unit for s in states.values()):
             return  # a member has not published since the merge
-        members = [states[m] for m in r.unit]
-        unit = Unit(members=r.unit, degree=len(r.unit),
-                    kv_capacity_tokens=tuple(s["kv_capacity_tokens"] for s in members),
-                    kv_used_tokens=tuple(s["kv_used_tokens"] for s in members),
-                    kv_queued_tokens=(0,) * len(members),
-                    requests=tuple(UnitRequest(f"{m}/{i}", k, 0, long=True)
-                                   for k, (m, s) in enumerate(zip(r.unit, members))
-                                   for i in range(s["long_requests"])))
-        splits = self.policy.maintenance(Fleet((unit,)))
+        # The group as the controller sees it (its requests' reserved tokens, admitted and
+        # waiting): a split that fits only the tokens held now would leave a request that
+        # grows to its max_new_tokens without room.
+        splits = self.policy.maintenance(fleet_of(states, {}, {}, 0))
         if not splits:
             return
+        (split,) = splits
         self._split_proposed_for = r.unit
         self.splits_proposed += 1
         self.board.propose({"action": "split", "group": list(r.unit), "by": r.replica,
-                            "reason": splits[0].reason})
+                            "degree": split.degree, "reason": split.reason})
         self.waker.wake_others()

@@ -37,8 +37,11 @@ request left is *draining*: it takes no new requests and waits to split.
   negative, so nothing else is placed there before it.
 - **Queue** when an allowed degree could hold it once running work finishes or transitions
   complete; **Refuse** (what an HTTP 400 says) when even the largest allowed group cannot.
-- **Split** a draining group when its free KV is at least ``split_free_fraction`` of its pools
-  and every member's own requests fit back into a TP 1 pool.
+- **Split** a draining group into replicas alone when its free KV is at least
+  ``split_free_fraction`` of its pools and every member's own requests fit back into a TP 1
+  pool; a group still serving long requests (``split_to_groups``), with that much free, into
+  the smallest groups whose pools hold every member's requests (TP 4 -> 2 x TP 2 once its
+  long requests each fit a TP 2 pool; on a live server, the aligned groups that tile it).
 
 The baselines (``MergeOnDemand``) merge only when a prompt fits no unit's pool at all, place
 requests round-robin or least-loaded without looking at free tokens (the member queues what
@@ -208,10 +211,21 @@ class Refuse:
 
 @dataclasses.dataclass(frozen=True)
 class Split:
-    """Split the group into TP 1 replicas; each member keeps its own requests."""
+    """Split the group into the groups ``into`` (each of ``degree`` members; degree 1: replicas
+    alone); each member keeps its own requests."""
 
     members: tuple[int, ...]
     reason: str
+    degree: int = 1
+    into: tuple[tuple[int, ...], ...] = ()
+
+    def __post_init__(self) -> None:
+        if not self.into:
+            object.__setattr__(self, "into", tuple((m,) for m in self.members))
+        if (sorted(m for g in self.into for m in g) != sorted(self.members)
+                or any(len(g) != self.degree for g in self.into)):
+            raise ValueError(f"split of {self.members}: {self.into} are not groups of "
+                             f"{self.degree} that tile it")
 
 
 Decision = Union[Dispatch, Merge, Queue, Refuse]
@@ -238,16 +252,31 @@ def refusal(capacity: CapacityModel, request: Request) -> Refuse | None:
                   f"allowed degrees {capacity.allowed_degrees})")
 
 
-def _split_ready(capacity: CapacityModel, unit: Unit, free_fraction: float) -> bool:
-    tp1 = capacity.owner_capacity_tokens(1)
-    return (unit.state is UnitState.DRAINING and unit.free_fraction >= free_fraction
-            and all(unit.load_tokens(k) <= tp1 for k in range(unit.degree)))
+def _fits(capacity: CapacityModel, unit: Unit, degree: int) -> bool:
+    """Every member's own requests (admitted and queued) fit its pool at ``degree``."""
+    pool = capacity.owner_capacity_tokens(degree)
+    return all(unit.load_tokens(k) <= pool for k in range(unit.degree))
 
 
-def _splits(capacity: CapacityModel, fleet: Fleet, free_fraction: float) -> list[Split]:
-    return [Split(u.members, f"no long request left, {u.free_fraction:.0%} of its KV free, "
-                             f"every member's requests fit a TP 1 pool")
-            for u in fleet.units if _split_ready(capacity, u, free_fraction)]
+def _split_to_replicas(capacity: CapacityModel, unit: Unit, free_fraction: float
+                       ) -> Split | None:
+    if (unit.state is UnitState.DRAINING and unit.free_fraction >= free_fraction
+            and _fits(capacity, unit, 1)):
+        return Split(unit.members, f"no long request left, {unit.free_fraction:.0%} of its KV "
+                                   f"free, every member's requests fit a TP 1 pool")
+    return None
+
+
+def _sub_groups(unit: Unit, degree: int, groups: tuple[tuple[int, ...], ...]
+                ) -> tuple[tuple[int, ...], ...] | None:
+    """The groups of ``degree`` a unit splits into: the allowed groups that tile it (a live
+    server's aligned blocks), or, with no ``groups`` given, its members in order."""
+    if not groups:
+        m = unit.members
+        return tuple(m[i:i + degree] for i in range(0, len(m), degree))
+    inside = tuple(tuple(sorted(g)) for g in groups
+                   if len(g) == degree and set(g) <= set(unit.members))
+    return inside if sum(map(len, inside)) == unit.degree else None
 
 
 def _queue_or_refuse(capacity: CapacityModel, request: Request, why: str) -> Queue | Refuse:
@@ -277,6 +306,8 @@ class AmoebasPolicy:
     groups: tuple[tuple[int, ...], ...] = ()
     # The degrees units may merge from (empty: any)
     merge_from_degrees: tuple[int, ...] = ()
+    # A group still serving long requests splits into smaller groups once they hold them
+    split_to_groups: bool = True
 
     def __post_init__(self) -> None:
         if not 0.0 <= self.split_free_fraction <= 1.0:
@@ -357,7 +388,23 @@ class AmoebasPolicy:
         return covering
 
     def maintenance(self, fleet: Fleet) -> list[Split]:
-        return _splits(self.capacity, fleet, self.split_free_fraction)
+        splits = (self._split(u) for u in fleet.units if u.degree > 1 and not u.transitioning)
+        return [s for s in splits if s is not None]
+
+    def _split(self, unit: Unit) -> Split | None:
+        """Into replicas alone once no long request is left; else, with ``split_to_groups``,
+        into the smallest groups whose pools still hold every member's requests (a TP 4 group
+        whose long requests each fit a TP 2 pool becomes two TP 2 groups)."""
+        alone = _split_to_replicas(self.capacity, unit, self.split_free_fraction)
+        if alone or not self.split_to_groups or unit.free_fraction < self.split_free_fraction:
+            return alone
+        for d in self.capacity.allowed_degrees:
+            if 1 < d < unit.degree and unit.degree % d == 0 and _fits(self.capacity, unit, d):
+                into = _sub_groups(unit, d, self.groups)
+                if into:
+                    return Split(unit.members, f"{unit.free_fraction:.0%} of its KV free, "
+                                 f"every member's requests fit a TP {d} pool", d, into)
+        return None
 
 
 # ---- baselines ------------------------------------------------------------------------------
@@ -424,4 +471,5 @@ class MergeOnDemand:
                                 "and not enough TP 1 replicas to merge")
 
     def maintenance(self, fleet: Fleet) -> list[Split]:
-        return _splits(self.capacity, fleet, 0.0)
+        splits = (_split_to_replicas(self.capacity, u, 0.0) for u in fleet.units)
+        return [s for s in splits if s is not None]

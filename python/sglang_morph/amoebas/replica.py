@@ -420,7 +420,7 @@ class AmoebasReplica:
                  reason: str | None) -> dict[str, Any]:
         self.check_integrity()
         self.transitions.append({"action": action, "group": list(block), "trigger": trigger,
-                                 "reason": reason,
+                                 "reason": reason, "unit": list(self.unit),
                                  "at_unix_s": round(time.time(), 3),
                                  "duration_s": round(seconds, 4),
                                  "kv_capacity_tokens": int(self.pool.size),
