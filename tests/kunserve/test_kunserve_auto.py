@@ -135,7 +135,8 @@ class _Pair:
         mailbox = HashStore()
         self.replicas = [types.SimpleNamespace(
             rank=rank, link=types.SimpleNamespace(mailbox=mailbox), planner=planner,
-            scheduler=types.SimpleNamespace(server_args=None), merged=False,
+            scheduler=types.SimpleNamespace(server_args=None, waiting_queue=[],
+                                            running_batch=None), merged=False,
             group=types.SimpleNamespace(replicas=(0, 1)), last_transition=None, view=None,
             elastic_state=lambda: {}, check_integrity=lambda: None) for rank in (0, 1)]
         for r in self.replicas:
@@ -219,6 +220,42 @@ def test_the_leader_decides_on_the_elastic_loop_and_the_follower_enters_its_prop
     before = leader.stale_views
     pair.step(0.1)
     assert leader.stale_views == before + 1
+
+
+def test_a_queue_sglang_refuses_drops_without_waiting_for_the_interval(planner, monkeypatch):
+    """The follower's scheduler refuses its queue for lack of KV between two observations: it
+    publishes its view at its next step and the leader decides at its own next step, not an
+    interval later (the wait that was the slowest request's in the replay)."""
+    import types
+
+    from sglang_morph.kunserve.controller import ControllerConfig
+    from sglang_morph.kunserve.live import auto
+
+    monkeypatch.setattr(auto, "local_view", lambda replica: dict(replica.view))
+    cfg = kunserve_config.AutoControlConfig(
+        interval_ms=250, controller=ControllerConfig(drop_persist=2, min_dwell_s=5.0))
+    pair = _Pair(planner, cfg)
+    leader, follower = pair.autos
+    for r in pair.replicas:
+        r.view = _views(planner, growth=0)
+    pair.step(0.0)
+    pair.step(0.02)
+    assert (leader.views, follower.views, leader.proposals) == (1, 1, 0)
+
+    full = planner.full_replica().kv_capacity_tokens
+    refused = pair.replicas[1]
+    refused.view = dict(refused.view, waiting_tokens=full, waiting_reqs=1, queue_refused=1)
+    refused.scheduler.waiting_queue = ["a prompt"]
+    refused.scheduler.running_batch = types.SimpleNamespace(batch_is_full=True, reqs=["r"])
+    pair.step(0.02)  # 40 ms after the last observation, 210 ms before the next one
+    assert (follower.views, leader.views, leader.proposals) == (2, 2, 1)
+    assert leader.last_decision["merge"] is True
+    assert f"its queue of {full} tokens was refused" in leader.last_decision["reason"]
+    assert leader.errors == follower.errors == 0
+
+    # Still refused at the next step: no second early observation (only the rising edge).
+    pair.step(0.02)
+    assert (follower.views, leader.views) == (2, 2)
 
 
 # ---- the live server ----

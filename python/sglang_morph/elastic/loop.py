@@ -39,6 +39,12 @@ class ElasticLoop:
         self._next_s = 0.0
         self.last_observation: Any = None
 
+    def observe_now(self) -> None:
+        """The next ``on_step`` observes (and the leader decides) without waiting for the
+        interval: for an event the mechanism sees between two observations (a queue the
+        engine just refused) that should not wait up to an interval."""
+        self._next_s = 0.0
+
     def on_step(self) -> None:
         now = self.clock()
         if now < self._next_s:

@@ -2,7 +2,9 @@
 
 Design (leader and follower on the elastic core's ``ElasticLoop``, no new process): every
 ``interval_ms`` replica 1 publishes its view (KV capacity and use, the remaining outputs of its
-running requests, its queue) to replica 0 through the link's mailbox (keys in the link's
+running requests, its queue; at once, and a counter bumped, when SGLang has just refused its
+queue for lack of KV, which replica 0 checks every few milliseconds between its batches) to
+replica 0 through the link's mailbox (keys in the link's
 TCPStore: written and read without either side waiting; gloo's recv cannot be polled). Replica
 0 builds the ``ClusterView`` of both from its own view and replica 1's latest, runs
 ``KunServeController.decide`` and, for a drop or a restore, writes a *proposal* (the direction
@@ -52,7 +54,7 @@ logger = logging.getLogger("sglang_morph.kunserve")
 # The follower reads the proposal counter at most this often (one store round trip on
 # 127.0.0.1); the leader waits in the vote meanwhile.
 _FOLLOW_POLL_S = 0.01
-_VIEW_KEY, _COUNT_KEY = "view1", "proposals"
+_VIEW_KEY, _COUNT_KEY, _BLOCKED_KEY = "view1", "proposals", "view1_blocked"
 
 
 def local_view(replica: Any) -> dict[str, int]:
@@ -67,6 +69,7 @@ def local_view(replica: Any) -> dict[str, int]:
     transitions, which dates the view."""
     s = replica.scheduler
     running = replica.live_requests()
+    refused = queue_refused(s, len(running))
 
     def max_new(req: Any) -> int:
         return int(req.sampling_params.max_new_tokens or 0)
@@ -76,12 +79,18 @@ def local_view(replica: Any) -> dict[str, int]:
     capacity = int(replica.pool.size)
     used = capacity - int(replica.allocator.available_size()) - int(
         s.tree_cache.evictable_size())
-    refused = bool(s.waiting_queue) and bool(getattr(s.running_batch, "batch_is_full", False)) \
-        and len(running) < int(getattr(s, "max_running_requests", 1 << 30))
     return {"epoch": len(replica.transitions), "kv_capacity_tokens": capacity,
             "kv_used_tokens": max(0, used), "kv_growth_tokens": int(growth),
             "waiting_tokens": int(waiting), "running_reqs": len(running),
             "waiting_reqs": len(s.waiting_queue), "queue_refused": int(refused)}
+
+
+def queue_refused(scheduler: Any, running: int) -> bool:
+    """SGLang's last prefill attempt found no KV room for the waiting queue (``batch_is_full``
+    with requests waiting and fewer than its limit running). O(1): read every step."""
+    return (bool(scheduler.waiting_queue)
+            and bool(getattr(scheduler.running_batch, "batch_is_full", False))
+            and running < int(getattr(scheduler, "max_running_requests", 1 << 30)))
 
 
 def snapshot(replica: int, view: dict[str, int]) -> ReplicaSnapshot:
@@ -122,6 +131,10 @@ class AutoControl:
         self.kv_centric = 0
         self.last_decision: dict[str, Any] | None = None
         self.errors = 0
+        # A refused queue is seen at once (``on_step``): this replica's, and, on the leader,
+        # the follower's through a counter it bumps when its published view turns refused.
+        self._blocked = self._published_blocked = False
+        self._peer_blocked = 0
         self.loop = ElasticLoop(_AsMechanism(self), _Decider(self), recorder(replica.scheduler),
                                 cfg.interval_ms / 1000)
 
@@ -135,16 +148,30 @@ class AutoControl:
     def on_step(self) -> None:
         """Before every ``get_next_batch_to_run`` (scheduler thread, between batches)."""
         try:
-            if not self.leader:
-                now = self.loop.clock()
-                if now >= self._next_poll_s:
-                    self._next_poll_s = now + _FOLLOW_POLL_S
+            now = self.loop.clock()
+            blocked = self._blocked_now()
+            if blocked and not self._blocked:
+                # SGLang just refused this replica's queue for lack of KV: the controller
+                # drops at once on such a view, so it must not wait for the interval (the
+                # follower's view, then the leader's next observation).
+                self.loop.observe_now()
+            self._blocked = blocked
+            if now >= self._next_poll_s:
+                self._next_poll_s = now + _FOLLOW_POLL_S
+                if not self.leader:
                     self._follow()
+                elif (peer_blocked := self.mailbox.add(_BLOCKED_KEY, 0)) != self._peer_blocked:
+                    self._peer_blocked = peer_blocked
+                    self.loop.observe_now()  # the follower's queue was refused
             self.loop.on_step()
         except Exception:  # a broken mailbox must not stop serving; the POST routes remain
             self.errors += 1
             logger.exception("sglang-morph: KunServe automatic control failed on replica %d",
                              self.replica.rank)
+
+    def _blocked_now(self) -> bool:
+        s = self.replica.scheduler
+        return queue_refused(s, len(s.running_batch.reqs) if s.running_batch else 0)
 
     def _follow(self) -> None:
         written = self.mailbox.add(_COUNT_KEY, 0)
@@ -163,6 +190,9 @@ class AutoControl:
         own = local_view(self.replica)
         if not self.leader:
             self.mailbox.set(_VIEW_KEY, json.dumps(own))
+            if own["queue_refused"] and not self._published_blocked:
+                self.mailbox.add(_BLOCKED_KEY, 1)  # after the view: the leader reads it next
+            self._published_blocked = bool(own["queue_refused"])
             self.views += 1
             return None
         if not self.mailbox.check([_VIEW_KEY]):
