@@ -607,6 +607,29 @@ def test_controller_drops_at_once_for_a_queue_the_engine_refused(planner):
     assert calm.decide(view(True, growth=0)) is None
 
 
+def test_controller_waits_for_requests_about_to_finish_instead_of_dropping(planner):
+    """A refused queue whose room comes back within finishing_steps decode steps (the KV of
+    running requests at their end, ``kv_finishing_tokens``) is no overload: no drop, at once
+    or after drop_persist views. Once the room is not coming back soon, the same view drops."""
+    full = planner.full_replica().kv_capacity_tokens
+
+    def view(finishing: int):
+        snaps = (ReplicaSnapshot(0, full, full - 40, 40, 100, queue_refused=True,
+                                 kv_finishing_tokens=finishing), ReplicaSnapshot(1, full, 0))
+        return ClusterView(0, snaps)
+
+    ctl = KunServeController(planner, ControllerConfig(drop_persist=2, min_dwell_s=0))
+    assert view(200).replica(0).lasting_demand_tokens == full - 40 + 40 + 100 - 200
+    assert [ctl.decide(view(200)) for _ in range(3)] == [None] * 3
+    # What finishes soon is too little for the queue: the refusal drops at once.
+    action = ctl.decide(view(60))
+    assert isinstance(action, Drop) and "was refused" in action.reason
+    with pytest.raises(ValueError, match="finishing requests hold more"):
+        ReplicaSnapshot(0, full, 10, 5, 0, kv_finishing_tokens=16)
+    with pytest.raises(ValueError, match="finishing_steps must be an integer >= 0"):
+        ControllerConfig(finishing_steps=-1)
+
+
 def test_controller_drops_when_one_replica_cannot_admit_its_queue(planner):
     """Replica 0's queue is over its own pool while replica 1 is idle: the pair's total fits,
     but a request never moves between replicas, so only a drop lets replica 0 admit it."""

@@ -63,8 +63,12 @@ def test_local_view_reports_a_queue_sglang_refused(waiting, running, full, max_r
                                                    refused):
     from sglang_morph.kunserve.live.auto import local_view, snapshot
 
-    view = local_view(_replica(waiting, running, full, max_running))
+    view = local_view(_replica(waiting, running, full, max_running), finishing_steps=8)
     assert view["queue_refused"] == refused
+    # Each running request has 10 prompt tokens, no output yet and 8 to go: all finishing.
+    assert view["kv_finishing_tokens"] == min(running * 18, 410 + running * 8)
+    assert local_view(_replica(waiting, running, full, max_running),
+                      finishing_steps=7)["kv_finishing_tokens"] == 0
     assert view["waiting_tokens"] == waiting * 108 and view["kv_used_tokens"] == 410
     assert snapshot(0, view).queue_refused is bool(refused)
 
@@ -178,7 +182,7 @@ def test_the_leader_decides_on_the_elastic_loop_and_the_follower_enters_its_prop
     from sglang_morph.kunserve.controller import ControllerConfig
     from sglang_morph.kunserve.live import auto
 
-    monkeypatch.setattr(auto, "local_view", lambda replica: dict(replica.view))
+    monkeypatch.setattr(auto, "local_view", lambda replica, *_: dict(replica.view))
     cfg = kunserve_config.AutoControlConfig(
         interval_ms=100, controller=ControllerConfig(drop_persist=2, min_dwell_s=5.0))
     pair = _Pair(planner, cfg)
@@ -231,7 +235,7 @@ def test_a_queue_sglang_refuses_drops_without_waiting_for_the_interval(planner, 
     from sglang_morph.kunserve.controller import ControllerConfig
     from sglang_morph.kunserve.live import auto
 
-    monkeypatch.setattr(auto, "local_view", lambda replica: dict(replica.view))
+    monkeypatch.setattr(auto, "local_view", lambda replica, *_: dict(replica.view))
     cfg = kunserve_config.AutoControlConfig(
         interval_ms=250, controller=ControllerConfig(drop_persist=2, min_dwell_s=5.0))
     pair = _Pair(planner, cfg)

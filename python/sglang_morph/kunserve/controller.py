@@ -5,8 +5,8 @@ live monitor, the tests and the cluster simulator drive the same object:
 
     ClusterView (every replica's KV and queue) -> KunServeController.decide -> Drop | Restore | None
 
-- **Drop** when the predicted KV demand of some replica exceeds its own pool for
-  ``drop_persist`` consecutive views (a replica's queue cannot use another's free KV): a
+- **Drop** when the predicted KV demand of some replica (less what its requests about to
+  finish hold, ``finishing_steps``) exceeds its own pool for ``drop_persist`` consecutive views (a replica's queue cannot use another's free KV): a
   single spike that the pool absorbs is not worth a transition. Where the overload is a queue
   the replica's pool cannot take in now (live KV + queued tokens over the pool), not only the
   forecast growth of running requests, the first such view suffices. The plan is
@@ -53,6 +53,9 @@ class ReplicaSnapshot:
     members list the same requests: each holds every request's KV for its layers; the
     group's view takes them once). ``queue_refused``: the serving engine tried to admit the
     queue and found no KV room for it (SGLang's prefill adder), whatever the token counts say.
+    ``kv_finishing_tokens``: the KV held and still to grow of the running requests that finish
+    within ``ControllerConfig.finishing_steps`` decode steps (part of the counts above): room
+    that comes back sooner than a drop would make it.
     """
 
     replica: int
@@ -62,15 +65,24 @@ class ReplicaSnapshot:
     waiting_tokens: int = 0
     live: tuple[LiveRequest, ...] = ()
     queue_refused: bool = False
+    kv_finishing_tokens: int = 0
 
     def __post_init__(self) -> None:
         if min(self.kv_capacity_tokens, self.kv_used_tokens, self.kv_growth_tokens,
-               self.waiting_tokens) < 0:
+               self.waiting_tokens, self.kv_finishing_tokens) < 0:
             raise ValueError(f"replica {self.replica}: negative token count in {self}")
+        if self.kv_finishing_tokens > self.kv_used_tokens + self.kv_growth_tokens:
+            raise ValueError(f"replica {self.replica}: finishing requests hold more than the "
+                             f"running ones in {self}")
 
     @property
     def demand_tokens(self) -> int:
         return self.kv_used_tokens + self.kv_growth_tokens + self.waiting_tokens
+
+    @property
+    def lasting_demand_tokens(self) -> int:
+        """The demand once the requests about to finish have left: what a drop is for."""
+        return self.demand_tokens - self.kv_finishing_tokens
 
 
 @dataclasses.dataclass(frozen=True)
@@ -107,13 +119,18 @@ class ControllerConfig:
     # When no plan holds the whole demand, apply the deepest allowed grouping anyway (it still
     # holds more than the replicas alone) and leave the rest to KV-centric handling.
     partial_drop: bool = True
+    # A running request this close to its end frees its KV before a drop would pay off (a
+    # drop takes 0.1-0.8 s here, a decode step 50-100 ms): its tokens do not count as
+    # overload.
+    finishing_steps: int = 8
 
     def __post_init__(self) -> None:
         # Types first: the values also come from operators' JSON (--kunserve-auto-config).
-        for name in ("drop_persist", "restore_persist"):
+        for name, least in (("drop_persist", 1), ("restore_persist", 1),
+                            ("finishing_steps", 0)):
             value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
+            if not isinstance(value, int) or isinstance(value, bool) or value < least:
+                raise ValueError(f"{name} must be an integer >= {least}, got {value!r}")
         for name in ("restore_usage", "restore_headroom", "min_dwell_s"):
             value = getattr(self, name)
             if not isinstance(value, (int, float)) or isinstance(value, bool):
@@ -188,8 +205,10 @@ class KunServeController:
     def _drop(self, view: ClusterView) -> Action | None:
         grouped = {r for g in view.groups for r in g.replicas}
         free = [r for r in view.replicas if r.replica not in grouped]
-        # Each replica alone: its queue cannot use another replica's free KV.
-        over = [r for r in free if r.demand_tokens > r.kv_capacity_tokens]
+        # Each replica alone: its queue cannot use another replica's free KV. Requests about
+        # to finish give their room back sooner than a drop would make it (a queue SGLang
+        # refused while they finish is admitted steps later).
+        over = [r for r in free if r.lasting_demand_tokens > r.kv_capacity_tokens]
         if len(free) < 2 or not over:
             self._over_views = 0
             self._reported_fallback = False

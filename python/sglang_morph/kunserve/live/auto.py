@@ -57,7 +57,7 @@ _FOLLOW_POLL_S = 0.01
 _VIEW_KEY, _COUNT_KEY, _BLOCKED_KEY = "view1", "proposals", "view1_blocked"
 
 
-def local_view(replica: Any) -> dict[str, int]:
+def local_view(replica: Any, finishing_steps: int = 0) -> dict[str, int]:
     """This replica's part of the cluster view, between two batches (scheduler thread).
 
     ``kv_used_tokens``: KV held by requests and locked cache (not free, not evictable);
@@ -65,8 +65,9 @@ def local_view(replica: Any) -> dict[str, int]:
     ``max_new_tokens`` minus what they produced); ``waiting_tokens``: prompt + ``max_new_tokens``
     of its queued requests; ``queue_refused`` (0/1): SGLang's last prefill attempt found no KV
     room for the queue (``batch_is_full`` with requests waiting and fewer running than its
-    limit; it stays set until a request finishes or memory is freed). Also the count of
-    transitions, which dates the view."""
+    limit; it stays set until a request finishes or memory is freed); ``kv_finishing_tokens``:
+    held and still to grow of the running requests with at most ``finishing_steps`` outputs
+    left. Also the count of transitions, which dates the view."""
     s = replica.scheduler
     running = replica.live_requests()
     refused = queue_refused(s, len(running))
@@ -74,7 +75,10 @@ def local_view(replica: Any) -> dict[str, int]:
     def max_new(req: Any) -> int:
         return int(req.sampling_params.max_new_tokens or 0)
 
-    growth = sum(max(0, max_new(r) - len(r.output_ids)) for r in running)
+    left = [max(0, max_new(r) - len(r.output_ids)) for r in running]
+    growth = sum(left)
+    finishing = sum(len(r.origin_input_ids) + len(r.output_ids) + n
+                    for r, n in zip(running, left) if n <= finishing_steps)
     waiting = sum(len(r.origin_input_ids) + max_new(r) for r in s.waiting_queue)
     capacity = int(replica.pool.size)
     used = capacity - int(replica.allocator.available_size()) - int(
@@ -82,7 +86,8 @@ def local_view(replica: Any) -> dict[str, int]:
     return {"epoch": len(replica.transitions), "kv_capacity_tokens": capacity,
             "kv_used_tokens": max(0, used), "kv_growth_tokens": int(growth),
             "waiting_tokens": int(waiting), "running_reqs": len(running),
-            "waiting_reqs": len(s.waiting_queue), "queue_refused": int(refused)}
+            "waiting_reqs": len(s.waiting_queue), "queue_refused": int(refused),
+            "kv_finishing_tokens": min(int(finishing), max(0, used) + int(growth))}
 
 
 def queue_refused(scheduler: Any, running: int) -> bool:
@@ -102,6 +107,7 @@ def snapshot(replica: int, view: dict[str, int]) -> ReplicaSnapshot:
         replica=replica, kv_capacity_tokens=view["kv_capacity_tokens"], kv_used_tokens=used,
         kv_growth_tokens=view["kv_growth_tokens"], waiting_tokens=view["waiting_tokens"],
         queue_refused=bool(view.get("queue_refused", 0)),
+        kv_finishing_tokens=int(view.get("kv_finishing_tokens", 0)),
         live=(LiveRequest(f"replica{replica}", used, owner=replica),) if used else ())
 
 
@@ -187,7 +193,7 @@ class AutoControl:
         """The follower publishes its view (and decides nothing: None). The leader's view of
         the pair, or None while replica 1 has published none or only one from before the last
         transition."""
-        own = local_view(self.replica)
+        own = local_view(self.replica, self.cfg.controller.finishing_steps)
         if not self.leader:
             self.mailbox.set(_VIEW_KEY, json.dumps(own))
             if own["queue_refused"] and not self._published_blocked:

@@ -212,7 +212,9 @@ class KunServeReplica(GroupMember):
             "batches_micro": self.batches_micro,
             # What the automatic control sees of this replica (also without it): held KV,
             # the remaining outputs of its running requests, its queue.
-            "load": {k: v for k, v in local_view(self).items() if k != "epoch"},
+            "load": {k: v for k, v in local_view(self, self.auto.cfg.controller.finishing_steps
+                                                 if self.auto is not None else 0).items()
+                     if k != "epoch"},
             "auto": self.auto.status() if self.auto is not None else {"enabled": False},
             "transitions": list(self.transitions),
         }
