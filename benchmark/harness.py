@@ -81,6 +81,16 @@ def run_meta(command: str, load_before: list[float], **extra) -> dict:
             "uptime": subprocess.run(["uptime"], capture_output=True, text=True).stdout.strip()}
 
 
+def spread(values) -> dict:
+    """Median, min and max of the values that are not None, and how many there were (None
+    each when there are none): the spread of a figure over rounds."""
+    import statistics
+
+    got = [v for v in values if v is not None]
+    return {"median": statistics.median(got) if got else None, "min": min(got, default=None),
+            "max": max(got, default=None), "n": len(got)}
+
+
 def write_results(out_dir: Path, name: str, report: dict, markdown_text: str) -> None:
     """``<name>.json`` (the whole report) and ``<name>.md`` in ``out_dir``; the markdown is
     printed too."""

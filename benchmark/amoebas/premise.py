@@ -29,7 +29,7 @@ import httpx
 
 from benchmark.amoebas.replay import SERVER_ENV
 from benchmark.amoebas.validate import streams_at_once
-from benchmark.harness import load_average, run_meta, running_server, write_results
+from benchmark.harness import load_average, run_meta, running_server, spread, write_results
 from benchmark.replay.metrics import percentiles
 
 PLAIN_ARGS = ("--dp-size", "3", "--dtype", "float32", "--max-total-tokens", "1024",
@@ -85,9 +85,6 @@ def summary(runs: list[dict]) -> dict:
 def ratios(over: list[dict], under: list[dict]) -> dict:
     """Per round, ``over`` / ``under`` of the batch's throughput and of its median TPOT;
     median, min and max over the rounds."""
-    def spread(values: list[float]) -> dict:
-        return {"median": statistics.median(values), "min": min(values), "max": max(values)}
-
     def tpot_p50(run: dict) -> float:
         return statistics.median(t["tpot_s"] for t in run["requests"])
 

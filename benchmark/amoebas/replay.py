@@ -33,7 +33,6 @@ import concurrent.futures
 import dataclasses
 import datetime
 import json
-import statistics
 import sys
 import time
 from pathlib import Path
@@ -41,7 +40,7 @@ from typing import Any, Sequence
 
 import httpx
 
-from benchmark.harness import REPO_ROOT, load_average, run_meta, running_server
+from benchmark.harness import REPO_ROOT, load_average, run_meta, running_server, spread
 from benchmark.replay import metrics as M
 from benchmark.replay import report as R
 from benchmark.replay.__main__ import repo_path, trace_settings
@@ -199,12 +198,6 @@ def summarize_run(records: Sequence[RequestRecord], long_indices: frozenset[int]
     return {**parts, "output_tokens": tokens, "makespan_s": span_s,
             "throughput_tokens_per_s": tokens / span_s,
             "truncated": sum(r.chunks[-1][1] != r.max_new_tokens for r in ok)}
-
-
-def spread(values: Sequence[float | None]) -> dict[str, float | None]:
-    xs = [v for v in values if v is not None]
-    return {"median": statistics.median(xs) if xs else None, "min": min(xs, default=None),
-            "max": max(xs, default=None), "n": len(xs)}
 
 
 def aggregate(runs: Sequence[dict[str, Any]]) -> dict[str, Any]:

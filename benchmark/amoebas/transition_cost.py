@@ -31,7 +31,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-import statistics
 import sys
 import threading
 import time
@@ -41,7 +40,14 @@ from typing import Any, Sequence
 import httpx
 
 from benchmark.amoebas.replay import ALONE, REPLICAS, SERVER_ENV, wait_for_split, warm_up
-from benchmark.harness import REPO_ROOT, load_average, run_meta, running_server, write_results
+from benchmark.harness import (
+    REPO_ROOT,
+    load_average,
+    run_meta,
+    running_server,
+    spread,
+    write_results,
+)
 from benchmark.kunserve.transfer import fit_wire, measure_gloo
 from sglang_morph.amoebas.weights import SECTIONS
 
@@ -241,13 +247,6 @@ def summarize_level(rounds: list[dict[str, Any]], sizes: dict[str, int], wire: W
             })
         out[action] = {k: spread([r[k] for r in per_round]) for k in per_round[0]}
     return out
-
-
-def spread(values: Sequence[float | None]) -> dict[str, float | None]:
-    got = [v for v in values if v is not None]
-    if not got:
-        return {"median": None, "min": None, "max": None}
-    return {"median": statistics.median(got), "min": min(got), "max": max(got)}
 
 
 def operator_part(st: Settings, sizes: dict[str, int], wire: Wire, ids: list[int],

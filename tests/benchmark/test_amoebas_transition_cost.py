@@ -35,7 +35,7 @@ def test_a_level_summary_takes_the_slowest_member_and_the_live_tokens_of_the_gro
                         record(0.4, 300, 0.1, 0.03, 3)] for action in ("merge", "split")}]
     s = T.summarize_level(rounds, SIZES, wire)
     merge = s["merge"]
-    assert merge["whole_s"] == {"median": pytest.approx(0.55), "min": 0.4, "max": 0.7}
+    assert merge["whole_s"] == {"median": pytest.approx(0.55), "min": 0.4, "max": 0.7, "n": 2}
     assert merge["kv_exchange_s"]["max"] == 0.3
     assert merge["ffn_s_per_layer"]["max"] == pytest.approx(0.09 / 30)
     assert merge["live_tokens_group"]["median"] == 600

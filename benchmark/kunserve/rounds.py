@@ -1,0 +1,184 @@
+"""KunServe against plain DP 2 over several rounds of the two-replica replay: the whole
+distribution, for all requests and for those a merged window touched, median and spread.
+
+    python -m benchmark.replay --dp2 --configs dp2,kunserve --out DIR_k      (k = 1, 2, 3, ...)
+    python -m benchmark.kunserve.rounds DIR_1 DIR_2 DIR_3 --out OUT [--point NAME]
+
+Each ``DIR_k`` holds one replay's ``replay_dp2.json`` (both arms on the same requests, one
+after the other). Per round and arm: TTFT P50 / P95 / P99, TPOT P50 / P95 and E2E P50 / P95
+over every completed request, and over the requests whose life (arrival to last token) overlaps
+one of KunServe's merged windows in that round (drop begun to restore done), the same requests
+in both arms. Per round, KunServe against plain DP 2: P99 TTFT ratio, P50 TPOT and E2E P95
+change, output agreement. Then the median and the min-max of each over the rounds. Writes
+``OUT/rounds.json`` and ``OUT/rounds.md``; nothing is asserted (the targets are reported).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+from typing import Any, Sequence
+
+import numpy as np
+
+from benchmark.harness import load_average, run_meta, spread, write_results
+
+ARMS = ("dp2", "kunserve")
+# (metric, percentile) per column of the tables
+COLUMNS = (("ttft_s", 50), ("ttft_s", 95), ("ttft_s", 99), ("tpot_s", 50), ("tpot_s", 95),
+           ("e2e_s", 50), ("e2e_s", 95))
+GOALS = {"p99_ttft_ratio": ">= 5", "p50_tpot_change": "<= +0.30", "e2e_p95_change": "<= 0",
+         "exact_match": "1.0"}
+
+
+def merged_windows(arm: dict[str, Any]) -> list[tuple[float, float]]:
+    """KunServe's merged windows (unix seconds) from replica 0's transitions: from the start of
+    a drop to the end of the restore after it (the end of the replay when none came)."""
+    windows, begun = [], None
+    for t in sorted((t for t in arm.get("kunserve_transitions", []) if t["replica"] == 0),
+                    key=lambda t: t["at_unix_s"]):
+        if t["action"] == "drop" and begun is None:
+            begun = t["at_unix_s"] - t["duration_s"]
+        elif t["action"] == "restore" and begun is not None:
+            windows.append((begun, t["at_unix_s"]))
+            begun = None
+    if begun is not None:
+        windows.append((begun, float("inf")))
+    return windows
+
+
+def overlapping(arm: dict[str, Any], windows: Sequence[tuple[float, float]]) -> set[int]:
+    """Indices of the completed requests whose life overlaps a window."""
+    return {r["index"] for r in arm["records"] if r["e2e_s"] is not None and any(
+        r["scheduled_unix_s"] < end and r["scheduled_unix_s"] + r["e2e_s"] > begin
+        for begin, end in windows)}
+
+
+def distribution(arm: dict[str, Any], indices: set[int] | None = None) -> dict[str, Any]:
+    """The columns' percentiles over the completed requests (of ``indices`` when given)."""
+    recs = [r for r in arm["records"] if r["e2e_s"] is not None
+            and (indices is None or r["index"] in indices)]
+    out: dict[str, Any] = {"requests": len(recs)}
+    for metric, p in COLUMNS:
+        values = [r[metric] for r in recs if r[metric] is not None]
+        out[f"{metric}_p{p}"] = float(np.percentile(values, p)) if values else None
+    return out
+
+
+def one_round(report: dict[str, Any]) -> dict[str, Any]:
+    arms = report["dp2"]["configs"]
+    missing = [a for a in ARMS if "records" not in arms.get(a, {})]
+    if missing:
+        raise ValueError(f"the replay has no completed arm {missing} (run it with --configs "
+                         f"dp2,kunserve)")
+    windows = merged_windows(arms["kunserve"])
+    touched = overlapping(arms["kunserve"], windows)
+    out: dict[str, Any] = {
+        "commit": report["settings"]["git"]["commit"],
+        "merged_windows_s": [round(min(end, arms["kunserve"]["end_unix_s"]) - begin, 2)
+                             for begin, end in windows],
+        "arms": {a: {"all": distribution(arms[a]), "merged": distribution(arms[a], touched)}
+                 for a in ARMS}}
+    ks, dp = out["arms"]["kunserve"]["all"], out["arms"]["dp2"]["all"]
+
+    def change(key: str) -> float | None:
+        return ks[key] / dp[key] - 1 if ks[key] is not None and dp[key] else None
+
+    out["vs_dp2"] = {
+        "p99_ttft_ratio": (dp["ttft_s_p99"] / ks["ttft_s_p99"] if ks["ttft_s_p99"] else None),
+        "p50_tpot_change": change("tpot_s_p50"), "e2e_p95_change": change("e2e_s_p95"),
+        "tpot_p95_change": change("tpot_s_p95"),
+        "exact_match": arms["kunserve"].get("quality", {}).get("exact_match_rate")}
+    return out
+
+
+def aggregate(rounds: Sequence[dict[str, Any]]) -> dict[str, Any]:
+    keys = [f"{m}_p{p}" for m, p in COLUMNS]
+    return {
+        "rounds": len(rounds),
+        "arms": {a: {part: {k: spread([r["arms"][a][part][k] for r in rounds]) for k in
+                            ("requests", *keys)} for part in ("all", "merged")} for a in ARMS},
+        "vs_dp2": {k: spread([r["vs_dp2"][k] for r in rounds]) for k in rounds[0]["vs_dp2"]},
+        "goals": GOALS}
+
+
+def _cell(s: dict[str, Any], digits: int, signed: bool = False) -> str:
+    if s["median"] is None:
+        return "-"
+    f = f"{{:{'+' if signed else ''}.{digits}f}}"
+    return f"{f.format(s['median'])} ({f.format(s['min'])} to {f.format(s['max'])})"
+
+
+def markdown(report: dict[str, Any]) -> str:
+    meta, agg = report["meta"], report["aggregate"]
+    rows = [f"# KunServe vs plain DP 2, {agg['rounds']} replay rounds ({report['point']})", "",
+            f"commit {meta['git']['commit']}{' (dirty)' if meta['git']['dirty'] else ''} "
+            f"(the rounds' own commits: {sorted({r['commit'] for r in report['per_round']})}); "
+            f"{meta['machine'].get('cpu_model')}, {meta['machine'].get('cpu_cores')} cores; "
+            f"load before {meta['load_before']}", "",
+            f"Command: `{meta['command']}`; rounds: {report['sources']}", "",
+            "Median over the rounds, (min to max) in brackets; seconds. *merged*: the requests "
+            "whose life overlaps one of KunServe's merged windows in that round (the same "
+            "requests in both arms).", "",
+            "| arm | requests | TTFT p50 | TTFT p95 | TTFT p99 | TPOT p50 | TPOT p95 | E2E p50 "
+            "| E2E p95 |", "|---|---:|---|---|---|---|---|---|---|"]
+    for part in ("all", "merged"):
+        for a in ARMS:
+            s = agg["arms"][a][part]
+            cells = [_cell(s[f"{m}_p{p}"], 3 if m == "tpot_s" else 2) for m, p in COLUMNS]
+            rows.append(f"| {a} ({part}) | {_cell(s['requests'], 0)} | " + " | ".join(cells)
+                        + " |")
+    v = agg["vs_dp2"]
+    rows += ["", "KunServe against plain DP 2 (per round, then median and min to max):", "",
+             f"- P99 TTFT ratio (DP 2 / KunServe): {_cell(v['p99_ttft_ratio'], 2)} "
+             f"(goal {GOALS['p99_ttft_ratio']})",
+             f"- P50 TPOT change: {_cell(v['p50_tpot_change'], 3, True)} "
+             f"(goal {GOALS['p50_tpot_change']})",
+             f"- E2E P95 change: {_cell(v['e2e_p95_change'], 3, True)} "
+             f"(goal {GOALS['e2e_p95_change']})",
+             f"- TPOT P95 change: {_cell(v['tpot_p95_change'], 3, True)}",
+             f"- exact match: {_cell(v['exact_match'], 3)} (goal {GOALS['exact_match']})", "",
+             "Per round:", ""]
+    for k, r in enumerate(report["per_round"], 1):
+        vs = r["vs_dp2"]
+        rows.append(f"- round {k} ({report['sources'][k - 1]}): P99 TTFT "
+                    f"{r['arms']['dp2']['all']['ttft_s_p99']:.2f} -> "
+                    f"{r['arms']['kunserve']['all']['ttft_s_p99']:.2f} s "
+                    f"({vs['p99_ttft_ratio']:.2f}x), P50 TPOT {vs['p50_tpot_change']:+.1%}, "
+                    f"E2E P95 {vs['e2e_p95_change']:+.1%}; merged windows "
+                    f"{r['merged_windows_s']} s, {r['arms']['kunserve']['merged']['requests']} "
+                    f"requests touched")
+    return "\n".join(rows) + "\n"
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m benchmark.kunserve.rounds",
+                                 description=__doc__.split("\n\n")[0])
+    ap.add_argument("runs", nargs="+", type=Path, help="replay output directories")
+    ap.add_argument("--out", type=Path, required=True)
+    ap.add_argument("--point", default="default operating point",
+                    help="what the rounds measured (the table's title)")
+    args = ap.parse_args(argv)
+    load_before = load_average()
+    reports = []
+    for d in args.runs:
+        path = d / "replay_dp2.json"
+        if not path.is_file():
+            ap.error(f"{path} does not exist (a `python -m benchmark.replay --dp2` output)")
+        reports.append(json.loads(path.read_text()))
+    try:
+        per_round = [one_round(r) for r in reports]
+    except ValueError as e:
+        ap.error(str(e))
+    report = {"point": args.point, "sources": [str(d) for d in args.runs],
+              "meta": run_meta(" ".join(["python -m benchmark.kunserve.rounds", *map(
+                  str, argv if argv is not None else sys.argv[1:])]), load_before),
+              "per_round": per_round, "aggregate": aggregate(per_round)}
+    write_results(args.out, "rounds", report, markdown(report))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
