@@ -276,7 +276,8 @@ class FfnWeights(abc.ABC):
     def ffn_partial(self, x: torch.Tensor, rank: int, degree: int) -> torch.Tensor:
         """This member's term of the MLP output: ``down[:, shard] @ (silu(gate[shard] x) *
         up[shard] x)``. The terms of all ranks of one degree sum to the MLP's output; at
-        degree 1 it runs the same GEMMs as the installed module."""
+        degree 1 of an unpadded store it runs the same GEMMs as the installed module (a padded
+        one also sums the padding's zero rows)."""
         start, stop = self.layout.shard_rows(rank, degree)
         if self._down_transposed:
             gate, up, down_t = self.rows(start, stop)
