@@ -176,19 +176,27 @@ def _views(planner, growth: int) -> dict[str, int]:
             "waiting_reqs": 0, "queue_refused": 0}
 
 
-def test_the_leader_decides_on_the_elastic_loop_and_the_follower_enters_its_proposal(
-        planner, monkeypatch):
-    from sglang_morph.elastic.record import recorder
+def _calm_pair(planner, monkeypatch, interval_ms: float):
+    """A pair whose views (set by the test) show both replicas half full, nothing growing."""
     from sglang_morph.kunserve.controller import ControllerConfig
     from sglang_morph.kunserve.live import auto
 
     monkeypatch.setattr(auto, "local_view", lambda replica, *_: dict(replica.view))
     cfg = kunserve_config.AutoControlConfig(
-        interval_ms=100, controller=ControllerConfig(drop_persist=2, min_dwell_s=5.0))
+        interval_ms=interval_ms, controller=ControllerConfig(drop_persist=2, min_dwell_s=5.0))
     pair = _Pair(planner, cfg)
-    leader, follower = pair.autos
     for r in pair.replicas:
         r.view = _views(planner, growth=0)
+    return pair, cfg
+
+
+def test_the_leader_decides_on_the_elastic_loop_and_the_follower_enters_its_proposal(
+        planner, monkeypatch):
+    from sglang_morph.elastic.record import recorder
+    from sglang_morph.kunserve.live import auto
+
+    pair, cfg = _calm_pair(planner, monkeypatch, interval_ms=100)
+    leader, follower = pair.autos
     pair.step(0.0)
     assert (leader.views, follower.views, leader.proposals) == (1, 1, 0)
     pair.step(0.05)  # within the interval: nobody observes again
@@ -232,16 +240,8 @@ def test_a_queue_sglang_refuses_drops_without_waiting_for_the_interval(planner, 
     interval later (the wait that was the slowest request's in the replay)."""
     import types
 
-    from sglang_morph.kunserve.controller import ControllerConfig
-    from sglang_morph.kunserve.live import auto
-
-    monkeypatch.setattr(auto, "local_view", lambda replica, *_: dict(replica.view))
-    cfg = kunserve_config.AutoControlConfig(
-        interval_ms=250, controller=ControllerConfig(drop_persist=2, min_dwell_s=5.0))
-    pair = _Pair(planner, cfg)
+    pair, _ = _calm_pair(planner, monkeypatch, interval_ms=250)
     leader, follower = pair.autos
-    for r in pair.replicas:
-        r.view = _views(planner, growth=0)
     pair.step(0.0)
     pair.step(0.02)
     assert (leader.views, follower.views, leader.proposals) == (1, 1, 0)
