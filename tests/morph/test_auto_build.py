@@ -269,9 +269,11 @@ def test_enable_morph_alone_builds_once_then_reuses_and_morphs(cache, tiny_model
             time.sleep(1.0)
     print(f"first start (build included) {first_start_s:.1f} s, second start "
           f"{second_start_s:.1f} s")
+    # Reused, not rebuilt: the log and the entry's files say so. (The start times are only
+    # printed: with another test process starting servers beside this one, a start varies by
+    # tens of seconds, and a second start was once measured slower than the first.)
     assert "first-use build" not in log
     assert entry_state(cache) == built  # nothing rebuilt, nothing rewritten
-    assert second_start_s < first_start_s
     logged = [json.loads(line) for line in morph_log.read_text().splitlines()]
     actions = [x["action"] for x in logged]
     assert "swap" in actions and actions[-1] == "restore", actions
