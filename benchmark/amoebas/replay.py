@@ -366,7 +366,7 @@ def plot_timeline(run: dict[str, Any], long_indices: frozenset[int], path: Path)
     KV pool and use, as sampled; merges (red) and splits (green) at their logged times."""
     import numpy as np
 
-    plt = R._pyplot()
+    plt = R.pyplot()
     t0, samples, recs = run["start_unix_s"], run["status_samples"], run["records"]
     ts = [s["t"] - t0 for s in samples]
     fig, axes = plt.subplots(3, 1, figsize=(9, 8), sharex=True)

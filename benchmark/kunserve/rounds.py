@@ -10,7 +10,8 @@ over every completed request, and over the requests whose life (arrival to last 
 one of KunServe's merged windows in that round (drop begun to restore done), the same requests
 in both arms. Per round, KunServe against plain DP 2: P99 TTFT ratio, P50 TPOT and E2E P95
 change, output agreement. Then the median and the min-max of each over the rounds. Writes
-``OUT/rounds.json`` and ``OUT/rounds.md``; nothing is asserted (the targets are reported).
+``OUT/rounds.json``, ``OUT/rounds.md`` and ``OUT/rounds_cdf.png`` (every round's requests
+pooled, per arm, all and merged-touched); nothing is asserted (the targets are reported).
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from typing import Any, Sequence
 import numpy as np
 
 from benchmark.harness import load_average, run_meta, spread, write_results
+from benchmark.replay.report import pyplot
 
 ARMS = ("dp2", "kunserve")
 # (metric, percentile) per column of the tables
@@ -140,6 +142,7 @@ def markdown(report: dict[str, Any]) -> str:
              f"(goal {GOALS['e2e_p95_change']})",
              f"- TPOT P95 change: {_cell(v['tpot_p95_change'], 3, True)}",
              f"- exact match: {_cell(v['exact_match'], 3)} (goal {GOALS['exact_match']})", "",
+             "CDFs, every round's requests pooled: [rounds_cdf.png](rounds_cdf.png)", "",
              "Per round:", ""]
     for k, r in enumerate(report["per_round"], 1):
         vs = r["vs_dp2"]
@@ -151,6 +154,42 @@ def markdown(report: dict[str, Any]) -> str:
                     f"{r['merged_windows_s']} s, {r['arms']['kunserve']['merged']['requests']} "
                     f"requests touched")
     return "\n".join(rows) + "\n"
+
+
+def pooled(reports: Sequence[dict[str, Any]], arm: str, metric: str, merged: bool
+           ) -> list[float]:
+    """``metric`` of every completed request of ``arm`` over the rounds (only those a merged
+    window of their round touched, when ``merged``)."""
+    values = []
+    for report in reports:
+        arms = report["dp2"]["configs"]
+        touched = (overlapping(arms["kunserve"], merged_windows(arms["kunserve"])) if merged
+                   else None)
+        values += [r[metric] for r in arms[arm]["records"] if r[metric] is not None
+                   and (touched is None or r["index"] in touched)]
+    return values
+
+
+def plot_cdfs(reports: Sequence[dict[str, Any]], path: Path) -> None:
+    """TTFT, TPOT and E2E CDFs of both arms, every round's requests pooled: all requests
+    (solid) and those a merged window touched (dashed)."""
+    plt = pyplot()
+    fig, axes = plt.subplots(1, 3, figsize=(14, 4))
+    for ax, metric in zip(axes, ("ttft_s", "tpot_s", "e2e_s")):
+        for arm, color in zip(ARMS, ("tab:blue", "tab:orange")):
+            for merged, style in ((False, "-"), (True, "--")):
+                v = np.sort(pooled(reports, arm, metric, merged))
+                if len(v):
+                    ax.step(v, np.arange(1, len(v) + 1) / len(v), where="post", color=color,
+                            ls=style, label=f"{arm} ({'merged' if merged else 'all'})")
+        ax.set_xlabel(metric.replace("_s", " s").upper().replace(" S", " s"))
+        ax.set_ylabel("fraction of requests")
+        ax.grid(alpha=0.3)
+    axes[0].legend(fontsize=8)
+    fig.suptitle(f"KunServe vs plain DP 2, {len(reports)} rounds pooled")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -177,6 +216,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                   str, argv if argv is not None else sys.argv[1:])]), load_before),
               "per_round": per_round, "aggregate": aggregate(per_round)}
     write_results(args.out, "rounds", report, markdown(report))
+    plot_cdfs(reports, args.out / "rounds_cdf.png")
     return 0
 
 

@@ -283,7 +283,7 @@ def plot_kunserve_timeline(config: dict[str, Any], reference: dict[str, Any] | N
     group), TTFT by arrival (plain DP 2's beside it when it ran)."""
     import numpy as np
 
-    plt = R._pyplot()
+    plt = R.pyplot()
     start = config["start_unix_s"]
     recs, samples = config["records"], config["status_samples"]
     ts = [s["t"] - start for s in samples]

@@ -8,7 +8,7 @@ from typing import Any
 import numpy as np
 
 
-def _pyplot():
+def pyplot():
     """matplotlib's pyplot on the file-only Agg backend (benchmarks run without a display)."""
     import matplotlib
 
@@ -68,7 +68,7 @@ def markdown_table(report: dict[str, Any]) -> str:
 
 def plot_timeline(name: str, config: dict[str, Any], start_unix_s: float, path: Path,
                   ttft_slo_s: float) -> None:
-    plt = _pyplot()
+    plt = pyplot()
     recs, samples = config["records"], config["status_samples"]
     fig, axes = plt.subplots(4, 1, figsize=(9, 9), sharex=True)
     arrivals = np.array([r["scheduled_unix_s"] - start_unix_s for r in recs])
@@ -104,7 +104,7 @@ def plot_timeline(name: str, config: dict[str, Any], start_unix_s: float, path: 
 
 
 def plot_cdfs(report: dict[str, Any], path: Path) -> None:
-    plt = _pyplot()
+    plt = pyplot()
     fig, axes = plt.subplots(1, 2, figsize=(10, 4))
     for name, c in report["configs"].items():
         for ax, key in zip(axes, ("ttft_s", "tpot_s")):
@@ -136,7 +136,7 @@ def sweep_markdown(sweep: dict[str, Any]) -> str:
 
 
 def plot_sweep(sweep: dict[str, Any], path: Path) -> None:
-    plt = _pyplot()
+    plt = pyplot()
     fig, axes = plt.subplots(1, 3, figsize=(13, 3.8))
     for name, points in sweep["configs"].items():
         x = [p["offered_requests_per_s"] for p in points]

@@ -86,6 +86,13 @@ def test_the_spread_over_rounds_and_the_files(tmp_path):
     md = (tmp_path / "out" / "rounds.md").read_text()
     assert "3 replay rounds (test point)" in md and "| kunserve (merged) |" in md
     assert "P50 TPOT change: +0.300 (+0.100 to +0.500)" in md
+    assert (tmp_path / "out" / "rounds_cdf.png").stat().st_size > 0
+    # The plot pools the rounds: 3 x 10 requests; a merged window touches requests 7-9 at
+    # scale 1.1 and 6-9 at 1.5 and 1.3 (request 6 then lives past 9.8 s).
+    reports = [json.loads((tmp_path / f"r{k}" / "replay_dp2.json").read_text()) for k in range(3)]
+    assert len(KR.pooled(reports, "dp2", "ttft_s", merged=False)) == 30
+    touched = KR.pooled(reports, "kunserve", "e2e_s", merged=True)
+    assert len(touched) == 11 and min(touched) == pytest.approx((2.0 + 7 / 5) * 1.1)
 
 
 def test_a_round_without_both_arms_is_a_cli_error(tmp_path, capsys):
