@@ -6,8 +6,9 @@ live monitor, the tests and the cluster simulator drive the same object:
     ClusterView (every replica's KV and queue) -> KunServeController.decide -> Drop | Restore | None
 
 - **Drop** when the predicted KV demand of some replica (less what its requests about to
-  finish hold, ``finishing_steps``) exceeds its own pool for ``drop_persist`` consecutive views (a replica's queue cannot use another's free KV): a
-  single spike that the pool absorbs is not worth a transition. Where the overload is a queue
+  finish hold, ``finishing_steps``) exceeds its own pool for ``drop_persist`` consecutive
+  views (a replica's queue cannot use another's free KV): a single spike that the pool
+  absorbs is not worth a transition. Where the overload is a queue
   the replica's pool cannot take in now (live KV + queued tokens over the pool), not only the
   forecast growth of running requests, the first such view suffices. The plan is
   ``planner.plan_drop`` on the replicas not in a group yet; when no plan holds the demand the

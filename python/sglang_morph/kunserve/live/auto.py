@@ -87,6 +87,8 @@ def local_view(replica: Any, finishing_steps: int = 0) -> dict[str, int]:
             "kv_used_tokens": max(0, used), "kv_growth_tokens": int(growth),
             "waiting_tokens": int(waiting), "running_reqs": len(running),
             "waiting_reqs": len(s.waiting_queue), "queue_refused": int(refused),
+            # Requests count their whole length, the allocator shared prefixes once: capped
+            # at what the running requests hold and add (the snapshot's invariant).
             "kv_finishing_tokens": min(int(finishing), max(0, used) + int(growth))}
 
 
