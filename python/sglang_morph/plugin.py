@@ -43,6 +43,7 @@ MECHANISMS = (
     "sglang_morph.morph.mechanism",
     "sglang_morph.kunserve.live.mechanism",
     "sglang_morph.amoebas.mechanism",
+    "sglang_morph.iserve.live",
 )
 # More mechanism modules, comma-separated, for mechanisms that live outside this package.
 EXTRA_MECHANISMS_ENV = "SGLANG_MORPH_EXTRA_MECHANISMS"

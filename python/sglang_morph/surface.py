@@ -322,6 +322,17 @@ AMOEBAS_SYMBOLS: tuple[Symbol, ...] = (
             "extend_seq_lens extend_prefix_lens"),
 )
 
+# ----- iServe profiling (iserve/live.py): the depth each forward runs -----
+ISERVE_SYMBOLS: tuple[Symbol, ...] = (
+    Symbol(HOOK_LLAMA_FORWARD, "hook"),
+    *_group(_SCHEDULER, "read", "tp_worker tree_cache model_config"),
+    *_group(_SCHEDULER, "call", "is_fully_idle", instance=False),
+    *_group(_RUNNER, "read", "model"),
+    *_group("sglang.srt.models.llama.LlamaModel", "read", "pp_group start_layer"),
+    Symbol("sglang.srt.models.llama.LlamaModel.end_layer", "write", True),
+    Symbol(f"{_MEM}.base_prefix_cache.EvictParams", "call"),
+)
+
 # ----- the elastic core (plugin.py, elastic/): what every enabled server uses -----
 CORE_SYMBOLS: tuple[Symbol, ...] = (
     *HTTP_SYMBOLS,
@@ -366,6 +377,8 @@ _SELF_ATTR = r"self\.([A-Za-z_]\w*)"
 _ASSIGNED = re.compile(_SELF_ATTR + r"\s*(?::[^=\n]+)?(?:,[^=\n]*)?[-+*/|&]?=(?!=)")
 # ``(self.x, self.y, _) = ...`` over several lines
 _TUPLE_TARGET = re.compile(r"\(([\w\s.,]*)\)\s*=(?!=)")
+# ``self.x, self.y, self.z = ...`` (the first regex names only ``x``)
+_BARE_TUPLE_TARGET = re.compile(r"^\s*((?:self\.\w+\s*,\s*)+self\.\w+)\s*=(?!=)", re.M)
 
 
 @functools.lru_cache(maxsize=None)
@@ -376,7 +389,7 @@ def _assigned_in_source(cls: type) -> frozenset[str]:
     except (OSError, TypeError):
         return frozenset()
     names = set(_ASSIGNED.findall(source))
-    for target in _TUPLE_TARGET.findall(source):
+    for target in _TUPLE_TARGET.findall(source) + _BARE_TUPLE_TARGET.findall(source):
         names.update(re.findall(_SELF_ATTR, target))
     return frozenset(names)
 

@@ -132,12 +132,13 @@ def test_registry_lists_every_mechanism_and_their_flags(monkeypatch):
     plugin.mechanisms.cache_clear()
     monkeypatch.setenv(plugin.EXTRA_MECHANISMS_ENV, "toy_mechanism.mechanism")
     try:
-        assert [m.name for m in plugin.mechanisms()] == ["morph", "kunserve", "amoebas", "toy"]
+        assert [m.name for m in plugin.mechanisms()] == ["morph", "kunserve", "amoebas", "iserve",
+                                                       "toy"]
         parser = argparse.ArgumentParser()
         plugin.add_cli_args(parser)
         flags = {a for action in parser._actions for a in action.option_strings}
         assert {"--elastic-log", "--enable-morph", "--enable-kunserve", "--enable-amoebas",
-                "--enable-toy"} <= flags
+                "--enable-iserve-profiling", "--enable-toy"} <= flags
     finally:
         plugin.mechanisms.cache_clear()
 
