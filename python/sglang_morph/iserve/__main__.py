@@ -106,7 +106,7 @@ def fingerprint_runs(bits: tuple[int, ...], tp_sizes: tuple[int, ...],
 
 def cmd_profile(args) -> dict:
     from sglang_morph.iserve.fingerprint import make_fingerprint
-    from sglang_morph.iserve.measure import measure_server
+    from sglang_morph.iserve.measure import measure_in_server, measure_server
     from sglang_morph.models.spec import ModelSpec
 
     model_dir, engines = _model_and_engines(args)
@@ -167,6 +167,19 @@ def cmd_profile(args) -> dict:
         if not jobs:
             raise CliError(f"--only {args.only!r} names no fingerprint run of --bits/--tp "
                            f"(e.g. W16-TP1-PP1@2)")
+    if args.in_server:
+        if args.only:
+            raise CliError("--only re-measures fingerprint servers; --in-server has one per "
+                           "layout")
+        for (tp, pp), bit_runs in in_server_launches(jobs).items():
+            print(f"profile: in one server, TP {tp} x PP {pp}: {bit_runs}", file=sys.stderr,
+                  flush=True)
+            records = measure_in_server(tp, pp, model_dir, engines, bit_runs, workload,
+                                        log_dir / f"in-server-TP{tp}-PP{pp}.log")
+            for record in records:
+                _add_record(profile, record, session["git"])
+            out_path.write_text(json.dumps(profile, indent=1))
+        jobs = []
     jobs += [(cfg, hf_config["num_hidden_layers"], "full") for cfg in full]
     for cfg, n, kind in jobs:
         if kind == "fingerprint":
@@ -177,12 +190,7 @@ def cmd_profile(args) -> dict:
         print(f"profile: {kind} {cfg.name} at {n} layer(s)", file=sys.stderr, flush=True)
         record = measure_server(cfg, served_model, served_engines, n, workload,
                                 log_dir / f"{kind}-{cfg.name}-{n}l.log", kind)
-        # Every record names its code: a session cut short (a timeout) records no session.
-        record["git"] = session["git"]
-        # A new measurement of the same server replaces the old one (a re-run on a quieter
-        # machine), so the fits never mix two measurements of one point.
-        profile["records"] = [r for r in profile["records"] if (r["kind"], r["config"],
-                              r["num_layers"]) != (kind, cfg.name, n)] + [record]
+        _add_record(profile, record, session["git"])
         out_path.write_text(json.dumps(profile, indent=1))  # a crash keeps what was measured
     session["ended_unix_s"] = time.time()
     session["uptime_at_end"] = _uptime()
@@ -191,6 +199,27 @@ def cmd_profile(args) -> dict:
     return {"out": str(out_path), "records": len(profile["records"]),
             "cpu_s": {k: sum(r["cpu_s"] for r in profile["records"] if r["kind"] == k)
                       for k in ("fingerprint", "full")}}
+
+
+def in_server_launches(jobs: list[tuple[space.Configuration, int, str]]
+                       ) -> dict[tuple[int, int], list[tuple[int, list[int]]]]:
+    """The fingerprint runs of ``jobs`` as ``profile --in-server`` measures them: one launch
+    per layout (TP, PP), in it each bit-width's depths."""
+    launches: dict[tuple[int, int], dict[int, list[int]]] = {}
+    for cfg, n, _ in jobs:
+        launches.setdefault((cfg.tp, cfg.pp), {}).setdefault(cfg.bits, []).append(n)
+    return {layout: [(b, sorted(ns)) for b, ns in sorted(by_bits.items(), reverse=True)]
+            for layout, by_bits in launches.items()}
+
+
+def _add_record(profile: dict, record: dict, git: str | None) -> None:
+    # Every record names its code: a session cut short (a timeout) records no session.
+    record["git"] = git
+    # A new measurement of the same point replaces the old one (a re-run on a quieter
+    # machine), so the fits never mix two measurements of one point.
+    key = (record["kind"], record["config"], record["num_layers"])
+    profile["records"] = [r for r in profile["records"]
+                          if (r["kind"], r["config"], r["num_layers"]) != key] + [record]
 
 
 def _uptime() -> str:
@@ -404,6 +433,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--timing", choices=("e2e", "stream"), default="e2e",
                    help="e2e: end-to-end times at two output lengths; stream: each token's "
                    "arrival (TTFT, median TPOT; one output length is enough)")
+    p.add_argument("--in-server", action="store_true",
+                   help="fingerprints inside one server per layout: the full model launched "
+                   "once per TP x PP, each depth set at runtime (POST /iserve/depth) and each "
+                   "bit-width swapped in (POST /morph/swap); latency only")
     p.add_argument("--layouts-at", type=int, metavar="BITS",
                    help="only this bit-width runs the TP t and PP 2 fingerprints; the others "
                    "run TP1/PP1 and borrow its layout terms (e.g. 16)")

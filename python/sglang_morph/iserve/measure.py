@@ -52,6 +52,7 @@ import re
 import statistics
 import time
 from pathlib import Path
+from collections.abc import Sequence
 from typing import Any
 
 import httpx
@@ -259,6 +260,37 @@ def stream_seconds(url: str, batch: int, prompt_tokens: int, new_tokens: int,
 # ---- one server ---------------------------------------------------------------------------
 
 
+def latency_points(url: str, workload: Workload, salt: int) -> tuple[list[dict[str, Any]], int]:
+    """Every batch x output length of ``workload``, ``repetitions`` times each (every request
+    salted anew, ``_prompts``), and the next unused salt."""
+    points = []
+    for batch in workload.batches:
+        for n in workload.output_tokens:
+            runs, ttfts, tpots = [], [], []
+            for _ in range(workload.repetitions):
+                if workload.timing == "stream":
+                    ttft, tpot, e2e = stream_seconds(url, batch, workload.prompt_tokens, n, salt)
+                    ttfts.append(ttft)
+                    tpots.append(tpot)
+                else:
+                    e2e = e2e_seconds(url, batch, workload.prompt_tokens, n, salt)
+                runs.append(e2e)
+                salt += 1
+            point = {"batch": batch, "output_tokens": n, "e2e_s": runs,
+                     "e2e_median_s": statistics.median(runs)}
+            if workload.timing == "stream":
+                point.update(ttft_s=ttfts, tpot_s=tpots)
+            points.append(point)
+    return points, salt
+
+
+def _warm_up(url: str, workload: Workload) -> None:
+    # One short request first: kernels, caches and allocator pools settle before measuring.
+    e2e_seconds(url, 1, 16, 2)
+    if workload.timing == "stream":
+        stream_seconds(url, 1, 16, 2)
+
+
 def measure_server(cfg: Configuration, model_dir: Path, engines_dir: Path | None,
                    num_layers: int, workload: Workload, log_path: Path, kind: str,
                    with_latency: bool = True) -> dict[str, Any]:
@@ -285,36 +317,14 @@ def measure_server(cfg: Configuration, model_dir: Path, engines_dir: Path | None
         if len(procs) != cfg.processes:
             raise RuntimeError(f"{cfg.name}: found {len(procs)} scheduler processes "
                                f"({sorted(procs)}), expected {cfg.processes}")
-        # One short request first: kernels, caches and allocator pools settle before the mark.
-        e2e_seconds(server.url, 1, 16, 2)
-        if workload.timing == "stream":
-            stream_seconds(server.url, 1, 16, 2)
+        _warm_up(server.url, workload)  # before the mark
         load_hwm = {k: status_kib(pid, "VmHWM") for k, pid in procs.items()}
         rss_idle = {k: status_kib(pid, "VmRSS") for k, pid in procs.items()}
         for pid in procs.values():
             reset_hwm(pid)
-        points = []
-        salt = 1  # 0 was the warm-up
+        points: list[dict[str, Any]] = []
         if with_latency:
-            for batch in workload.batches:
-                for n in workload.output_tokens:
-                    runs, ttfts, tpots = [], [], []
-                    for _ in range(workload.repetitions):
-                        if workload.timing == "stream":
-                            ttft, tpot, e2e = stream_seconds(
-                                server.url, batch, workload.prompt_tokens, n, salt)
-                            ttfts.append(ttft)
-                            tpots.append(tpot)
-                        else:
-                            e2e = e2e_seconds(server.url, batch, workload.prompt_tokens, n,
-                                              salt)
-                        runs.append(e2e)
-                        salt += 1
-                    point = {"batch": batch, "output_tokens": n, "e2e_s": runs,
-                             "e2e_median_s": statistics.median(runs)}
-                    if workload.timing == "stream":
-                        point.update(ttft_s=ttfts, tpot_s=tpots)
-                    points.append(point)
+            points, _ = latency_points(server.url, workload, salt=1)  # 0 was the warm-up
         else:  # memory only: one pass at the largest batch and length
             e2e_seconds(server.url, max(workload.batches), workload.prompt_tokens,
                         max(workload.output_tokens))
@@ -344,3 +354,74 @@ def measure_server(cfg: Configuration, model_dir: Path, engines_dir: Path | None
             "start_cpu_s": start_cpu_s, "timing": workload.timing,
             "uptime_s_at_start": float(uptime_before), "load_average": list(os.getloadavg()),
             "processes": processes, "latency": points}
+
+
+# ---- fingerprints inside one server --------------------------------------------------------
+
+
+def measure_in_server(tp: int, pp: int, model_dir: Path, engines_dir: Path | None,
+                      runs: Sequence[tuple[int, Sequence[int]]], workload: Workload,
+                      log_path: Path) -> list[dict[str, Any]]:
+    """One launch of the full model at TP ``tp`` x PP ``pp`` (``--enable-iserve-profiling``):
+    for each ``(bits, depths)`` of ``runs``, every layer swapped to ``bits`` (``POST
+    /morph/swap``), then each depth set (``POST /iserve/depth``) and timed as ``measure_server``
+    times a fingerprint of that depth. One record per bit-width and depth, ``source``
+    ``in-server``, latency only (``processes`` empty). CPU-seconds: each record has those of
+    every server process since the record before (the first: since launch, ``start_cpu_s``
+    the start-up), so the records of a launch sum to its whole cost."""
+    from sglang_morph.server import process as harness
+
+    workload.check_integrity()
+    if any(b != FULL_PRECISION_BITS for b, _ in runs) and engines_dir is None:
+        raise ValueError("W8/W4 in one server need an engines directory (--engines)")
+    extra = ["--enable-morph", "--disable-morph-controller", "--enable-iserve-profiling"]
+    if engines_dir is not None:
+        extra += ["--morph-engines", str(engines_dir)]
+    layout = Configuration(FULL_PRECISION_BITS, tp, pp)
+    argv = serve_argv(layout, model_dir, None, workload.kv_tokens,
+                      max_running_requests=max(workload.batches), extra=tuple(extra))[1:]
+    num_layers = json.loads((model_dir / "config.json").read_text())["num_hidden_layers"]
+    started = time.monotonic()
+    uptime_before = float(Path("/proc/uptime").read_text().split()[0])
+    server = harness.start_server(argv, log_path, start_timeout_s=600)
+    records: list[dict[str, Any]] = []
+    try:
+        start_s = time.monotonic() - started
+        pgid = server.proc.pid
+        start_cpu_s = cpu_before = group_cpu_seconds(pgid)
+        if len(scheduler_processes(pgid)) != layout.processes:
+            raise RuntimeError(f"TP {tp} x PP {pp}: expected {layout.processes} scheduler "
+                               f"processes")
+        salt = 1
+        for bits, depths in runs:
+            _control(server.url, "/morph/swap", {"layers": list(range(num_layers)),
+                                                 "bits": bits})
+            for depth in depths:
+                record_started = time.monotonic()
+                _control(server.url, "/iserve/depth", {"layers": depth})
+                _warm_up(server.url, workload)
+                points, salt = latency_points(server.url, workload, salt)
+                cpu_now = group_cpu_seconds(pgid)
+                cfg = Configuration(bits, tp, pp)
+                records.append({
+                    "kind": "fingerprint", "source": "in-server", "config": cfg.name,
+                    "bits": bits, "tp": tp, "pp": pp, "num_layers": depth,
+                    "argv": ["scripts/serve.sh", *argv], "launch_start_s": start_s,
+                    "start_s": 0.0, "wall_s": time.monotonic() - record_started,
+                    "cpu_s": cpu_now - cpu_before,
+                    "start_cpu_s": start_cpu_s if not records else 0.0,
+                    "timing": workload.timing, "uptime_s_at_start": uptime_before,
+                    "load_average": list(os.getloadavg()), "processes": [],
+                    "latency": points})
+                cpu_before = cpu_now
+        # What stopping costs is not counted (the server is killed), as for measure_server.
+    finally:
+        server.stop()
+    return records
+
+
+def _control(url: str, route: str, body: dict[str, Any]) -> dict[str, Any]:
+    r = httpx.post(f"{url}{route}", json=body, timeout=600)
+    if r.status_code != 200:
+        raise RuntimeError(f"{route} {body} answered {r.status_code}: {r.text[:300]}")
+    return r.json()

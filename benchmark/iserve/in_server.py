@@ -1,0 +1,298 @@
+"""iServe's fingerprints inside one server, scored against full configurations launched
+several times.
+
+    # fingerprints: one launch per layout, depths set at runtime, bit-widths swapped in
+    python -m sglang_morph.iserve profile --in-server --out P.json --layers 8,16 \
+        --timing stream --output 64 --batches 1,4 --layouts-at 16
+    # ground truth: every servable full configuration, 3 rounds, interleaved
+    FINGERPRINTS=0 ROUNDS=3 benchmark/iserve/grid.sh TRUTH
+    python -m benchmark.iserve.in_server score --profile P.json \
+        --memory-from M.json --truth TRUTH/round1 TRUTH/round2 TRUTH/round3 --out DIR
+    # per-layer cost against depth, one launch (the systematic part of L2's error)
+    python -m benchmark.iserve.in_server sweep --out DIR --depths 2,4,8,12,16,20,24,28,30
+
+``score``: L2 is fitted on the profile's fingerprint records only; each full configuration's
+truth is the mean over the rounds of each round's fastest repetition (the number ``estimate``
+takes from one launch), with its spread (min-max and the coefficient of variation over the
+rounds). Errors are reported against the mean and, for comparison, against each round alone.
+The profiling cost is the CPU-seconds of every server process, start-up included, of the
+fingerprint launches, against those of launching every full configuration once (each round's
+total; both measured). M2 is not measured inside one server (a launch holds every layer, so its
+memory does not change with the depth set): ``--memory-from`` takes the memory records of a
+profile of truncated fingerprints, and their CPU-seconds are reported apart. The intents are
+checked as ``benchmark.iserve.estimates`` checks them, against the truth's means.
+
+``sweep``: TTFT and TPOT of one launch (TP1/PP1) at every depth given, one bit-width after the
+other, and the residuals of the line through all of them: a depth-dependent cost per layer
+shows as a curve.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import statistics
+import time
+from pathlib import Path
+
+import numpy as np
+
+from benchmark.iserve.estimates import intent_check, latency_errors, shared_layout_records
+from sglang_morph.iserve import estimate, space
+from sglang_morph.iserve.__main__ import Profile
+from sglang_morph.iserve.measure import Workload, measure_in_server
+from sglang_morph.models import default_model_path
+
+
+def _cv(values: list[float]) -> float:
+    return statistics.stdev(values) / statistics.mean(values) if len(values) > 1 else 0.0
+
+
+def truth_records(round_profiles: list[dict]) -> tuple[list[dict], list[dict]]:
+    """One record per full configuration measured in every round, whose TTFT and TPOT per
+    batch are the mean over the rounds of each round's fastest repetition (``estimate``'s
+    number) and whose memory figures are the rounds' means; and the spread of each."""
+    by_config: dict[str, list[dict]] = {}
+    for profile in round_profiles:
+        for r in profile["records"]:
+            if r["kind"] == "full":
+                by_config.setdefault(r["config"], []).append(r)
+    records, spread = [], []
+    for name, rounds in sorted(by_config.items()):
+        if len(rounds) != len(round_profiles):
+            continue  # not measured in every round: no mean to score against
+        mean = copy.deepcopy(rounds[0])
+        per_round = [{p.batch: p for p in estimate.latency_points([r], r["bits"])}
+                     for r in rounds]
+        for point in mean["latency"]:
+            batch = point["batch"]
+            ttfts = [pr[batch].ttft_s for pr in per_round]
+            tpots = [pr[batch].tpot_s for pr in per_round]
+            # The mean as the only repetition: latency_points takes its minimum.
+            point["ttft_s"], point["tpot_s"] = [statistics.mean(ttfts)], [statistics.mean(tpots)]
+            point["e2e_s"] = [statistics.mean(min(r["latency"][i]["e2e_s"]) for r in rounds
+                                              for i, p in enumerate(r["latency"])
+                                              if p["batch"] == batch
+                                              and p["output_tokens"] == point["output_tokens"])]
+            spread.append({"config": name, "batch": batch, "ttft_s": ttfts, "tpot_s": tpots,
+                           "ttft_cv": _cv(ttfts), "tpot_cv": _cv(tpots)})
+        for i, process in enumerate(mean["processes"]):
+            for key, value in process.items():
+                if key not in ("pp_rank", "tp_rank") and value is not None:
+                    process[key] = statistics.mean(r["processes"][i][key] for r in rounds)
+        mean["cpu_s"] = statistics.mean(r["cpu_s"] for r in rounds)
+        records.append(mean)
+    return records, spread
+
+
+def _fits(fingerprints: list[dict], memory_records: list[dict], raw: dict
+          ) -> estimate.ModelEstimates:
+    # Latency from the profile's fingerprints; memory from --memory-from's (latency removed).
+    memory_only = [{**r, "latency": []} for r in memory_records]
+    return estimate.fit_records(fingerprints + memory_only, raw["num_layers"],
+                                raw["embedding_bytes"])
+
+
+def score(profile_path: str, truth_dirs: list[str], memory_from: str | None,
+          layouts_at: int | None = None) -> dict:
+    raw = json.loads(Path(profile_path).read_text())
+    rounds = [json.loads((Path(d) / "profile.json").read_text()) for d in truth_dirs]
+    for r in rounds:
+        if r["workload"] != raw["workload"]:
+            raise SystemExit(f"the truth was measured with workload {r['workload']}, the "
+                             f"profile with {raw['workload']}")
+    fingerprints = [r for r in raw["records"] if r["kind"] == "fingerprint"]
+    if layouts_at is not None:  # only what `profile --layouts-at` measures (and costs)
+        fingerprints = shared_layout_records(fingerprints, layouts_at)
+    memory_records = []
+    if memory_from:
+        memory_records = [r for r in json.loads(Path(memory_from).read_text())["records"]
+                          if r["kind"] == "fingerprint" and r["processes"]]
+    fits = _fits(fingerprints, memory_records, raw)
+    truth, spread = truth_records(rounds)
+
+    rows = []
+    for record in truth:
+        row = {"config": record["config"], "latency": latency_errors(record, fits),
+               "per_round": []}
+        for profile in rounds:
+            alone = next(r for r in profile["records"]
+                         if r["kind"] == "full" and r["config"] == record["config"])
+            row["per_round"].append(latency_errors(alone, fits))
+        cfg = space.Configuration(record["bits"], record["tp"], record["pp"])
+        if memory_records and all(p["rss_hwm_bytes"] for p in record["processes"]):
+            measured = float(sum(p["rss_hwm_bytes"] for p in record["processes"]))
+            est = fits.memory_of(cfg).total_bytes["rss_hwm_bytes"]
+            row["rss_hwm"] = {"measured_bytes": measured, "estimated_bytes": est,
+                              "error": abs(est - measured) / measured}
+        rows.append(row)
+
+    def errors(key: str, pick) -> list[float]:
+        return [x[key] for row in rows for x in pick(row)]
+
+    def signed(key: str) -> float:
+        est, meas = key + "_estimated_s", key + "_measured_s"
+        return statistics.mean((x[est] - x[meas]) / x[meas] for row in rows
+                               for x in row["latency"])
+
+    per_round_mean = {
+        phase: [statistics.mean(x[f"{phase}_error"] for row in rows for x in row["per_round"][i])
+                for i in range(len(rounds))] for phase in ("ttft", "tpot")}
+    fingerprint_cpu = sum(r["cpu_s"] for r in fingerprints)
+    full_cpu = [sum(r["cpu_s"] for r in p["records"] if r["kind"] == "full") for p in rounds]
+    hf_config = json.loads((Path(raw["model_dir"]) / "config.json").read_text())
+    servable = [c.name for c in space.space() if space.exclusion_reason(c, hf_config) is None]
+    measured_all = [sorted({r["config"] for r in p["records"] if r["kind"] == "full"})
+                    for p in rounds]
+    profile = Profile(Path(profile_path), raw, fits, hf_config)
+    return {
+        "profile": profile_path, "truth": truth_dirs, "memory_from": memory_from,
+        "layouts_at": layouts_at,
+        "workload": raw["workload"], "sessions": raw.get("sessions"),
+        "configs_scored": len(rows), "servable": len(servable),
+        "rows": rows, "truth_spread": spread,
+        "mean_error": {"ttft": statistics.mean(errors("ttft_error", lambda r: r["latency"])),
+                       "tpot": statistics.mean(errors("tpot_error", lambda r: r["latency"])),
+                       "rss_hwm": (statistics.mean(r["rss_hwm"]["error"] for r in rows
+                                                   if "rss_hwm" in r)
+                                   if any("rss_hwm" in r for r in rows) else None)},
+        "signed_mean_error": {"ttft": signed("ttft"), "tpot": signed("tpot")},
+        "mean_error_per_round": per_round_mean,
+        "truth_cv_mean": {"ttft": statistics.mean(s["ttft_cv"] for s in spread),
+                          "tpot": statistics.mean(s["tpot_cv"] for s in spread)},
+        "profiling_cpu_s": {
+            "fingerprints_latency": fingerprint_cpu,
+            "fingerprint_launches": len({(r["tp"], r["pp"]) for r in fingerprints}),
+            "memory_fingerprints": sum(r["cpu_s"] for r in memory_records),
+            "full_once_per_round": full_cpu, "full_configs_per_round": measured_all,
+            "ratio_full_over_fingerprints_latency": [c / fingerprint_cpu for c in full_cpu]},
+        "intents": intent_check(profile, truth) if memory_records else [],
+    }
+
+
+def markdown(result: dict) -> str:
+    pct = "{:.1%}".format
+    lines = [f"Fingerprint profile: `{result['profile']}`; truth: "
+             f"{', '.join(f'`{d}`' for d in result['truth'])} (mean of the rounds)", "",
+             "| config | batch | TTFT truth s (rounds) | TTFT est. s | err | TPOT truth ms "
+             "(rounds) | TPOT est. ms | err |", "|---|---:|---|---:|---:|---|---:|---:|"]
+    spread = {(s["config"], s["batch"]): s for s in result["truth_spread"]}
+    for row in result["rows"]:
+        for x in row["latency"]:
+            s = spread[(row["config"], x["batch"])]
+            lines.append(
+                f"| {row['config']} | {x['batch']} | {x['ttft_measured_s']:.3f} "
+                f"({min(s['ttft_s']):.3f}-{max(s['ttft_s']):.3f}) | {x['ttft_estimated_s']:.3f}"
+                f" | {pct(x['ttft_error'])} | {x['tpot_measured_s'] * 1e3:.1f} "
+                f"({min(s['tpot_s']) * 1e3:.1f}-{max(s['tpot_s']) * 1e3:.1f}) | "
+                f"{x['tpot_estimated_s'] * 1e3:.1f} | {pct(x['tpot_error'])} |")
+    m, sg, cv = result["mean_error"], result["signed_mean_error"], result["truth_cv_mean"]
+    cost = result["profiling_cpu_s"]
+    lines += [
+        "", f"Mean error against the truth's mean: TTFT {pct(m['ttft'])}, TPOT {pct(m['tpot'])}"
+        + (f", RSS high-water mark {pct(m['rss_hwm'])}" if m["rss_hwm"] is not None else "")
+        + f"; signed mean TTFT {sg['ttft']:+.1%}, TPOT {sg['tpot']:+.1%}.",
+        "Against each round alone: TTFT " + ", ".join(map(pct, result["mean_error_per_round"]
+                                                        ["ttft"]))
+        + "; TPOT " + ", ".join(map(pct, result["mean_error_per_round"]["tpot"])) + ".",
+        f"The truth's own spread (coefficient of variation over the rounds, mean over "
+        f"configurations and batches): TTFT {pct(cv['ttft'])}, TPOT {pct(cv['tpot'])}.", "",
+        f"Profiling CPU-seconds: fingerprints (latency) {cost['fingerprints_latency']:.0f} in "
+        f"{cost['fingerprint_launches']} launches; every full configuration once: "
+        + ", ".join(f"{c:.0f}" for c in cost["full_once_per_round"]) + " (per round), i.e. "
+        + ", ".join(f"{r:.1f}x" for r in cost["ratio_full_over_fingerprints_latency"])
+        + (f"; memory from truncated fingerprints {cost['memory_fingerprints']:.0f} more."
+           if cost["memory_fingerprints"] else "."), "",
+        "| batch | intent | chosen (estimates) | best (truth) | gap |",
+        "|---:|---|---|---|---:|"]
+    for x in result["intents"]:
+        intent = x["intent"] + (f" ({x['cost']})" if x["intent"] == "min-cost" else "")
+        lines.append(f"| {x['batch']} | {intent} | {x['chosen']} | {x['measured_best']} | "
+                     f"{pct(x['gap']) if 'gap' in x else '-'} |")
+    return "\n".join(lines) + "\n"
+
+
+def sweep(depths: list[int], bits: list[int], out_dir: Path, workload: Workload) -> dict:
+    model = default_model_path()
+    engines = None
+    if any(b != 16 for b in bits):
+        from sglang_morph.morph import auto_build
+
+        engines = auto_build.ensure_variants(model).engines_dir
+    started = time.time()
+    records = measure_in_server(1, 1, model, engines, [(b, depths) for b in bits], workload,
+                                out_dir / "sweep-server.log")
+    rows = []
+    for b in bits:
+        points = estimate.latency_points([r for r in records if r["bits"] == b], b)
+        for batch in sorted({p.batch for p in points}):
+            at = sorted((p for p in points if p.batch == batch), key=lambda p: p.layers)
+            x = np.array([p.layers for p in at], dtype=float)
+            for phase in ("ttft", "tpot"):
+                y = np.array([getattr(p, f"{phase}_s") for p in at])
+                slope, intercept = np.polyfit(x, y, 1)
+                per_layer = np.diff(y) / np.diff(x)
+                rows.append({"bits": b, "batch": batch, "phase": phase,
+                             "layers": x.astype(int).tolist(), "seconds": y.tolist(),
+                             "line": [intercept, slope],
+                             "residual": (y - (intercept + slope * x)).tolist(),
+                             "per_layer_between_depths_s": per_layer.tolist()})
+    return {"started_unix_s": started, "workload": workload.__dict__, "records": records,
+            "rows": rows}
+
+
+def sweep_markdown(result: dict) -> str:
+    lines = ["| bits | batch | phase | depth: seconds | per layer between depths, ms | "
+             "line: fixed + per layer | largest residual |", "|---:|---:|---|---|---|---|---:|"]
+    for r in result["rows"]:
+        at = ", ".join(f"{n}: {s * 1e3:.1f}" for n, s in zip(r["layers"], r["seconds"]))
+        per = ", ".join(f"{v * 1e3:.2f}" for v in r["per_layer_between_depths_s"])
+        fixed, slope = r["line"]
+        worst = max(r["residual"], key=abs)
+        lines.append(f"| {r['bits']} | {r['batch']} | {r['phase']} | {at} (ms) | {per} | "
+                     f"{fixed * 1e3:.1f} + {slope * 1e3:.2f} L ms | {worst * 1e3:+.1f} ms |")
+    return "\n".join(lines) + "\n"
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m benchmark.iserve.in_server",
+                                     description=__doc__.split("\n\n")[0])
+    sub = parser.add_subparsers(dest="command", required=True)
+    p = sub.add_parser("score")
+    p.add_argument("--profile", required=True)
+    p.add_argument("--truth", nargs="+", required=True, help="round directories (profile.json)")
+    p.add_argument("--memory-from", help="a profile of truncated fingerprints for M2")
+    p.add_argument("--layouts-at", type=int, metavar="BITS",
+                   help="fit and cost only the records `profile --layouts-at BITS` measures")
+    p.add_argument("--out", required=True)
+    p = sub.add_parser("sweep")
+    p.add_argument("--depths", default="2,4,8,12,16,20,24,28,30")
+    p.add_argument("--bits", default="16")
+    p.add_argument("--output", type=int, default=64)
+    p.add_argument("--repetitions", type=int, default=3)
+    p.add_argument("--out", required=True)
+    args = parser.parse_args(argv)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    if args.command == "score":
+        result = score(args.profile, args.truth, args.memory_from, args.layouts_at)
+        name = "in_server_vs_truth" + (f"_layouts_at_{args.layouts_at}"
+                                       if args.layouts_at is not None else "")
+        (out / f"{name}.json").write_text(json.dumps(result, indent=1))
+        text = markdown(result)
+        (out / f"{name}.md").write_text(text)
+    else:
+        workload = Workload(output_tokens=(args.output,), repetitions=args.repetitions,
+                            timing="stream")
+        result = sweep([int(d) for d in args.depths.split(",")],
+                       [int(b) for b in args.bits.split(",")], out, workload)
+        (out / "sweep.json").write_text(json.dumps(result, indent=1))
+        text = sweep_markdown(result)
+        (out / "sweep.md").write_text(text)
+    print(text)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
