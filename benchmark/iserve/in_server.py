@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import dataclasses
 import json
 import statistics
 import time
@@ -88,10 +89,16 @@ def truth_records(round_profiles: list[dict]) -> tuple[list[dict], list[dict]]:
 
 def _fits(fingerprints: list[dict], memory_records: list[dict], raw: dict
           ) -> estimate.ModelEstimates:
-    # Latency from the profile's fingerprints; memory from --memory-from's (latency removed).
-    memory_only = [{**r, "latency": []} for r in memory_records]
-    return estimate.fit_records(fingerprints + memory_only, raw["num_layers"],
-                                raw["embedding_bytes"])
+    """L2 from the profile's fingerprints, M2 from ``--memory-from``'s (each fitted alone, with
+    its own layouts borrowed as ``estimate.fit_records`` borrows them)."""
+    latency = estimate.fit_records(fingerprints, raw["num_layers"], raw["embedding_bytes"])
+    if not memory_records:
+        return latency
+    # (with their own latency: which layouts a bit-width borrows follows its fingerprints)
+    memory = estimate.fit_records(memory_records, raw["num_layers"], raw["embedding_bytes"])
+    unfitted = {b: why for b, why in latency.unfitted.items() if why.startswith("latency")}
+    unfitted.update({b: why for b, why in memory.unfitted.items() if why.startswith("memory")})
+    return dataclasses.replace(latency, memory=memory.memory, unfitted=unfitted)
 
 
 def score(profile_path: str, truth_dirs: list[str], memory_from: str | None,

@@ -388,7 +388,8 @@ def measure_in_server(tp: int, pp: int, model_dir: Path, engines_dir: Path | Non
     try:
         start_s = time.monotonic() - started
         pgid = server.proc.pid
-        start_cpu_s = cpu_before = group_cpu_seconds(pgid)
+        start_cpu_s = group_cpu_seconds(pgid)
+        cpu_before = 0.0  # the first record carries the start-up
         if len(scheduler_processes(pgid)) != layout.processes:
             raise RuntimeError(f"TP {tp} x PP {pp}: expected {layout.processes} scheduler "
                                f"processes")
