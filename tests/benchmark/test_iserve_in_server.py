@@ -107,3 +107,15 @@ def test_in_server_launches_one_server_per_layout():
                                 fingerprint_runs((16, 8), (1, 3), (8, 16))])
     assert every[(3, 1)] == [(16, [8, 16]), (8, [8, 16])]
     assert sorted(every) == [(1, 1), (1, 2), (3, 1)]
+
+
+def test_repetitions_taken_in_turns_add_up_per_point():
+    from sglang_morph.iserve.measure import _extend
+
+    points = [{"batch": 1, "output_tokens": 64, "e2e_s": [1.0], "ttft_s": [0.1],
+               "tpot_s": [0.01], "e2e_median_s": 1.0}]
+    _extend(points, [{"batch": 1, "output_tokens": 64, "e2e_s": [3.0], "ttft_s": [0.3],
+                      "tpot_s": [0.03], "e2e_median_s": 3.0}])
+    assert points[0]["ttft_s"] == [0.1, 0.3] and points[0]["e2e_median_s"] == 2.0
+    with pytest.raises(AssertionError):
+        _extend(points, [{"batch": 4, "output_tokens": 64, "e2e_s": [1.0]}])

@@ -365,7 +365,8 @@ def measure_in_server(tp: int, pp: int, model_dir: Path, engines_dir: Path | Non
     """One launch of the full model at TP ``tp`` x PP ``pp`` (``--enable-iserve-profiling``):
     for each ``(bits, depths)`` of ``runs``, every layer swapped to ``bits`` (``POST
     /morph/swap``), then each depth set (``POST /iserve/depth``) and timed as ``measure_server``
-    times a fingerprint of that depth. One record per bit-width and depth, ``source``
+    times a fingerprint of that depth, the depths taking turns repetition by repetition. One
+    record per bit-width and depth, ``source``
     ``in-server``, latency only (``processes`` empty). CPU-seconds: each record has those of
     every server process since the record before (the first: since launch, ``start_cpu_s``
     the start-up), so the records of a launch sum to its whole cost."""
@@ -394,31 +395,53 @@ def measure_in_server(tp: int, pp: int, model_dir: Path, engines_dir: Path | Non
             raise RuntimeError(f"TP {tp} x PP {pp}: expected {layout.processes} scheduler "
                                f"processes")
         salt = 1
+        one = dataclasses.replace(workload, repetitions=1)
         for bits, depths in runs:
             _control(server.url, "/morph/swap", {"layers": list(range(num_layers)),
                                                  "bits": bits})
-            for depth in depths:
-                record_started = time.monotonic()
-                _control(server.url, "/iserve/depth", {"layers": depth})
-                _warm_up(server.url, workload)
-                points, salt = latency_points(server.url, workload, salt)
-                cpu_now = group_cpu_seconds(pgid)
-                cfg = Configuration(bits, tp, pp)
-                records.append({
-                    "kind": "fingerprint", "source": "in-server", "config": cfg.name,
-                    "bits": bits, "tp": tp, "pp": pp, "num_layers": depth,
-                    "argv": ["scripts/serve.sh", *argv], "launch_start_s": start_s,
-                    "start_s": 0.0, "wall_s": time.monotonic() - record_started,
-                    "cpu_s": cpu_now - cpu_before,
-                    "start_cpu_s": start_cpu_s if not records else 0.0,
-                    "timing": workload.timing, "uptime_s_at_start": uptime_before,
-                    "load_average": list(os.getloadavg()), "processes": [],
-                    "latency": points})
-                cpu_before = cpu_now
+            cfg = Configuration(bits, tp, pp)
+            mine = {}
+            # Depths alternate repetition by repetition: a machine that slows down for a
+            # while (other tenants) slows every depth alike instead of tilting the line.
+            for rep in range(workload.repetitions):
+                for depth in depths:
+                    rep_started = time.monotonic()
+                    _control(server.url, "/iserve/depth", {"layers": depth})
+                    if rep == 0:
+                        _warm_up(server.url, workload)
+                    points, salt = latency_points(server.url, one, salt)
+                    cpu_now = group_cpu_seconds(pgid)
+                    if depth not in mine:
+                        mine[depth] = {
+                            "kind": "fingerprint", "source": "in-server", "config": cfg.name,
+                            "bits": bits, "tp": tp, "pp": pp, "num_layers": depth,
+                            "argv": ["scripts/serve.sh", *argv], "launch_start_s": start_s,
+                            "start_s": 0.0, "wall_s": 0.0, "cpu_s": 0.0,
+                            "start_cpu_s": start_cpu_s if not records and not mine else 0.0,
+                            "timing": workload.timing, "uptime_s_at_start": uptime_before,
+                            "processes": [], "latency": points}
+                    else:
+                        _extend(mine[depth]["latency"], points)
+                    mine[depth]["wall_s"] += time.monotonic() - rep_started
+                    mine[depth]["cpu_s"] += cpu_now - cpu_before
+                    mine[depth]["load_average"] = list(os.getloadavg())
+                    cpu_before = cpu_now
+            records += [mine[d] for d in depths]
         # What stopping costs is not counted (the server is killed), as for measure_server.
     finally:
         server.stop()
     return records
+
+
+def _extend(points: list[dict[str, Any]], more: list[dict[str, Any]]) -> None:
+    """Add another repetition's timings to each (batch, output length) point."""
+    for point, extra in zip(points, more, strict=True):
+        assert (point["batch"], point["output_tokens"]) == (extra["batch"],
+                                                            extra["output_tokens"])
+        for key in ("e2e_s", "ttft_s", "tpot_s"):
+            if key in point:
+                point[key] += extra[key]
+        point["e2e_median_s"] = statistics.median(point["e2e_s"])
 
 
 def _control(url: str, route: str, body: dict[str, Any]) -> dict[str, Any]:
