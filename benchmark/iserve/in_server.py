@@ -106,9 +106,12 @@ def score(profile_path: str, truth_dirs: list[str], memory_from: str | None,
     raw = json.loads(Path(profile_path).read_text())
     rounds = [json.loads((Path(d) / "profile.json").read_text()) for d in truth_dirs]
     for r in rounds:
-        if r["workload"] != raw["workload"]:
+        # The fingerprints may take fewer repetitions or shorter outputs (what they cost is
+        # the point); the requests themselves must be the truth's.
+        same = ("prompt_tokens", "batches", "kv_tokens", "timing")
+        if any(r["workload"].get(k) != raw["workload"].get(k) for k in same):
             raise SystemExit(f"the truth was measured with workload {r['workload']}, the "
-                             f"profile with {raw['workload']}")
+                             f"profile with {raw['workload']} (these must agree: {same})")
     fingerprints = [r for r in raw["records"] if r["kind"] == "fingerprint"]
     if layouts_at is not None:  # only what `profile --layouts-at` measures (and costs)
         fingerprints = shared_layout_records(fingerprints, layouts_at)
@@ -156,7 +159,8 @@ def score(profile_path: str, truth_dirs: list[str], memory_from: str | None,
     return {
         "profile": profile_path, "truth": truth_dirs, "memory_from": memory_from,
         "layouts_at": layouts_at,
-        "workload": raw["workload"], "sessions": raw.get("sessions"),
+        "workload": raw["workload"], "truth_workload": rounds[0]["workload"],
+        "sessions": raw.get("sessions"),
         "configs_scored": len(rows), "servable": len(servable),
         "rows": rows, "truth_spread": spread,
         "mean_error": {"ttft": statistics.mean(errors("ttft_error", lambda r: r["latency"])),

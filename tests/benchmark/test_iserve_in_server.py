@@ -90,6 +90,9 @@ def test_an_exact_model_scores_no_error_and_the_cost_is_both_sides_measured(tmp_
     assert cost["ratio_full_over_fingerprints_latency"] == pytest.approx([3.0, 3.05, 3.1])
     assert "Mean error against the truth's mean: TTFT 0.0%" in in_server.markdown(result)
 
+    fewer = {**profile, "workload": {**workload, "output_tokens": [32], "repetitions": 2}}
+    (tmp_path / "f.json").write_text(json.dumps(fewer))
+    assert in_server.score(str(tmp_path / "f.json"), truth_dirs, None)["configs_scored"] == 2
     other = {**profile, "workload": {**workload, "batches": [1]}}
     (tmp_path / "q.json").write_text(json.dumps(other))
     with pytest.raises(SystemExit, match="workload"):
