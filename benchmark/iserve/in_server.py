@@ -34,6 +34,7 @@ import copy
 import dataclasses
 import json
 import statistics
+import subprocess
 import time
 from pathlib import Path
 
@@ -266,6 +267,25 @@ def sweep_markdown(result: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
+def add_layout(profile_path: Path, tp: int, pp: int, depths: list[int], log_dir: Path) -> int:
+    """One more in-server launch (16 bits) appended to a profile, with its workload: e.g. TP 3
+    x PP 2, which ``profile --in-server`` does not run."""
+    raw = json.loads(profile_path.read_text())
+    w = raw["workload"]
+    workload = Workload(w["prompt_tokens"], tuple(w["output_tokens"]), tuple(w["batches"]),
+                        w["repetitions"], w["kv_tokens"], w["timing"])
+    log_dir.mkdir(parents=True, exist_ok=True)
+    records = measure_in_server(tp, pp, Path(raw["model_dir"]), None, [(16, depths)], workload,
+                                log_dir / f"in-server-TP{tp}-PP{pp}.log")
+    git = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True,
+                         cwd=Path(__file__).parent).stdout.strip() or None
+    keys = {(r["config"], r["num_layers"]) for r in records}
+    raw["records"] = [r for r in raw["records"] if (r["config"], r["num_layers"]) not in keys]
+    raw["records"] += [{**r, "git": git} for r in records]
+    profile_path.write_text(json.dumps(raw, indent=1))
+    return len(records)
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="python -m benchmark.iserve.in_server",
                                      description=__doc__.split("\n\n")[0])
@@ -283,7 +303,18 @@ def main(argv=None) -> int:
     p.add_argument("--output", type=int, default=64)
     p.add_argument("--repetitions", type=int, default=3)
     p.add_argument("--out", required=True)
+    p = sub.add_parser("add-layout", help="append one more 16-bit in-server launch")
+    p.add_argument("--profile", required=True)
+    p.add_argument("--tp", type=int, required=True)
+    p.add_argument("--pp", type=int, required=True)
+    p.add_argument("--layers", required=True, help="depths, e.g. 9,17")
+    p.add_argument("--out", required=True, help="log directory")
     args = parser.parse_args(argv)
+    if args.command == "add-layout":
+        n = add_layout(Path(args.profile), args.tp, args.pp,
+                       [int(x) for x in args.layers.split(",")], Path(args.out))
+        print(f"{n} records added to {args.profile}")
+        return 0
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     if args.command == "score":

@@ -375,8 +375,15 @@ def measure_in_server(tp: int, pp: int, model_dir: Path, engines_dir: Path | Non
     workload.check_integrity()
     if any(b != FULL_PRECISION_BITS for b, _ in runs) and engines_dir is None:
         raise ValueError("W8/W4 in one server need an engines directory (--engines)")
-    extra = ["--enable-morph", "--disable-morph-controller", "--enable-iserve-profiling"]
-    if engines_dir is not None:
+    # TP x PP: --enable-morph refuses it, so it serves 16 bits as plain SGLang (as the full
+    # configuration does) and swaps nothing.
+    morph = tp == 1 or pp == 1
+    if not morph and any(b != FULL_PRECISION_BITS for b, _ in runs):
+        raise ValueError(f"TP {tp} x PP {pp} serves 16 bits only (--enable-morph refuses TP x PP)")
+    extra = ["--enable-iserve-profiling"]
+    if morph:
+        extra += ["--enable-morph", "--disable-morph-controller"]
+    if morph and engines_dir is not None:
         extra += ["--morph-engines", str(engines_dir)]
     layout = Configuration(FULL_PRECISION_BITS, tp, pp)
     argv = serve_argv(layout, model_dir, None, workload.kv_tokens,
@@ -397,8 +404,9 @@ def measure_in_server(tp: int, pp: int, model_dir: Path, engines_dir: Path | Non
         salt = 1
         one = dataclasses.replace(workload, repetitions=1)
         for bits, depths in runs:
-            _control(server.url, "/morph/swap", {"layers": list(range(num_layers)),
-                                                 "bits": bits})
+            if morph:
+                _control(server.url, "/morph/swap", {"layers": list(range(num_layers)),
+                                                     "bits": bits})
             cfg = Configuration(bits, tp, pp)
             mine = {}
             # Depths alternate repetition by repetition: a machine that slows down for a
