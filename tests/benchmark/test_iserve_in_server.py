@@ -109,6 +109,8 @@ def test_in_server_launches_one_server_per_layout():
                                 fingerprint_runs((16, 8), (1, 3), (8, 16))])
     assert every[(3, 1)] == [(16, [8, 16]), (8, [8, 16])]
     assert sorted(every) == [(1, 1), (1, 2), (3, 1)]
+    with_tp_pp = in_server_launches(jobs, tp_pp=True)
+    assert with_tp_pp == {**launches, (3, 2): [(16, [9, 17])]}
 
 
 def test_repetitions_taken_in_turns_add_up_per_point():

@@ -384,6 +384,13 @@ def test_profile_bad_fingerprint_depths_are_a_cli_error_before_any_server(tmp_pa
     assert code == 2 and stdout == "" and "--layers" in err and not out.exists()
 
 
+def test_profile_tp_pp_without_in_server_is_a_cli_error_before_any_server(tmp_path, capsys):
+    out = tmp_path / "p.json"
+    code, stdout, err = run_cli(capsys, "profile", "--out", str(out), "--engines", "none",
+                                "--bits", "16", "--layers", "8,16", "--tp-pp")
+    assert code == 2 and stdout == "" and "--in-server" in err and not out.exists()
+
+
 def test_missing_profile_and_launch_with_two_models_are_cli_errors(profile_file, tmp_path,
                                                                    capsys):
     code, _, err = run_cli(capsys, "select", "--profile", str(tmp_path / "none.json"),

@@ -31,6 +31,7 @@ from sglang_morph.iserve import estimate, intents, placement, space
 from sglang_morph.iserve.measure import Workload
 from sglang_morph.repo_data import REPO_ROOT
 from sglang_morph.cli import CliError, parse_size, run_command
+from sglang_morph.config import FULL_PRECISION_BITS
 
 FINGERPRINT_LAYERS = (1, 2)  # the paper's; --layers takes others (see fingerprint_runs)
 
@@ -167,11 +168,13 @@ def cmd_profile(args) -> dict:
         if not jobs:
             raise CliError(f"--only {args.only!r} names no fingerprint run of --bits/--tp "
                            f"(e.g. W16-TP1-PP1@2)")
+    if args.tp_pp and not args.in_server:
+        raise CliError("--tp-pp adds a launch to --in-server profiling; give --in-server")
     if args.in_server:
         if args.only:
             raise CliError("--only re-measures fingerprint servers; --in-server has one per "
                            "layout")
-        for (tp, pp), bit_runs in in_server_launches(jobs).items():
+        for (tp, pp), bit_runs in in_server_launches(jobs, tp_pp=args.tp_pp).items():
             print(f"profile: in one server, TP {tp} x PP {pp}: {bit_runs}", file=sys.stderr,
                   flush=True)
             records = measure_in_server(tp, pp, model_dir, engines, bit_runs, workload,
@@ -201,13 +204,19 @@ def cmd_profile(args) -> dict:
                       for k in ("fingerprint", "full")}}
 
 
-def in_server_launches(jobs: list[tuple[space.Configuration, int, str]]
+def in_server_launches(jobs: list[tuple[space.Configuration, int, str]], tp_pp: bool = False
                        ) -> dict[tuple[int, int], list[tuple[int, list[int]]]]:
     """The fingerprint runs of ``jobs`` as ``profile --in-server`` measures them: one launch
-    per layout (TP, PP), in it each bit-width's depths."""
+    per layout (TP, PP), in it each bit-width's depths. ``tp_pp``: one more launch per TP
+    size t > 1, 16 bits at TP t x PP 2 at the PP 2 depths (the only bit-width SGLang serves
+    there), so that L2 fits those layouts instead of adding TP 1's pipeline hops to TP t."""
     launches: dict[tuple[int, int], dict[int, list[int]]] = {}
     for cfg, n, _ in jobs:
         launches.setdefault((cfg.tp, cfg.pp), {}).setdefault(cfg.bits, []).append(n)
+    if tp_pp:
+        pp_depths = sorted({n for cfg, n, _ in jobs if cfg.pp == 2})
+        for tp in sorted({cfg.tp for cfg, _, _ in jobs if cfg.tp > 1}):
+            launches[(tp, 2)] = {FULL_PRECISION_BITS: pp_depths}
     return {layout: [(b, sorted(ns)) for b, ns in sorted(by_bits.items(), reverse=True)]
             for layout, by_bits in launches.items()}
 
@@ -437,6 +446,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="fingerprints inside one server per layout: the full model launched "
                    "once per TP x PP, each depth set at runtime (POST /iserve/depth) and each "
                    "bit-width swapped in (POST /morph/swap); latency only")
+    p.add_argument("--tp-pp", action="store_true",
+                   help="with --in-server: one more launch, 16 bits at TP t x PP 2 (TP x PP "
+                   "is otherwise estimated from TP t plus TP 1's pipeline hops)")
     p.add_argument("--layouts-at", type=int, metavar="BITS",
                    help="only this bit-width runs the TP t and PP 2 fingerprints; the others "
                    "run TP1/PP1 and borrow its layout terms (e.g. 16)")
