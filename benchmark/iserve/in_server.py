@@ -34,7 +34,6 @@ import copy
 import dataclasses
 import json
 import statistics
-import subprocess
 import time
 from pathlib import Path
 
@@ -42,7 +41,7 @@ import numpy as np
 
 from benchmark.iserve.estimates import intent_check, latency_errors, shared_layout_records
 from sglang_morph.iserve import estimate, space
-from sglang_morph.iserve.__main__ import Profile
+from sglang_morph.iserve.__main__ import Profile, add_record, git_commit
 from sglang_morph.iserve.measure import Workload, measure_in_server
 from sglang_morph.models import default_model_path
 
@@ -67,16 +66,13 @@ def truth_records(round_profiles: list[dict]) -> tuple[list[dict], list[dict]]:
         mean = copy.deepcopy(rounds[0])
         per_round = [{p.batch: p for p in estimate.latency_points([r], r["bits"])}
                      for r in rounds]
-        for point in mean["latency"]:
+        for j, point in enumerate(mean["latency"]):
             batch = point["batch"]
             ttfts = [pr[batch].ttft_s for pr in per_round]
             tpots = [pr[batch].tpot_s for pr in per_round]
             # The mean as the only repetition: latency_points takes its minimum.
             point["ttft_s"], point["tpot_s"] = [statistics.mean(ttfts)], [statistics.mean(tpots)]
-            point["e2e_s"] = [statistics.mean(min(r["latency"][i]["e2e_s"]) for r in rounds
-                                              for i, p in enumerate(r["latency"])
-                                              if p["batch"] == batch
-                                              and p["output_tokens"] == point["output_tokens"])]
+            point["e2e_s"] = [statistics.mean(min(r["latency"][j]["e2e_s"]) for r in rounds)]
             spread.append({"config": name, "batch": batch, "ttft_s": ttfts, "tpot_s": tpots,
                            "ttft_cv": _cv(ttfts), "tpot_cv": _cv(tpots)})
         for i, process in enumerate(mean["processes"]):
@@ -277,11 +273,9 @@ def add_layout(profile_path: Path, tp: int, pp: int, depths: list[int], log_dir:
     log_dir.mkdir(parents=True, exist_ok=True)
     records = measure_in_server(tp, pp, Path(raw["model_dir"]), None, [(16, depths)], workload,
                                 log_dir / f"in-server-TP{tp}-PP{pp}.log")
-    git = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True,
-                         cwd=Path(__file__).parent).stdout.strip() or None
-    keys = {(r["config"], r["num_layers"]) for r in records}
-    raw["records"] = [r for r in raw["records"] if (r["config"], r["num_layers"]) not in keys]
-    raw["records"] += [{**r, "git": git} for r in records]
+    git = git_commit()
+    for record in records:
+        add_record(raw, record, git)
     profile_path.write_text(json.dumps(raw, indent=1))
     return len(records)
 

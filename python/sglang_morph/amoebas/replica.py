@@ -53,7 +53,7 @@ from sglang_morph.amoebas.weights import (
     open_rows_layers,
 )
 from sglang_morph.elastic.contract import ElasticError, Outcome
-from sglang_morph.elastic.kv_resizer import KVResizer, held_kv_tokens
+from sglang_morph.elastic.kv_resizer import KVResizer, evict_cached_prefixes, held_kv_tokens
 from sglang_morph.faults import FaultInjector
 from sglang_morph.elastic.control import ControlOutput, replica_index
 from sglang_morph.groups.link import GroupLink
@@ -409,11 +409,7 @@ class AmoebasReplica:
         return (pages[:, None] * ps + torch.arange(ps)).flatten()
 
     def _evict_cache(self) -> None:
-        from sglang.srt.mem_cache.base_prefix_cache import EvictParams
-
-        tree = self.scheduler.tree_cache
-        if tree.evictable_size():
-            tree.evict(EvictParams(num_tokens=int(tree.evictable_size())))
+        if evict_cached_prefixes(self.scheduler.tree_cache):
             self.allocator.merge_and_sort_free()
 
     def _applied(self, action: str, block: tuple[int, ...], seconds: float, trigger: str,

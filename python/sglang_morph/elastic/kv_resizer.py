@@ -512,6 +512,17 @@ class KVResizer:
             f"{private_tokens} = {total} tokens, capacity {capacity}")
 
 
+def evict_cached_prefixes(tree_cache: Any) -> bool:
+    """Evict every prefix the radix cache holds that no request holds (an idle server's whole
+    cache), returning its slots to the allocator; False when there was none."""
+    from sglang.srt.mem_cache.base_prefix_cache import EvictParams
+
+    evictable = int(tree_cache.evictable_size())
+    if evictable:
+        tree_cache.evict(EvictParams(num_tokens=evictable))
+    return evictable > 0
+
+
 def held_kv_tokens(scheduler: Any) -> int:
     """KV tokens a scheduler's requests and locked cache hold: neither free nor evictable."""
     pool = scheduler.token_to_kv_pool_allocator

@@ -153,7 +153,7 @@ def cmd_profile(args) -> dict:
                    "sessions": [], "records": []}
     if profile["workload"] != json.loads(json.dumps(dataclasses.asdict(workload))):
         raise CliError(f"--append: {out_path} was profiled with workload {profile['workload']}")
-    session = {"started_unix_s": time.time(), "uptime": _uptime(), "git": _git_commit(),
+    session = {"started_unix_s": time.time(), "uptime": _uptime(), "git": git_commit(),
                "argv": sys.argv}
     # A SIGTERM (e.g. `timeout`) must still stop the server being measured: by default it
     # ends Python without running `finally`, and the server outlived two cut-short runs here.
@@ -180,7 +180,7 @@ def cmd_profile(args) -> dict:
             records = measure_in_server(tp, pp, model_dir, engines, bit_runs, workload,
                                         log_dir / f"in-server-TP{tp}-PP{pp}.log")
             for record in records:
-                _add_record(profile, record, session["git"])
+                add_record(profile, record, session["git"])
             out_path.write_text(json.dumps(profile, indent=1))
         jobs = []
     jobs += [(cfg, hf_config["num_hidden_layers"], "full") for cfg in full]
@@ -193,7 +193,7 @@ def cmd_profile(args) -> dict:
         print(f"profile: {kind} {cfg.name} at {n} layer(s)", file=sys.stderr, flush=True)
         record = measure_server(cfg, served_model, served_engines, n, workload,
                                 log_dir / f"{kind}-{cfg.name}-{n}l.log", kind)
-        _add_record(profile, record, session["git"])
+        add_record(profile, record, session["git"])
         out_path.write_text(json.dumps(profile, indent=1))  # a crash keeps what was measured
     session["ended_unix_s"] = time.time()
     session["uptime_at_end"] = _uptime()
@@ -221,7 +221,7 @@ def in_server_launches(jobs: list[tuple[space.Configuration, int, str]], tp_pp: 
             for layout, by_bits in launches.items()}
 
 
-def _add_record(profile: dict, record: dict, git: str | None) -> None:
+def add_record(profile: dict, record: dict, git: str | None) -> None:
     # Every record names its code: a session cut short (a timeout) records no session.
     record["git"] = git
     # A new measurement of the same point replaces the old one (a re-run on a quieter
@@ -235,7 +235,7 @@ def _uptime() -> str:
     return subprocess.run(["uptime"], capture_output=True, text=True).stdout.strip()
 
 
-def _git_commit() -> str | None:
+def git_commit() -> str | None:
     out = subprocess.run(["git", "rev-parse", "HEAD"], cwd=REPO_ROOT, capture_output=True,
                          text=True)
     return out.stdout.strip() or None

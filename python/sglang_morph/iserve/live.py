@@ -30,6 +30,7 @@ from sglang.srt.managers.io_struct import BaseReq, hook_custom_types
 
 from sglang_morph import surface as sym
 from sglang_morph.config import ConfigError
+from sglang_morph.elastic.kv_resizer import evict_cached_prefixes
 from sglang_morph.elastic.registry import Mechanism, routes_in_launcher
 from sglang_morph.iserve.space import stage_layers
 from sglang_morph.surface import HOOK_LLAMA_FORWARD, IN_SCHEDULER, Hook
@@ -123,12 +124,8 @@ class DepthControl:
         req.accepted = True
 
     def _apply(self, depth: int) -> None:
-        from sglang.srt.mem_cache.base_prefix_cache import EvictParams
-
         run = stage_layers(depth, self.stages)[self.stage]
-        tree = self.scheduler.tree_cache
-        if tree.evictable_size():
-            tree.evict(EvictParams(num_tokens=int(tree.evictable_size())))
+        evict_cached_prefixes(self.scheduler.tree_cache)
         self.depth, self.run_layers = depth, run
         logger.info("sglang-morph: iserve depth %d (stage %d runs layers %d-%d)", depth,
                     self.stage, self.start_layer, self.start_layer + run - 1)

@@ -364,12 +364,13 @@ def measure_in_server(tp: int, pp: int, model_dir: Path, engines_dir: Path | Non
                       log_path: Path) -> list[dict[str, Any]]:
     """One launch of the full model at TP ``tp`` x PP ``pp`` (``--enable-iserve-profiling``):
     for each ``(bits, depths)`` of ``runs``, every layer swapped to ``bits`` (``POST
-    /morph/swap``), then each depth set (``POST /iserve/depth``) and timed as ``measure_server``
-    times a fingerprint of that depth, the depths taking turns repetition by repetition. One
-    record per bit-width and depth, ``source``
-    ``in-server``, latency only (``processes`` empty). CPU-seconds: each record has those of
-    every server process since the record before (the first: since launch, ``start_cpu_s``
-    the start-up), so the records of a launch sum to its whole cost."""
+    /morph/swap``; TP x PP serves 16 bits only, without the swap), then each depth set (``POST
+    /iserve/depth``) and timed as ``measure_server`` times a fingerprint of that depth, the
+    depths taking turns repetition by repetition. One record per bit-width and depth,
+    ``source`` ``in-server``, latency only (``processes`` empty). CPU-seconds: each record has
+    those of every server process up to the end of each of its repetitions since the
+    measurement before it (a swap's go to the next record; the first record has the start-up
+    too, ``start_cpu_s``), so the records of a launch sum to its whole cost."""
     from sglang_morph.server import process as harness
 
     workload.check_integrity()
