@@ -1,13 +1,15 @@
 """AMOEBAs' premise, and what its layouts cost at TP 1, on this machine: short requests on
-three replicas alone vs the same replicas merged into one TP 3 group, and vs plain SGLang's
+three replicas alone vs the same replicas merged into one TP 3 group (its members' batches
+run as one forward a step, or each owner's batch as its own forward), and vs plain SGLang's
 three replicas.
 
-Two servers at once, float32, the default model, ``--dp-size 3 --max-total-tokens 1024
---sleep-on-idle``, one thread per rank (the live replay's environment): plain SGLang, and the
-same with ``--enable-amoebas --amoebas-manual``, whose replicas hold their KV head by head and
-their FFN weights as views of the in-place store. Each round measures, one after the other:
-plain SGLang, AMOEBAs' replicas alone, then the group merged (``POST /amoebas/merge``), which
-is then split back. A measurement streams ``PER_REPLICA`` greedy requests to every replica at
+Three servers at once, float32, the default model, ``--dp-size 3 --max-total-tokens 1024
+--sleep-on-idle``, one thread per rank (the live replay's environment): plain SGLang, the same
+with ``--enable-amoebas --amoebas-manual``, whose replicas hold their KV head by head and
+their FFN weights as views of the in-place store, and that with ``--amoebas-merged-forward
+per-owner``. Each round measures, one after the other: plain SGLang, AMOEBAs' replicas alone,
+then the group merged (``POST /amoebas/merge``; batched, then per owner), each split back
+after. A measurement streams ``PER_REPLICA`` greedy requests to every replica at
 once (``routed_dp_rank``; prompt ``PROMPT_TOKENS``, exactly ``NEW_TOKENS`` new tokens) and
 reports output tokens per second of the whole batch and each request's TTFT, TPOT (the
 decode step it saw, ``(E2E - TTFT) / (new tokens - 1)``) and E2E.
@@ -35,10 +37,11 @@ from benchmark.replay.metrics import percentiles
 PLAIN_ARGS = ("--dp-size", "3", "--dtype", "float32", "--max-total-tokens", "1024",
               "--sleep-on-idle")
 AMOEBAS_ARGS = PLAIN_ARGS + ("--enable-amoebas", "--amoebas-manual")
+PER_OWNER_ARGS = AMOEBAS_ARGS + ("--amoebas-merged-forward", "per-owner")
 REPLICAS = (0, 1, 2)
 PER_REPLICA, PROMPT_TOKENS, NEW_TOKENS = 4, 48, 32
 LAYOUTS = {"plain": "3 x TP 1, plain SGLang", "alone": "3 x TP 1, AMOEBAs' layouts",
-           "merged": "TP 3 group"}
+           "merged": "TP 3 group, batched steps", "per_owner": "TP 3 group, per owner"}
 
 
 def prompt(seed: int) -> list[int]:
@@ -102,9 +105,10 @@ def report(result: dict, rounds: int) -> str:
         f"{meta['git']['dirty']}), {meta['machine']['cpu_model']}, "
         f"{meta['machine']['cpu_cores']} cores; load before {meta['load_before']}, after {meta['load_after']}.",
         "",
-        f"Measured, {rounds} rounds, the three layouts one after the other in each round, two "
+        f"Measured, {rounds} rounds, the layouts one after the other in each round, three "
         f"servers up at once (plain `{' '.join(PLAIN_ARGS)}`; AMOEBAs adds "
-        f"`{' '.join(AMOEBAS_ARGS[len(PLAIN_ARGS):])}`), environment {SERVER_ENV}; "
+        f"`{' '.join(AMOEBAS_ARGS[len(PLAIN_ARGS):])}`, and per owner "
+        f"`{' '.join(PER_OWNER_ARGS[len(AMOEBAS_ARGS):])}`), environment {SERVER_ENV}; "
         f"{PER_REPLICA} streamed requests per replica at once, {PROMPT_TOKENS}-token prompts, "
         f"{NEW_TOKENS} new tokens each. Percentiles over every request of every round.",
         "",
@@ -128,11 +132,15 @@ def report(result: dict, rounds: int) -> str:
                 f"{r['tpot_p50']['median']:.3f} ({r['tpot_p50']['min']:.3f}-"
                 f"{r['tpot_p50']['max']:.3f}); per round, median (min-max) over rounds.")
 
-    lines += ["", ratio_line("TP 3 group / 3 x TP 1 (AMOEBAs' layouts)",
+    lines += ["", ratio_line("TP 3 group, batched steps / 3 x TP 1 (AMOEBAs' layouts)",
                              result["merged_over_alone"]),
+              "", ratio_line("TP 3 group, per owner / 3 x TP 1 (AMOEBAs' layouts)",
+                             result["per_owner_over_alone"]),
+              "", ratio_line("TP 3 group, batched steps / per owner",
+                             result["merged_over_per_owner"]),
               "", ratio_line("AMOEBAs' layouts / plain SGLang, both 3 x TP 1",
                              result["alone_over_plain"]),
-              "", "Merge / split wall time per round (idle replicas): "
+              "", "Merge / split wall time per round (idle replicas, the batched server): "
               + ", ".join(f"{t['merge_s']:.2f} / {t['split_s']:.2f} s"
                           for t in result["transitions_s"]) + "."]
     return "\n".join(lines) + "\n"
@@ -152,7 +160,9 @@ def main(argv: list[str] | None = None) -> int:
                                                      env=SERVER_ENV))
         amoebas = servers.enter_context(running_server(AMOEBAS_ARGS, Path(tmp) / "amoebas.log",
                                                        env=SERVER_ENV))
-        for url in (plain.url, amoebas.url):
+        per_owner = servers.enter_context(running_server(
+            PER_OWNER_ARGS, Path(tmp) / "per_owner.log", env=SERVER_ENV))
+        for url in (plain.url, amoebas.url, per_owner.url):
             measure(url, -1)  # warm-up (not reported)
         for k in range(args.rounds):
             runs["plain"].append(measure(plain.url, k))
@@ -161,16 +171,22 @@ def main(argv: list[str] | None = None) -> int:
             runs["merged"].append(measure(amoebas.url, k))
             split_s = transition(amoebas.url, "split", {"group": list(REPLICAS)})
             transitions.append({"merge_s": merge_s, "split_s": split_s})
+            transition(per_owner.url, "merge", {"replicas": list(REPLICAS)})
+            runs["per_owner"].append(measure(per_owner.url, k))
+            transition(per_owner.url, "split", {"group": list(REPLICAS)})
             rates = [f"{name} {runs[name][-1]['output_tokens_per_s']:.1f}" for name in LAYOUTS]
             print(f"round {k}: {', '.join(rates)} tok/s", flush=True)
     result = {
         "meta": run_meta(" ".join(["python -m benchmark.amoebas.premise", *argv]),
                          load_before, plain_args=list(PLAIN_ARGS),
-                         amoebas_args=list(AMOEBAS_ARGS), server_env=SERVER_ENV,
+                         amoebas_args=list(AMOEBAS_ARGS),
+                         per_owner_args=list(PER_OWNER_ARGS), server_env=SERVER_ENV,
                          per_replica=PER_REPLICA, prompt_tokens=PROMPT_TOKENS,
                          new_tokens=NEW_TOKENS),
         **{name: summary(r) for name, r in runs.items()},
         "merged_over_alone": ratios(runs["merged"], runs["alone"]),
+        "per_owner_over_alone": ratios(runs["per_owner"], runs["alone"]),
+        "merged_over_per_owner": ratios(runs["merged"], runs["per_owner"]),
         "alone_over_plain": ratios(runs["alone"], runs["plain"]),
         "transitions_s": transitions, "runs": runs}
     write_results(args.out, "premise", result, report(result, args.rounds))

@@ -18,9 +18,10 @@ replicas' outputs before any merge (an untransformed DP server), checked on ever
   requests' other heads move to the members that keep them, live rows only) and a third of
   the FFN rows, releases the other
   two thirds in place (its RSS falls by at least 95% of those bytes) and gains exactly the KV
-  tokens they hold, and its batches run on all three; outputs on each replica, one at a time and all at once (the three members'
-  batches interleaving), equal the reference token for token, chosen-token logprobs within
-  1e-4 nats; a second merge is refused (409);
+  tokens they hold, and its batches run on all three; outputs on each replica, one at a time
+  and all at once (the members' batches of a step run as one forward, led by replica 0),
+  equal the reference token for token, chosen-token logprobs within 1e-4 nats; a second
+  merge is refused (409);
 - a split that fails on one member's FFN gather leaves the group merged and unchanged;
 - split, while a request streams on each replica: every replica serves alone again with its
   startup capacity, every FFN byte back (the same digest) and the reference outputs; the
@@ -82,6 +83,8 @@ def cli(**flags) -> argparse.Namespace:
      "--amoebas-degrees 2: a group of 2 cannot split the model's 9 query / 3 KV heads evenly"),
     (dict(dp_size=2), {}, (), "no group of --dp-size 2 replicas can split the model's 9 query"),
     ({}, dict(amoebas_degrees="3,x"), (), "--amoebas-degrees must be comma-separated integers"),
+    ({}, dict(amoebas_step_wait_ms=-1.0), (), "--amoebas-step-wait-ms must be in [0, 1000]"),
+    ({}, dict(amoebas_merged_forward="both"), (), "--amoebas-merged-forward must be one of"),
 ])
 def test_launch_refuses_what_it_cannot_serve(default_model_path, overrides, flags,
                                              enabled_before, message):
@@ -98,6 +101,7 @@ def test_degrees_follow_the_heads_and_the_replicas(default_model_path):
     assert configure(AMOEBAS, server_args, cli(amoebas_link_port=4000), frozenset())
     cfg = amoebas_config.get(server_args)
     assert cfg.degrees == (1, 3) and cfg.blocks() == ((0, 1, 2),)
+    assert (cfg.merged_forward, cfg.step_wait_ms) == ("batched", 50.0)
     assert cfg.block_port((0, 1, 2)) == 4000
     # The tiny model's 8 query / 4 KV heads on 4 replicas: 1, 2 and 4, aligned groups.
     assert amoebas_config.allowed_degrees(8, 4, 4) == (1, 2, 4)
@@ -112,6 +116,9 @@ def test_without_the_flag_nothing_changes(default_model_path):
     assert not amoebas_config.get(server_args).enabled
     with pytest.raises(PluginError, match="--amoebas-degrees needs --enable-amoebas"):
         configure(AMOEBAS, server_args, cli(enable_amoebas=False, amoebas_degrees="3"),
+                  frozenset())
+    with pytest.raises(PluginError, match="--amoebas-step-wait-ms needs --enable-amoebas"):
+        configure(AMOEBAS, server_args, cli(enable_amoebas=False, amoebas_step_wait_ms=5.0),
                   frozenset())
 
 
@@ -283,6 +290,8 @@ def test_merge_and_split_keep_every_output(dp3, prompts, reference, default_mode
     s = status(dp3)
     assert all(b["batches_merged"] > 0 and b["batches_served_for_others"] > 0
                for b in s["replicas"])
+    led = s["replicas"][0]["steps_led"]["0-1-2"]
+    assert led["batches"] > led["steps"] > 0, led  # some steps ran several owners' batches
     again = post(dp3, "merge", {"replicas": [0, 1, 2]})
     assert again.status_code == 409 and "already serves in group [0, 1, 2]" in again.text
 

@@ -1,6 +1,8 @@
 """AMOEBAs on four replicas of the tiny random Llama (8 query / 4 KV heads): groups of 2 and 4.
 
-One ``--dp-size 4 --enable-amoebas --amoebas-manual`` server (float32, greedy). The reference
+One ``--dp-size 4 --enable-amoebas --amoebas-manual`` server (float32, greedy) per merged
+forward: batched (each step of every member's batch one forward, run by the group's leader:
+replica 0 for ``[0, 1]`` and the four, replica 2 for ``[2, 3]``) and per owner. The reference
 is each prompt's output on the replicas serving alone, three prompts per replica. Every
 replica is a member of two links (its pair's and the group of four), so this checks that the
 groups' links, service threads and votes keep apart. Across every transition three requests
@@ -34,11 +36,14 @@ N_NEW = 16
 FOUR = [0, 1, 2, 3]
 
 
-@pytest.fixture(scope="module")
-def dp4(server_factory):
-    return server_factory("--model-path", str(tiny_model_path()), "--dtype", "float32",
-                          "--dp-size", "4", "--enable-amoebas", "--amoebas-manual",
-                          "--max-total-tokens", "512")
+@pytest.fixture(scope="module", params=["batched", "per-owner"])
+def dp4(server_factory, request):
+    server = server_factory("--model-path", str(tiny_model_path()), "--dtype", "float32",
+                            "--dp-size", "4", "--enable-amoebas", "--amoebas-manual",
+                            "--max-total-tokens", "512", "--amoebas-merged-forward",
+                            request.param)
+    server.merged_forward = request.param
+    return server
 
 
 def prompt(seed: int, n: int = 24) -> list[int]:
@@ -91,6 +96,24 @@ def across(server, steps, reference) -> list[requests.Response]:
     return answers
 
 
+def steps_led(server) -> dict:
+    """Each leader's steps and the owners' batches they ran, by group."""
+    return {g: n for b in units(server)["replicas"] for g, n in b["steps_led"].items()}
+
+
+def assert_batched(server, before: dict, groups: list[str]) -> None:
+    """Batched: the steps of ``groups`` since ``before`` carried several owners' batches at a
+    time (all at once, the members' steps fall into line); per owner: no steps."""
+    after = steps_led(server)
+    if server.merged_forward == "per-owner":
+        assert after == {}
+        return
+    for g in groups:
+        steps = after[g]["steps"] - before[g]["steps"]
+        batches = after[g]["batches"] - before[g]["batches"]
+        assert steps > 0 and batches >= 1.5 * steps, (g, before[g], after[g])
+
+
 def shards(status: dict) -> list:
     return [(b["group"], b["kv_heads"], b["ffn_rows"]) for b in status["replicas"]]
 
@@ -118,7 +141,9 @@ def test_pairs_then_the_group_of_four_and_back(dp4, reference):
     assert answers[0].status_code == 200, answers[0].text
     s = units(dp4)
     assert s["units"] == [[0, 1], [2, 3]] and shards(s) == PAIRS_SHARDS
+    led = steps_led(dp4)
     assert all_at_once(dp4) == reference
+    assert_batched(dp4, led, ["0-1", "2-3"])
     bad = post(dp4, "split", {"group": [0, 1], "degree": 2})
     assert bad.status_code == 400 and "cannot split into groups of 2" in bad.text, bad.text
 
@@ -128,7 +153,9 @@ def test_pairs_then_the_group_of_four_and_back(dp4, reference):
     assert s["units"] == [FOUR] and shards(s) == FOUR_SHARDS
     pair_capacity = before["replicas"][0]["kv_capacity_tokens"]
     assert all(b["kv_capacity_tokens"] > pair_capacity for b in s["replicas"])
+    led = steps_led(dp4)
     assert all_at_once(dp4) == reference
+    assert_batched(dp4, led, ["0-1-2-3"])
 
     (split,) = across(dp4, [("split", {"group": FOUR, "degree": 2})], reference)
     assert split.status_code == 200, split.text

@@ -9,6 +9,8 @@ member's page store that holds its shard only: a prefill of two requests with di
 decode steps, each member keeping its heads' KV in its own pool at the owner's slot numbers.
 The owner's final-normed hidden states equal transformers' last hidden states of the same
 positions, and every member's KV pool holds exactly its heads' rows of the reference's keys.
+With two owners (each request another member's, in its own KV views on every member) both
+batches run as one forward (one all-reduce per projection) with the same result.
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ import types
 import pytest
 import torch
 
-from sglang_morph.amoebas.forward import Batch, Shard, forward, layer_shards
+from sglang_morph.amoebas.forward import Batch, Part, Shard, forward, layer_shards
 from sglang_morph.amoebas.weights import MappedFfnWeights, keep_shard_layers
 
 HIDDEN, Q_HEADS, KV_HEADS, HEAD_DIM, FFN, LAYERS = 256, 8, 4, 32, 384, 3
@@ -110,10 +112,14 @@ class ThreadAllReduce:
         return all_reduce
 
 
-def run_group(model, degree: int, in_place: bool = False) -> tuple[list[torch.Tensor], list]:
-    """Every step of the two requests on a group of ``degree`` (member 0 owns them); the
-    owner's hidden states of every step and each member's K pools. ``in_place``: each member's
-    FFN rows come from its own page store holding its shard only (the rest released)."""
+def run_group(model, degree: int, in_place: bool = False, owners: int = 1
+              ) -> tuple[list[torch.Tensor], list]:
+    """Every step of the two requests on a group of ``degree``; the owners' hidden states of
+    every step (both requests' rows, in order) and each member's K pools per owner
+    (``pools[member][owner]``). ``owners`` 1: member 0 owns both requests (one batch);
+    2: request i is owner i's, the two batches run as one forward. ``in_place``: each
+    member's FFN rows come from its own page store holding its shard only (the rest
+    released)."""
     shards = [Shard(r, degree, Q_HEADS, KV_HEADS, FFN) for r in range(degree)]
     if in_place:
         stores = [[MappedFfnWeights.from_tensors(layer.mlp.gate_up_proj.weight,
@@ -124,9 +130,9 @@ def run_group(model, degree: int, in_place: bool = False) -> tuple[list[torch.Te
         views = [layer_shards(model, s, HEAD_DIM, ffn=own) for s, own in zip(shards, stores)]
     else:
         views = [layer_shards(model, s, HEAD_DIM) for s in shards]
-    pools = [([torch.zeros(SLOTS, KV_HEADS // degree, HEAD_DIM) for _ in range(LAYERS)],
-              [torch.zeros(SLOTS, KV_HEADS // degree, HEAD_DIM) for _ in range(LAYERS)])
-             for _ in range(degree)]
+    pools = [[([torch.zeros(SLOTS, KV_HEADS // degree, HEAD_DIM) for _ in range(LAYERS)],
+               [torch.zeros(SLOTS, KV_HEADS // degree, HEAD_DIM) for _ in range(LAYERS)])
+              for _ in range(owners)] for _ in range(degree)]
     # Request i's tokens sit at slots 1 + 32 * i onwards (the owner's numbers).
     req_to_token = torch.stack([torch.arange(1 + 32 * i, 33 + 32 * i) for i in range(2)])
     steps = [[PROMPTS[0], PROMPTS[1]], *[[[a], [b]] for a, b in zip(*DECODE_TOKENS)]]
@@ -138,13 +144,20 @@ def run_group(model, degree: int, in_place: bool = False) -> tuple[list[torch.Te
         positions = torch.cat([torch.arange(p, p + n) for p, n in zip(done, new.tolist())])
         loc = torch.cat([req_to_token[i, p:p + n] for i, (p, n)
                          in enumerate(zip(done, new.tolist()))])
-        batch = Batch(torch.tensor([t for s in step for t in s]), positions, loc, seq, prefix,
-                      new, req_to_token)
+        if owners == 1:
+            batches = [Batch(torch.tensor([t for s in step for t in s]), positions, loc, seq,
+                             prefix, new, req_to_token)]
+        else:  # request i alone, its table row 0, in owner i's slots
+            cut = [0, len(step[0]), len(step[0]) + len(step[1])]
+            batches = [Batch(torch.tensor(step[i]), positions[cut[i]:cut[i + 1]],
+                             loc[cut[i]:cut[i + 1]], seq[i:i + 1], prefix[i:i + 1],
+                             new[i:i + 1], req_to_token[i:i + 1]) for i in range(2)]
         reducer, results = ThreadAllReduce(degree), [None] * degree
 
         def member(r: int) -> None:
+            parts = [Part(b, *pools[r][o]) for o, b in enumerate(batches)]
             with torch.no_grad():
-                results[r] = forward(model, views[r], shards[r], HEAD_DIM, batch, *pools[r],
+                results[r] = forward(model, views[r], shards[r], HEAD_DIM, parts,
                                      reducer.member(r), final_norm=r == 0)
 
         threads = [threading.Thread(target=member, args=(r,)) for r in range(degree)]
@@ -157,12 +170,13 @@ def run_group(model, degree: int, in_place: bool = False) -> tuple[list[torch.Te
     return outputs, pools
 
 
-@pytest.mark.parametrize("degree, in_place", [(1, False), (2, False), (4, False), (2, True),
-                                               (4, True)])
-def test_group_forward_equals_transformers(reference, degree, in_place):
+@pytest.mark.parametrize("degree, in_place, owners", [
+    (1, False, 1), (2, False, 1), (4, False, 1), (2, True, 1), (4, True, 1), (2, False, 2),
+    (4, True, 2)])
+def test_group_forward_equals_transformers(reference, degree, in_place, owners):
     config, hf = reference
     model = sglang_layout(config, hf)
-    outputs, pools = run_group(model, degree, in_place)
+    outputs, pools = run_group(model, degree, in_place, owners)
     for i in range(2):
         ids = torch.tensor([PROMPTS[i] + DECODE_TOKENS[i]])
         with torch.no_grad():
@@ -178,8 +192,9 @@ def test_group_forward_equals_transformers(reference, degree, in_place):
     with torch.no_grad():
         keys = _reference_keys(hf, 0)
     heads = KV_HEADS // degree
-    for r, (k_bufs, _) in enumerate(pools):
+    for r, member_pools in enumerate(pools):
         for i in range(2):
+            k_bufs = member_pools[i % owners][0]  # owner i's views when each owns a request
             n = len(PROMPTS[i]) + len(DECODE_TOKENS[i])
             got = k_bufs[0][1 + 32 * i:1 + 32 * i + n]
             torch.testing.assert_close(got, keys[i][:, r * heads:(r + 1) * heads], rtol=0,

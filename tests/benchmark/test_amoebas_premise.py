@@ -42,9 +42,15 @@ def test_ratios_per_round_and_the_report():
             "machine": {"cpu_model": "CPU", "cpu_cores": 2}, "load_before": [0.1, 0.2, 0.3],
             "load_after": [0.4, 0.5, 0.6]}
     result = {"meta": meta, "plain": P.summary(plain), "alone": s,
-              "merged": P.summary(plain), "merged_over_alone": P.ratios(plain, alone),
+              "merged": P.summary(plain), "per_owner": P.summary(alone),
+              "merged_over_alone": P.ratios(plain, alone),
+              "per_owner_over_alone": P.ratios(alone, alone),
+              "merged_over_per_owner": P.ratios(plain, alone),
               "alone_over_plain": r, "transitions_s": [{"merge_s": 0.3, "split_s": 0.6}]}
     text = P.report(result, 3)
     assert "| 3 x TP 1, AMOEBAs' layouts | 10.0 (9.0-12.0) |" in text
     assert "AMOEBAs' layouts / plain SGLang, both 3 x TP 1: throughput 1.000 (0.900-1.250)" in text
+    assert "| TP 3 group, per owner | 10.0 (9.0-12.0) |" in text
+    assert "TP 3 group, per owner / 3 x TP 1 (AMOEBAs' layouts): throughput 1.000" in text
+    assert "TP 3 group, batched steps / per owner: throughput 1.000 (0.800-1.111)" in text
     assert "0.30 / 0.60 s" in text and "commit abcdef0" in text

@@ -20,6 +20,9 @@ from sglang_morph.server.ports import free_late_bind_port
 
 SERVER_ARGS_ATTR = "_amoebas_config"
 VARIANTS = ("amoebas", "base")
+# "batched": a step of every member's batch is one forward of the group (steps.py);
+# "per-owner": each owner's batch is its own forward, the owners' forwards interleaved
+MERGED_FORWARDS = ("batched", "per-owner")
 _PORT_ATTEMPTS = 16
 
 
@@ -60,6 +63,17 @@ class AmoebasConfig:
     # "amoebas": KV by head and FFN released in place; "base": the paper's base variant
     # (token-first KV copied on every transition, FFN shards swapped by copy)
     variant: str = "amoebas"
+    merged_forward: str = "batched"
+    # How long a merged group's leader waits for the last step's owners (steps.py)
+    step_wait_ms: float = 50.0
+
+    def __post_init__(self) -> None:
+        if self.merged_forward not in MERGED_FORWARDS:
+            raise AmoebasConfigError(f"--amoebas-merged-forward must be one of "
+                                     f"{list(MERGED_FORWARDS)}, got {self.merged_forward!r}")
+        if not 0 <= self.step_wait_ms <= 1000:
+            raise AmoebasConfigError(f"--amoebas-step-wait-ms must be in [0, 1000], got "
+                                     f"{self.step_wait_ms}")
 
     def blocks(self) -> tuple[tuple[int, ...], ...]:
         """Every group the replicas may form: for each degree d > 1, the aligned runs of d
@@ -115,7 +129,13 @@ class AmoebasConfig:
                                      ("--amoebas-manual",
                                       getattr(args, "amoebas_manual", False)),
                                      ("--amoebas-variant",
-                                      getattr(args, "amoebas_variant", None) is not None)) if on]
+                                      getattr(args, "amoebas_variant", None) is not None),
+                                     ("--amoebas-merged-forward",
+                                      getattr(args, "amoebas_merged_forward", None)
+                                      is not None),
+                                     ("--amoebas-step-wait-ms",
+                                      getattr(args, "amoebas_step_wait_ms", None)
+                                      is not None)) if on]
             if given:
                 raise AmoebasConfigError(f"{', '.join(given)} "
                                          f"{'needs' if len(given) == 1 else 'need'} "
@@ -137,11 +157,14 @@ class AmoebasConfig:
                 f"--enable-amoebas: no group of --dp-size {replicas} replicas can split the "
                 f"model's {q_heads} query / {kv_heads} KV heads evenly")
         port = args.amoebas_link_port
+        wait_ms = getattr(args, "amoebas_step_wait_ms", None)
         ports_needed = len(cls(True, replicas, degrees, 0).blocks()) + 1
         return cls(enabled=True, replicas=replicas, degrees=degrees,
                    link_port=port if port is not None else _free_ports(ports_needed),
                    auto=not getattr(args, "amoebas_manual", False),
-                   variant=getattr(args, "amoebas_variant", None) or "amoebas")
+                   variant=getattr(args, "amoebas_variant", None) or "amoebas",
+                   merged_forward=getattr(args, "amoebas_merged_forward", None) or "batched",
+                   step_wait_ms=cls.step_wait_ms if wait_ms is None else wait_ms)
 
 
 def _free_ports(count: int) -> int:
@@ -205,6 +228,16 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
         "live rows only, and the FFN rows released in place; base: the AMOEBAs paper's base "
         "variant for comparison (token-first KV copied whole on every transition, FFN shards "
         "swapped by copy).")
+    group.add_argument(
+        "--amoebas-merged-forward", choices=MERGED_FORWARDS, default=None,
+        help="batched (default): a merged group runs each step of all its members' batches "
+        "as one forward (one pass over the weights and one all-reduce per projection); "
+        "per-owner: each member's batch is its own forward of the group, interleaved.")
+    group.add_argument(
+        "--amoebas-step-wait-ms", type=float, default=None, metavar="MS",
+        help="Batched merged forward: how long a group waits, after a member's batch "
+        "arrives, for the members of the last step to send theirs (default 50; 0 runs what "
+        "has arrived at once).")
     group.add_argument(
         "--amoebas-manual", action="store_true",
         help="No automatic transitions: replicas merge and split only on POST /amoebas/merge "

@@ -168,29 +168,53 @@ class Batch:
                    rows)
 
 
+@dataclasses.dataclass(frozen=True)
+class Part:
+    """One owner's batch in a merged forward, with this member's KV views for that owner
+    (``k_buffers[l]``/``v_buffers[l]``: [slots, this member's KV heads, head_dim] at the
+    owner's slot numbers)."""
+
+    batch: Batch
+    k_buffers: Sequence[torch.Tensor]
+    v_buffers: Sequence[torch.Tensor]
+
+    @property
+    def tokens(self) -> int:
+        return self.batch.input_ids.numel()
+
+
 def forward(model: Any, shards: Sequence[LayerShard], shard: Shard, head_dim: int,
-            batch: Batch, k_buffers: Sequence[torch.Tensor], v_buffers: Sequence[torch.Tensor],
-            all_reduce: AllReduce, final_norm: bool) -> torch.Tensor:
-    """``LlamaModel.forward`` of ``batch`` on one member: its heads and FFN rows, the partial
-    sums all-reduced. ``k_buffers[l]``/``v_buffers[l]``: [slots, this member's KV heads,
-    head_dim] at the owner's slot numbers. Returns the final-normed hidden states when
-    ``final_norm`` (the owner), else the last layer's output."""
+            parts: Sequence[Part], all_reduce: AllReduce, final_norm: bool) -> torch.Tensor:
+    """``LlamaModel.forward`` of the owners' batches ``parts`` as one batch on one member: its
+    heads and FFN rows over every part's tokens at once (one GEMM and one all-reduce per
+    projection, whatever the number of owners), attention part by part over that owner's KV
+    views. Returns the hidden states of every part's tokens, in order: final-normed when
+    ``final_norm`` (an owner's), else the last layer's output."""
     hq, hkv = len(shard.q_heads), len(shard.kv_heads)
-    tokens = batch.input_ids.numel()
-    pool_rows = torch.arange(batch.seq_lens.numel(), dtype=torch.int64)
-    hidden, residual = model.embed_tokens(batch.input_ids), None
-    for layer, w, k_buf, v_buf in zip(model.layers, shards, k_buffers, v_buffers, strict=True):
+    tokens = sum(p.tokens for p in parts)
+    starts = [sum(p.tokens for p in parts[:i]) for i in range(len(parts))]
+    pool_rows = [torch.arange(p.batch.seq_lens.numel(), dtype=torch.int64) for p in parts]
+    cat = (lambda ts: ts[0]) if len(parts) == 1 else torch.cat
+    input_ids = cat([p.batch.input_ids for p in parts])
+    positions = cat([p.batch.positions for p in parts])
+    hidden, residual = model.embed_tokens(input_ids), None
+    for l, (layer, w) in enumerate(zip(model.layers, shards, strict=True)):
         if residual is None:
             residual, x = hidden, layer.input_layernorm(hidden)
         else:
             x, residual = layer.input_layernorm(hidden, residual)
-        q, k = layer.self_attn.rotary_emb(batch.positions, F.linear(x, w.q), F.linear(x, w.k))
-        k_buf[batch.out_cache_loc] = k.view(tokens, hkv, head_dim).to(k_buf.dtype)
-        v_buf[batch.out_cache_loc] = F.linear(x, w.v).view(tokens, hkv, head_dim).to(v_buf.dtype)
+        q, k = layer.self_attn.rotary_emb(positions, F.linear(x, w.q), F.linear(x, w.k))
+        k = k.view(tokens, hkv, head_dim)
+        v = F.linear(x, w.v).view(tokens, hkv, head_dim)
         q = q.view(tokens, hq, head_dim)
-        attn = extend_new_rows(q, torch.empty_like(q), k_buf, v_buf, batch.req_to_token,
-                               pool_rows, batch.seq_lens, batch.prefix_lens, batch.new_lens,
-                               layer.self_attn.scaling, hq != hkv)
+        attn = torch.empty_like(q)
+        for p, start, rows in zip(parts, starts, pool_rows):
+            k_buf, v_buf, b, end = p.k_buffers[l], p.v_buffers[l], p.batch, start + p.tokens
+            k_buf[b.out_cache_loc] = k[start:end].to(k_buf.dtype)
+            v_buf[b.out_cache_loc] = v[start:end].to(v_buf.dtype)
+            extend_new_rows(q[start:end], attn[start:end], k_buf, v_buf, b.req_to_token, rows,
+                            b.seq_lens, b.prefix_lens, b.new_lens, layer.self_attn.scaling,
+                            hq != hkv)
         out = F.linear(attn.view(tokens, hq * head_dim), w.o)
         all_reduce(out)
         x, residual = layer.post_attention_layernorm(out, residual)

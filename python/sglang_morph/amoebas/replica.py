@@ -5,10 +5,14 @@ SGLang cannot move a request between schedulers, so a replica keeps its schedule
 requests and its slot numbers whether it serves alone or in a group. In a group of degree d it
 is member ``i`` of the group's link and keeps query/KV heads and FFN rows ``[i*X/d,
 (i+1)*X/d)`` (``forward.Shard``). Each batch of any member (its *owner*) runs on every member
-at once (``forward.forward``): the owner's scheduler thread sends the batch to the others and
-runs its share; on each other member a service thread (one per possible caller,
-``groups.member``) runs that member's share; the partial sums meet in all-reduces on the
-owner's call group. SGLang's logits and sampling stay with the owner.
+at once (``forward.forward``). Batched (the default, ``steps.py``): the owners post their
+batches to the group's leader (shard rank 0), whose step thread sends each step of all posted
+batches to the other members and runs its share, a service thread (one per possible caller,
+``groups.member``) running each other member's share; the partial sums meet in all-reduces on
+the leader's call group, and each owner keeps its part's rows. Per owner
+(``--amoebas-merged-forward per-owner``): the owner's scheduler thread sends its batch to the
+others and runs its share, the others' service threads theirs, on the owner's call group.
+SGLang's logits and sampling stay with the owner.
 
 KV: a member keeps its heads' KV of its own requests in its own pool and, for each other
 member q, its heads' KV of q's requests at q's slot numbers (q's *mirror*). With SGLang's
@@ -18,9 +22,10 @@ requests hold its heads of q's requests instead, so a group needs no memory beyo
 the replicas started with.
 
 Concurrency: one compute lock per process (``groups.member``) for all its links. The
-scheduler thread holds it through ``ModelRunner.forward``; a service thread takes it to run a
-caller's share; both release it while they wait in an all-reduce or for an answer, so the
-members' batches interleave layer by layer and never deadlock.
+scheduler thread holds it through ``ModelRunner.forward`` and releases it while its batch
+waits for its step; a service thread or the leader's step thread takes it to run a share;
+all release it while they wait in an all-reduce or for an answer, so nothing waits holding
+it and members calling each other cannot deadlock.
 
 Transitions (``POST /amoebas/merge`` and ``/amoebas/split``): every replica's scheduler gets
 the request between batches; the members of the named group run it as a voted transition over
@@ -41,8 +46,16 @@ from typing import Any
 import torch
 
 from sglang_morph.amoebas.config import AmoebasConfig
-from sglang_morph.amoebas.forward import Batch, Shard, check_layers, forward, layer_shards
+from sglang_morph.amoebas.forward import (
+    Batch,
+    Part,
+    Shard,
+    check_layers,
+    forward,
+    layer_shards,
+)
 from sglang_morph.amoebas.pages import process_rss_bytes
+from sglang_morph.amoebas.steps import Pending, StepQueue, step_from_message, step_message
 from sglang_morph.amoebas.kv_layout import KVLayoutConfig
 from sglang_morph.amoebas.kv_reshard import KVReshard, Transport
 from sglang_morph.amoebas.weights import (
@@ -67,6 +80,7 @@ _OK, _BAD, _REFUSED, _FAILED = 200, 400, 409, 500
 # all-reduce forever; past this they raise and their scheduler stops with the error.
 _ALL_REDUCE_TIMEOUT = datetime.timedelta(minutes=5)
 _RECENT_TRANSITIONS = 20
+_LEADER = 0  # the shard rank whose step thread runs a group's batched steps
 # Tests only: the replica whose fault points (SGLANG_MORPH_FAULT) are armed, so that one member
 # fails a step the others completed.
 FAULT_REPLICA_ENV = "SGLANG_AMOEBAS_FAULT_REPLICA"
@@ -76,7 +90,8 @@ class AmoebasReplica:
     """Invariants (``check_integrity``): alone (``unit == (replica,)``), no shard and no
     mirrors; in a group, ``unit`` is one of the configured blocks holding this replica,
     ``shard`` is this member's, there is one mirror per other member and each view has the
-    pool's rows and ``num_kv_heads / degree`` heads; every service thread is alive."""
+    pool's rows and ``num_kv_heads / degree`` heads; every service thread and step thread
+    is alive."""
 
     def __init__(self, scheduler: Any, cfg: AmoebasConfig):
         runner = scheduler.tp_worker.model_runner
@@ -144,12 +159,23 @@ class AmoebasReplica:
         self._layers: list | None = None  # forward.LayerShard per layer while merged
         self.transitions: list[dict[str, Any]] = []
         self.batches_merged = self.batches_served_for_others = 0
+        # Batched merged forward: the steps of the groups this replica leads, and this
+        # replica's batch waiting for its step (scheduler thread sets it before posting).
+        self._steps: dict[tuple[int, ...], StepQueue] = {}
+        self._step_threads: list[threading.Thread] = []
+        self._pending: Pending | None = None
         runner.amoebas = self
         self.model.amoebas = self
         if os.environ.get(FAULT_REPLICA_ENV) == str(self.replica):
             self.faults.arm_from_env()
         for block, member in self.members.items():
             member.start_services(functools.partial(self._run_for, block))
+            if cfg.merged_forward == "batched" and member.link.rank == _LEADER:
+                self._steps[block] = StepQueue(cfg.step_wait_ms / 1000)
+                thread = threading.Thread(target=self._lead, args=(block,), daemon=True,
+                                          name=f"amoebas-steps-{'-'.join(map(str, block))}")
+                thread.start()
+                self._step_threads.append(thread)
 
     # ---- state ----
 
@@ -211,6 +237,10 @@ class AmoebasReplica:
             "released_ffn_bytes": self.released_ffn_bytes,
             "batches_merged": self.batches_merged,
             "batches_served_for_others": self.batches_served_for_others,
+            "merged_forward": self.cfg.merged_forward,
+            # The groups this replica leads: steps run and owners' batches in them
+            "steps_led": {"-".join(map(str, b)): {"steps": q.steps, "batches": q.parts}
+                          for b, q in self._steps.items()},
             "groups_allowed": [list(b) for b in self.cfg.blocks()],
             "transitions": self.transitions[-_RECENT_TRANSITIONS:],
         }
@@ -223,6 +253,8 @@ class AmoebasReplica:
     def check_integrity(self) -> None:
         for member in self.members.values():
             member.check_integrity()
+        dead = [t.name for t in self._step_threads if not t.is_alive()]
+        assert not dead, f"step threads {dead} of replica {self.replica} have stopped"
         for store in self.ffn:
             store.check_integrity()
         self.kv.check_integrity()
@@ -563,33 +595,110 @@ class AmoebasReplica:
                        forward_batch: Any, input_embeds: Any = None,
                        pp_proxy_tensors: Any = None) -> torch.Tensor:
         """``LlamaModel.forward`` of this replica's batch in its group (scheduler thread,
-        compute lock held): the batch goes to every other member, this member runs its share,
-        then each member's answer says it finished."""
+        compute lock held): batched, the batch is posted to the group's leader and its rows
+        come from this member's share of the step; per owner, the batch goes to every other
+        member, this member runs its share, then each member's answer says it finished."""
         if input_embeds is not None or pp_proxy_tensors is not None:
             raise NotImplementedError("a merged group runs token batches on one stage")
         member = self.member
         batch = Batch.from_forward_batch(forward_batch,
                                          self.scheduler.req_to_token_pool.req_to_token,
                                          input_ids, positions)
-        for other in member.link.others:
-            member.call(other, batch.tensors())
-        hidden = forward(self.model, self._shard_layers(), self.shard, self.head_dim, batch,
-                         *self.kv_views(self.replica),
-                         self._all_reduce(member.link.calls[member.link.rank]), final_norm=True)
-        for other in member.link.others:
-            member.answer(other)
+        if self.cfg.merged_forward == "batched":
+            hidden = self._post(member, batch)
+        else:
+            for other in member.link.others:
+                member.call(other, batch.tensors())
+            hidden = forward(self.model, self._shard_layers(), self.shard, self.head_dim,
+                             [Part(batch, *self.kv_views(self.replica))],
+                             self._all_reduce(member.link.calls[member.link.rank]),
+                             final_norm=True)
+            for other in member.link.others:
+                member.answer(other)
         self.batches_merged += 1
         return hidden
 
+    def _post(self, member: GroupMember, batch: Batch) -> torch.Tensor:
+        """This replica's batch through the group's next step: its final-normed rows."""
+        self._pending = pending = Pending()
+        try:
+            if member.link.rank == _LEADER:
+                self._steps[self.unit].post(_LEADER, batch)
+            else:
+                member.call(_LEADER, batch.tensors(), post=1)
+            hidden = pending.wait(self.lock, _ALL_REDUCE_TIMEOUT.total_seconds())
+        finally:
+            self._pending = None
+        if member.link.rank != _LEADER:
+            member.answer(_LEADER)  # the leader's receipt of the post, long arrived
+        return hidden
+
+    def _lead(self, block: tuple[int, ...]) -> None:
+        """The leader's step thread of ``block`` (runs as long as the process): each step of
+        the posted batches goes to every other member, then this member runs its share and
+        reads every member's answer."""
+        member, queue = self.members[block], self._steps[block]
+        while True:
+            step = queue.take()
+            tensors, ints = step_message(step)
+            try:
+                with self.lock, torch.no_grad():
+                    for other in member.link.others:
+                        member.call(other, tensors, **ints)
+                    failed = []
+                    try:
+                        self._run_step(block, member.link.rank, step)
+                    finally:
+                        for other in member.link.others:
+                            try:
+                                member.answer(other)
+                            except RuntimeError as e:
+                                failed.append(str(e))
+                    if failed:
+                        raise RuntimeError("; ".join(failed))
+            except Exception:
+                logger.exception("sglang-morph: AMOEBAs group %s could not run a step of "
+                                 "%d batches", list(block), len(step))
+
+    def _run_step(self, block: tuple[int, ...], caller: int, step: list) -> None:
+        """This member's share of a batched step (compute lock held); when one of its parts
+        is this member's own batch, its rows go to the waiting scheduler thread."""
+        mine = ([i for i, (owner, _) in enumerate(step) if owner == self.shard.rank]
+                if self.shard is not None else [])
+        try:
+            if self.unit != block:
+                raise RuntimeError(f"a step of group {list(block)} reached replica "
+                                   f"{self.replica} serving in {list(self.unit)}")
+            parts = [Part(batch, *self.kv_views(self.order[owner])) for owner, batch in step]
+            hidden = forward(self.model, self._shard_layers(), self.shard, self.head_dim,
+                             parts, self._all_reduce(self.members[block].link.calls[caller]),
+                             final_norm=bool(mine))
+        except Exception as e:
+            if mine and self._pending is not None:
+                self._pending.fail(f"replica {self.replica} could not run its share of a "
+                                   f"merged step: {e}")
+            raise
+        self.batches_served_for_others += len(step) - len(mine)
+        if mine:
+            start = sum(p.tokens for p in parts[:mine[0]])
+            self._pending.set(hidden[start:start + parts[mine[0]].tokens].clone())
+
     def _run_for(self, block: tuple[int, ...], caller: int, tensors: dict[str, torch.Tensor],
                  ints: dict[str, int]) -> dict[str, torch.Tensor]:
-        """Member ``caller``'s batch: this member's share (service thread, compute lock
-        held)."""
+        """Member ``caller``'s call (service thread, compute lock held): on the leader, an
+        owner's batch posted for the next step; a batched step from the leader; or (per
+        owner) the caller's batch. Runs this member's share."""
+        if ints.get("post"):
+            self._steps[block].post(caller, Batch.from_tensors(tensors))
+            return {}
+        if "parts" in ints:
+            self._run_step(block, caller, step_from_message(tensors, ints))
+            return {}
         if self.unit != block:
             raise RuntimeError(f"a batch of group {list(block)} reached replica {self.replica} "
                                f"serving in {list(self.unit)}")
         forward(self.model, self._shard_layers(), self.shard, self.head_dim,
-                Batch.from_tensors(tensors), *self.kv_views(self.order[caller]),
+                [Part(Batch.from_tensors(tensors), *self.kv_views(self.order[caller]))],
                 self._all_reduce(self.members[block].link.calls[caller]), final_norm=False)
         self.batches_served_for_others += 1
         return {}
