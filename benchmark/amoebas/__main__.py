@@ -7,8 +7,11 @@ writes ``sim.json`` (every run, the first seed's per-unit timelines) and ``sim.m
 
 Scenarios: ``paper`` is the AMOEBAs paper's workload shape on 8 replicas of the default model
 (short prompts at ~27% of a TP 1 pool, 60 a minute; long prompts no TP 1 pool holds, 1 a
-minute); ``tiny4`` the 4-replica tiny-model configuration a live run checks (long prompts of every
-size a TP 2 or TP 4 group holds, 2 a minute: TP 1 -> 2 -> 4).
+minute); ``paper_tiny8`` the same shape on 8 replicas of the tiny model (degrees 1, 2, 4),
+where long prompts can be larger than a TP 2 group holds, as in the paper (the default model's
+heads allow no TP 2), so each needs four replicas; ``tiny4`` the 4-replica tiny-model
+configuration a live run checks (long prompts of every size a TP 2 or TP 4 group holds, 2 a
+minute: TP 1 -> 2 -> 4).
 ``--load`` multiplies both arrival rates. Every number is SIMULATED.
 """
 
@@ -49,6 +52,9 @@ SCENARIOS = {
     # Long prompts from just over a TP 1 pool to a TP 4 group's: TP 2 and TP 4 groups, and
     # two TP 2 groups merging into one TP 4.
     "tiny4": Scenario("tiny", 4, 2048, 30.0, 2.0, long_above_degree=1),
+    # The paper's rates and long prompts above a TP 2 group's pool: only TP 4 groups hold
+    # them, out of 8 replicas.
+    "paper_tiny8": Scenario("tiny", 8, 2048, 60.0, 1.0, long_above_degree=2),
 }
 
 

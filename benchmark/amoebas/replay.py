@@ -458,11 +458,13 @@ def run_all(st: Settings, command: str) -> dict[str, Any]:
         "raw_dir": repo_path(st.raw_dir), "prompt_corpus": WIKITEXT2_TRAIN_HEAD.name,
         "sampling": "greedy, ignore_eos, max_new_tokens = the request's output length"},
         "arms": {a: {"runs": []} for a in st.arms}}
+    # The commit and whether the tree is clean, read before this run writes its results.
+    git = run_meta(command, load_before)["git"]
     for run in range(st.runs):  # arms interleaved: background drift hits every arm alike
         for arm in st.arms:
             report["arms"][arm]["runs"].append(
                 run_arm(st, arm, run, workload, prompts, warm_ids, tp3_tokens))
-            report["meta"] = run_meta(command, load_before, date=date)
+            report["meta"] = {**run_meta(command, load_before, date=date), "git": git}
             write(report, st, workload.long_indices)
     return report
 

@@ -120,3 +120,21 @@ def test_metrics_count_only_the_window():
     assert m["completed_tokens_per_s"] == pytest.approx(103 / 2.0)
     assert m["output_tokens_per_s"] == pytest.approx((a.generated + b.generated) / 2.0)
     assert dataclasses.replace(reqs[0]).generated == 0  # the inputs were copied, not consumed
+
+
+def test_the_paper_shape_on_eight_tiny_replicas_needs_groups_of_four():
+    """``paper_tiny8``: long prompts above a TP 2 group's pool, so only a TP 4 group holds
+    them (the default model's heads allow no TP 2)."""
+    from benchmark.amoebas.__main__ import SCENARIOS, model_spec
+
+    sc = SCENARIOS["paper_tiny8"]
+    capacity = CapacityModel.from_kv_pool(model_spec(sc.model), sc.replicas,
+                                          sc.kv_capacity_tokens_tp1)
+    assert capacity.allowed_degrees == (1, 2, 4)
+    reqs = sim.Workload(600.0, sc.short_per_min, sc.long_per_min,
+                        long_above_degree=sc.long_above_degree).requests(capacity, 0)
+    longs = [r.kv_tokens for r in reqs if r.long]
+    assert longs and all(capacity.owner_capacity_tokens(2) < kv
+                         <= capacity.owner_capacity_tokens(4) for kv in longs)
+    shorts = [r.kv_tokens for r in reqs if not r.long]
+    assert 0.2 * 2048 < min(shorts) and max(shorts) < 0.3 * 2048
