@@ -100,6 +100,9 @@ class Settings:
     split_wait_s: float
     out_dir: Path
     raw_dir: Path
+    # SGLang's --chunked-prefill-size for every arm (None: SGLang's default, 4096 on this CPU,
+    # above every prompt here: a long prompt's prefill is one forward)
+    chunked_prefill_tokens: int | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -145,8 +148,11 @@ def tp3_kv_tokens(pool_tokens: int) -> int:
     return REPLICAS * capacity.owner_capacity_tokens(REPLICAS)
 
 
-def server_args(arm: str, pool_tokens: int, tp3_tokens: int) -> tuple[str, ...]:
+def server_args(arm: str, pool_tokens: int, tp3_tokens: int,
+                chunked_prefill_tokens: int | None = None) -> tuple[str, ...]:
     base = ("--dtype", DTYPE, "--enable-metrics")
+    if chunked_prefill_tokens is not None:
+        base += ("--chunked-prefill-size", str(chunked_prefill_tokens))
     if arm == "amoebas":
         return base + ("--dp-size", str(REPLICAS), "--max-total-tokens", str(pool_tokens),
                        "--enable-amoebas")
@@ -277,7 +283,7 @@ def log_excerpt(path: Path, lines: int = 30) -> list[str]:
 def run_arm(st: Settings, arm: str, run: int, workload: Workload, prompts: list[list[int]],
             warm_ids: list[int], tp3_tokens: int) -> dict[str, Any]:
     """One fresh server, one replay. A failure is this run's result; the others still run."""
-    args = server_args(arm, st.pool_tokens, tp3_tokens)
+    args = server_args(arm, st.pool_tokens, tp3_tokens, st.chunked_prefill_tokens)
     log = st.raw_dir / f"{arm}_run{run}_server.log"
     out: dict[str, Any] = {"run": run, "server_args": list(args), "server_log": repo_path(log)}
     t0, result = time.time(), None
@@ -332,7 +338,10 @@ def markdown(report: dict[str, Any]) -> str:
         "ignore_eos, the same token ids to every arm.", "",
         f"Pools: N = {st['pool_tokens']} tokens per replica (amoebas, dp3); tp3 M = "
         f"{st['tp3_kv_tokens']}, {st['tp3_kv_tokens_method']} (the amoebas arm's pools reached "
-        f"{report.get('amoebas_max_kv_tokens_total')} tokens in all).", "",
+        f"{report.get('amoebas_max_kv_tokens_total')} tokens in all). Chunked prefill: "
+        + (f"`--chunked-prefill-size {st['chunked_prefill_tokens']}` on every arm."
+           if st.get("chunked_prefill_tokens") else "SGLang's default (a prompt's prefill in "
+           "one forward here)."), "",
         "Median over the runs (min-max); runs per arm "
         f"{ {a: c['summary']['runs'] for a, c in arms.items()} }.", "",
         "| arm | short requests | P50 s | P95 s | P99 s |", "|---|---|---:|---:|---:|"]
@@ -454,6 +463,7 @@ def run_all(st: Settings, command: str) -> dict[str, Any]:
         "(CapacityModel.owner_capacity_tokens: startup pool + released FFN bytes / KV bytes "
         "per token), the merged group's KV bytes",
         "arms": list(st.arms), "runs": st.runs, "dtype": DTYPE, "server_env": SERVER_ENV,
+        "chunked_prefill_tokens": st.chunked_prefill_tokens,
         "drain_timeout_s": st.drain_timeout_s, "split_wait_s": st.split_wait_s,
         "raw_dir": repo_path(st.raw_dir), "prompt_corpus": WIKITEXT2_TRAIN_HEAD.name,
         "sampling": "greedy, ignore_eos, max_new_tokens = the request's output length"},
@@ -481,6 +491,8 @@ def parse_args(argv: Sequence[str] | None) -> Settings:
     p.add_argument("--drain-timeout-s", type=float, help="per request, after the last arrival")
     p.add_argument("--split-wait-s", type=float, default=60.0,
                    help="amoebas: sampling after the load until the group has split")
+    p.add_argument("--chunked-prefill-size", type=int, metavar="TOKENS",
+                   help="SGLang's --chunked-prefill-size on every arm (default: SGLang's)")
     p.add_argument("--out", type=Path, help="results folder (default benchmark/results/amoebas;"
                    " --quick: benchmark/results/raw/amoebas_replay_quick)")
     a = p.parse_args(argv)
@@ -491,11 +503,13 @@ def parse_args(argv: Sequence[str] | None) -> Settings:
     runs = a.runs if a.runs is not None else (1 if a.quick else 3)
     if runs < 1:
         p.error("--runs must be at least 1")
+    if a.chunked_prefill_size is not None and a.chunked_prefill_size < 1:
+        p.error("--chunked-prefill-size must be at least 1")
     out = a.out or (RAW / "amoebas_replay_quick" if a.quick else RESULTS)
     return Settings(QUICK_WINDOW if a.quick else WINDOW, QUICK_LONGS if a.quick else LONGS,
                     a.pool_tokens, arms, runs,
                     a.drain_timeout_s or (120.0 if a.quick else 300.0), a.split_wait_s, out,
-                    out / "raw" if a.quick else RAW / "amoebas_replay")
+                    out / "raw" if a.quick else RAW / "amoebas_replay", a.chunked_prefill_size)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

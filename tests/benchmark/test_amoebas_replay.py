@@ -51,6 +51,7 @@ def test_server_args_per_arm():
                                                        "512")
     assert AR.server_args("tp3", 512, 15360)[3:] == ("--tp-size", "3", "--max-total-tokens",
                                                        "15360")
+    assert AR.server_args("dp3", 512, 15360, 256)[3:5] == ("--chunked-prefill-size", "256")
     with pytest.raises(ValueError, match="unknown arm"):
         AR.server_args("dp4", 512, 0)
 
