@@ -840,8 +840,9 @@ def markdown(r: dict[str, Any]) -> str:
             for t in r["simulated"]["transitions_list"]) or "none") + ".", "",
         "Not modelled by the simulator: replicas sharing 2 cores (calibrated with all four "
         "decoding; fewer step faster), SGLang's admission (it reserves part of max_new_tokens, "
-        "the simulator all of it), SGLang's chunked prefill and the interleaving of a "
-        "group's members, the board's 0.1 s staleness, and the controller holding every "
+        "the simulator all of it), SGLang's chunked prefill, a merged group's wait for its "
+        "members' batches before a step (up to --amoebas-step-wait-ms), the board's 0.1 s "
+        "staleness, and the controller holding every "
         "request behind a queued one (the simulator lets a long prompt pass a queued short one).",
         ""]
     return "\n".join(lines)
