@@ -41,7 +41,7 @@ def dp4(server_factory, request):
     server = server_factory("--model-path", str(tiny_model_path()), "--dtype", "float32",
                             "--dp-size", "4", "--enable-amoebas", "--amoebas-manual",
                             "--max-total-tokens", "512", "--amoebas-merged-forward",
-                            request.param)
+                            request.param, "--enable-metrics")
     server.merged_forward = request.param
     return server
 
@@ -178,12 +178,47 @@ def test_pairs_then_the_group_of_four_and_back(dp4, reference):
     assert all_at_once(dp4) == reference
 
 
+def metrics(server) -> dict[tuple[str, frozenset], float]:
+    """Every ``sglang_morph_amoebas_*`` sample of ``/metrics``: (name, labels) -> value."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    text = requests.get(f"{server.url}/metrics", timeout=60).text
+    return {(smp.name, frozenset(smp.labels.items())): smp.value
+            for family in text_string_to_metric_families(text)
+            for smp in family.samples if smp.name.startswith("sglang_morph_amoebas_")}
+
+
 def test_four_replicas_merge_at_once_and_split_back(dp4, reference):
     (merge,) = across(dp4, [("merge", {"replicas": FOUR})], reference)
     assert merge.status_code == 200, merge.text
     s = merge.json()
     assert s["units"] == [FOUR] and shards(s) == FOUR_SHARDS
     assert all_at_once(dp4) == reference
+    # Prometheus says what the status says: each replica's group and pool, the transitions,
+    # the batches it ran in the group and (batched) the steps the group's leader ran.
+    m, s = metrics(dp4), units(dp4)
+    for b in s["replicas"]:
+        r = ("replica", str(b["replica"]))
+        assert m[("sglang_morph_amoebas_group_size", frozenset({r}))] == 4
+        assert m[("sglang_morph_amoebas_kv_capacity_tokens", frozenset({r}))] == (
+            b["kv_capacity_tokens"])
+        assert m[("sglang_morph_amoebas_released_ffn_bytes", frozenset({r}))] == (
+            b["released_ffn_bytes"]) > 0
+        assert m[("sglang_morph_amoebas_transitions_total",
+                  frozenset({r, ("action", "merge")}))] >= 1
+        assert m[("sglang_morph_amoebas_merged_batches_total",
+                  frozenset({r, ("whose", "own")}))] >= b["batches_merged"] > 0
+    led = {g: (m.get(("sglang_morph_amoebas_steps_led_total",
+                      frozenset({("replica", "0"), ("group", g)}))),
+               m.get(("sglang_morph_amoebas_step_batches_total",
+                      frozenset({("replica", "0"), ("group", g)}))))
+           for g in ("0-1-2-3",)}
+    if dp4.merged_forward == "batched":
+        steps, batches = led["0-1-2-3"]
+        assert steps == s["replicas"][0]["steps_led"]["0-1-2-3"]["steps"] > 0
+        assert batches == s["replicas"][0]["steps_led"]["0-1-2-3"]["batches"] > steps
+    else:
+        assert led["0-1-2-3"] == (None, None)
     (split,) = across(dp4, [("split", {"group": FOUR})], reference)
     assert split.status_code == 200, split.text
     assert split.json()["units"] == [[0], [1], [2], [3]]

@@ -70,7 +70,7 @@ from sglang_morph.elastic.kv_resizer import KVResizer, evict_cached_prefixes, he
 from sglang_morph.faults import FaultInjector
 from sglang_morph.elastic.control import ControlOutput, replica_index
 from sglang_morph.groups.link import GroupLink
-from sglang_morph.groups.member import GroupMember
+from sglang_morph.groups.member import GroupMember, MemberMetrics
 from sglang_morph.groups.transition import LastStep, Phase, VotedTransition
 
 logger = logging.getLogger("sglang_morph.amoebas")
@@ -168,6 +168,8 @@ class AmoebasReplica:
         self.model.amoebas = self
         if os.environ.get(FAULT_REPLICA_ENV) == str(self.replica):
             self.faults.arm_from_env()
+        self._metrics = _Metrics(self.replica) if MemberMetrics.enabled(scheduler) else None
+        self._publish_metrics()
         for block, member in self.members.items():
             member.start_services(functools.partial(self._run_for, block))
             if cfg.merged_forward == "batched" and member.link.rank == _LEADER:
@@ -458,7 +460,25 @@ class AmoebasReplica:
                                  **self._cost_detail()})
         logger.info("sglang-morph: AMOEBAs %s on replica %d: %s", action, self.replica,
                     self.transitions[-1])
+        self._publish_metrics(action)
         return self.transitions[-1]
+
+    def _publish_metrics(self, action: str | None = None) -> None:
+        if self._metrics is None:
+            return
+        m = self._metrics
+        m.group_size.set(len(self.unit))
+        m.kv_capacity_tokens.set(int(self.pool.size))
+        m.released_ffn_bytes.set(self.released_ffn_bytes)
+        if action is not None:
+            m.transitions(action).inc()
+
+    def _count_batches(self, own: int, others: int) -> None:
+        self.batches_merged += own
+        self.batches_served_for_others += others
+        if self._metrics is not None:
+            self._metrics.merged_batches("own").inc(own)
+            self._metrics.merged_batches("others").inc(others)
 
     def _cost_detail(self) -> dict[str, Any]:
         """Where the last transition's time went on this member: the KV phases, the rows and
@@ -615,7 +635,7 @@ class AmoebasReplica:
                              final_norm=True)
             for other in member.link.others:
                 member.answer(other)
-        self.batches_merged += 1
+        self._count_batches(1, 0)
         return hidden
 
     def _post(self, member: GroupMember, batch: Batch) -> torch.Tensor:
@@ -638,8 +658,12 @@ class AmoebasReplica:
         the posted batches goes to every other member, then this member runs its share and
         reads every member's answer."""
         member, queue = self.members[block], self._steps[block]
+        group = "-".join(map(str, block))
         while True:
             step = queue.take()
+            if self._metrics is not None:
+                self._metrics.steps_led(group).inc()
+                self._metrics.step_batches(group).inc(len(step))
             tensors, ints = step_message(step)
             try:
                 with self.lock, torch.no_grad():
@@ -678,7 +702,7 @@ class AmoebasReplica:
                 self._pending.fail(f"replica {self.replica} could not run its share of a "
                                    f"merged step: {e}")
             raise
-        self.batches_served_for_others += len(step) - len(mine)
+        self._count_batches(0, len(step) - len(mine))
         if mine:
             start = sum(p.tokens for p in parts[:mine[0]])
             self._pending.set(hidden[start:start + parts[mine[0]].tokens].clone())
@@ -700,7 +724,7 @@ class AmoebasReplica:
         forward(self.model, self._shard_layers(), self.shard, self.head_dim,
                 [Part(Batch.from_tensors(tensors), *self.kv_views(self.order[caller]))],
                 self._all_reduce(self.members[block].link.calls[caller]), final_norm=False)
-        self.batches_served_for_others += 1
+        self._count_batches(0, 1)
         return {}
 
     def _shard_layers(self) -> list:
@@ -719,3 +743,22 @@ class AmoebasReplica:
             finally:
                 self.lock.acquire()
         return all_reduce
+
+
+class _Metrics(MemberMetrics):
+    """AMOEBAs' series of one replica (``sglang_morph_amoebas_*``, labelled with it)."""
+
+    def __init__(self, replica: int):
+        super().__init__("amoebas", replica)
+        self.kv_capacity_tokens = self.gauge("kv_capacity_tokens",
+                                             "Own KV pool capacity in tokens")
+        self.released_ffn_bytes = self.gauge("released_ffn_bytes",
+                                             "FFN weight bytes released in place (merged)")
+        self.transitions = self.counter("transitions", "AMOEBAs transitions applied", "action")
+        self.merged_batches = self.counter(
+            "merged_batches", "Batches run in a merged group: this replica's own and the "
+            "other members'", "whose")
+        self.steps_led = self.counter("steps_led", "Batched merged steps this replica ran "
+                                      "as its group's leader", "group")
+        self.step_batches = self.counter("step_batches", "Members' batches in the steps this "
+                                         "replica led (per step: their mean)", "group")
