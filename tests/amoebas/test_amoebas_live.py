@@ -12,9 +12,9 @@ replicas' outputs before any merge (an untransformed DP server), checked on ever
 - bad input (not JSON, unknown fields, a group the server does not allow, a split of a group
   that does not exist, no key, a user key) gets 4xx with a message and changes nothing;
 - a merge that fails on one member (an injected fault in its KV write, after the others wrote
-  theirs) answers 500 and leaves every member as it was; a request streaming on each replica
+  theirs) answers 500 and leaves every member as it was; three requests streaming on each replica
   meanwhile finishes with the reference output;
-- merge, while a request streams on each replica: every replica keeps one KV head (its
+- merge, while three requests stream on each replica: every replica keeps one KV head (its
   requests' other heads move to the members that keep them, live rows only) and a third of
   the FFN rows, releases the other
   two thirds in place (its RSS falls by at least 95% of those bytes) and gains exactly the KV
@@ -23,7 +23,7 @@ replicas' outputs before any merge (an untransformed DP server), checked on ever
   equal the reference token for token, chosen-token logprobs within 1e-4 nats; a second
   merge is refused (409);
 - a split that fails on one member's FFN gather leaves the group merged and unchanged;
-- split, while a request streams on each replica: every replica serves alone again with its
+- split, while three requests stream on each replica: every replica serves alone again with its
   startup capacity, every FFN byte back (the same digest) and the reference outputs; the
   transitions log says what happened.
 """
@@ -245,13 +245,15 @@ def model_bytes(model_dir) -> tuple[int, int]:
 
 
 def streams_across(server, route: str, body, prompts, reference) -> requests.Response:
-    """``route`` while prompt ``r`` streams on replica ``r`` (each a few tokens in); the
-    streams finish with their reference outputs. The transition's answer."""
-    streams = [Stream(server, prompts[r], N_NEW, routed_dp_rank=r) for r in REPLICAS]
+    """``route`` while every prompt streams on every replica (three requests per replica, each
+    a few tokens in); the streams finish with their reference outputs. The transition's
+    answer."""
+    jobs = [(r, i) for r in REPLICAS for i in range(len(prompts))]
+    streams = [Stream(server, prompts[i], N_NEW, routed_dp_rank=r) for r, i in jobs]
     for stream in streams:
         stream.wait_for(3)
     r = post(server, route, body)
-    assert [stream.join() for stream in streams] == [reference[r][0] for r in REPLICAS]
+    assert [stream.join() for stream in streams] == [reference[i][0] for _, i in jobs]
     return r
 
 
