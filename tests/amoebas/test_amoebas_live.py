@@ -24,8 +24,8 @@ replicas' outputs before any merge (an untransformed DP server), checked on ever
   merge is refused (409);
 - a split that fails on one member's FFN gather leaves the group merged and unchanged;
 - split, while three requests stream on each replica: every replica serves alone again with its
-  startup capacity, every FFN byte back (the same digest) and the reference outputs; the
-  transitions log says what happened.
+  startup capacity, every FFN byte back (the same digest; its RSS rises again by at least 95%
+  of the released bytes) and the reference outputs; the transitions log says what happened.
 """
 
 from __future__ import annotations
@@ -308,6 +308,8 @@ def test_merge_and_split_keep_every_output(dp3, prompts, reference, default_mode
     assert r.json()["units"] == [[0], [1], [2]]
     after = snapshot(dp3)
     assert [a[:4] for a in after] == [b[:4] for b in before]  # every FFN byte back, bit for bit
+    for body in status(dp3)["replicas"]:  # and the memory: the process took the pages back
+        assert body["transitions"][-1]["rss_rise_bytes"] >= 0.95 * released
     for got, ref in zip(every_output(dp3, prompts), reference * len(REPLICAS) * 2):
         assert_like_reference(got, ref)
     for body in status(dp3)["replicas"]:

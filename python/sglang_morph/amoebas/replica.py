@@ -119,7 +119,7 @@ class AmoebasReplica:
         self.intermediate_size = self.ffn[0].layout.padded_intermediate
         self.kv_capacity_tokens_whole = int(self.pool.size)
         self.released_ffn_bytes = 0
-        self._rss_drop_bytes = 0
+        self._rss_drop_bytes = self._rss_rise_bytes = 0  # measured by a merge / a split
         self._ffn_s = 0.0  # the last transition's FFN release (merge) or gather (split)
         self.faults = FaultInjector()
         ps = self.allocator.page_size
@@ -457,6 +457,8 @@ class AmoebasReplica:
                                  "released_ffn_bytes": self.released_ffn_bytes,
                                  "rss_drop_bytes": self._rss_drop_bytes if action == "merge"
                                  else None,
+                                 "rss_rise_bytes": self._rss_rise_bytes if action == "split"
+                                 else None,
                                  **self._cost_detail()})
         logger.info("sglang-morph: AMOEBAs %s on replica %d: %s", action, self.replica,
                     self.transitions[-1])
@@ -563,7 +565,7 @@ class AmoebasReplica:
         the members holding them now: one gloo message per layer, section and peer, received
         straight into the pages they are held in (no staging buffer), all in flight at
         once."""
-        started = time.perf_counter()
+        started, rss_before = time.perf_counter(), process_rss_bytes()
         link, d, rank = self.member.link, self.shard.degree, self.shard.rank
         layout = self.ffn[0].layout
         into = into or tuple((r,) for r in self.unit)
@@ -596,6 +598,8 @@ class AmoebasReplica:
             raise
         for o in opened:
             o.commit()
+        # What the process took back from the OS (RSS) for the rows received.
+        self._rss_rise_bytes = process_rss_bytes() - rss_before
         self._layers = None
         self.released_ffn_bytes = self._released_at(
             len(next(b for b in into if self.replica in b)))
