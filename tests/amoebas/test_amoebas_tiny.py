@@ -27,6 +27,7 @@ import concurrent.futures
 import pytest
 import requests
 
+from conftest import running_server
 from sglang_morph.models.tiny import tiny_model_path
 from test_morph_runtime_server import USER, Stream
 
@@ -37,13 +38,16 @@ FOUR = [0, 1, 2, 3]
 
 
 @pytest.fixture(scope="module", params=["batched", "per-owner"])
-def dp4(server_factory, request):
-    server = server_factory("--model-path", str(tiny_model_path()), "--dtype", "float32",
-                            "--dp-size", "4", "--enable-amoebas", "--amoebas-manual",
-                            "--max-total-tokens", "512", "--amoebas-merged-forward",
-                            request.param, "--enable-metrics")
-    server.merged_forward = request.param
-    return server
+def dp4(request, tmp_path_factory):
+    # One server per merged forward, stopped before the next starts (two of four ranks each
+    # would not fit beside the other test process's servers).
+    with running_server(("--model-path", str(tiny_model_path()), "--dtype", "float32",
+                         "--dp-size", "4", "--enable-amoebas", "--amoebas-manual",
+                         "--max-total-tokens", "512", "--amoebas-merged-forward",
+                         request.param, "--enable-metrics"),
+                        tmp_path_factory.mktemp("server")) as server:
+        server.merged_forward = request.param
+        yield server
 
 
 def prompt(seed: int, n: int = 24) -> list[int]:
