@@ -163,7 +163,8 @@ class AmoebasConfig:
                    link_port=port if port is not None else _free_ports(ports_needed),
                    auto=not getattr(args, "amoebas_manual", False),
                    variant=getattr(args, "amoebas_variant", None) or "amoebas",
-                   merged_forward=getattr(args, "amoebas_merged_forward", None) or "batched",
+                   merged_forward=getattr(args, "amoebas_merged_forward", None)
+                   or cls.merged_forward,
                    step_wait_ms=cls.step_wait_ms if wait_ms is None else wait_ms)
 
 

@@ -175,7 +175,7 @@ class AmoebasReplica:
             if cfg.merged_forward == "batched" and member.link.rank == _LEADER:
                 self._steps[block] = StepQueue(cfg.step_wait_ms / 1000)
                 thread = threading.Thread(target=self._lead, args=(block,), daemon=True,
-                                          name=f"amoebas-steps-{'-'.join(map(str, block))}")
+                                          name=f"amoebas-steps-{_block_name(block)}")
                 thread.start()
                 self._step_threads.append(thread)
 
@@ -241,7 +241,7 @@ class AmoebasReplica:
             "batches_served_for_others": self.batches_served_for_others,
             "merged_forward": self.cfg.merged_forward,
             # The groups this replica leads: steps run and owners' batches in them
-            "steps_led": {"-".join(map(str, b)): {"steps": q.steps, "batches": q.parts}
+            "steps_led": {_block_name(b): {"steps": q.steps, "batches": q.parts}
                           for b, q in self._steps.items()},
             "groups_allowed": [list(b) for b in self.cfg.blocks()],
             "transitions": self.transitions[-_RECENT_TRANSITIONS:],
@@ -631,12 +631,10 @@ class AmoebasReplica:
         if self.cfg.merged_forward == "batched":
             hidden = self._post(member, batch)
         else:
+            rank = member.link.rank
             for other in member.link.others:
                 member.call(other, batch.tensors())
-            hidden = forward(self.model, self._shard_layers(), self.shard, self.head_dim,
-                             [Part(batch, *self.kv_views(self.replica))],
-                             self._all_reduce(member.link.calls[member.link.rank]),
-                             final_norm=True)
+            hidden = self._run_step(self.unit, rank, [(rank, batch)])
             for other in member.link.others:
                 member.answer(other)
         self._count_batches(1, 0)
@@ -662,7 +660,7 @@ class AmoebasReplica:
         the posted batches goes to every other member, then this member runs its share and
         reads every member's answer."""
         member, queue = self.members[block], self._steps[block]
-        group = "-".join(map(str, block))
+        group = _block_name(block)
         while True:
             step = queue.take()
             if self._metrics is not None:
@@ -675,7 +673,7 @@ class AmoebasReplica:
                         member.call(other, tensors, **ints)
                     failed = []
                     try:
-                        self._run_step(block, member.link.rank, step)
+                        self._run_batched_step(block, member.link.rank, step)
                     finally:
                         for other in member.link.others:
                             try:
@@ -688,28 +686,38 @@ class AmoebasReplica:
                 logger.exception("sglang-morph: AMOEBAs group %s could not run a step of "
                                  "%d batches", list(block), len(step))
 
-    def _run_step(self, block: tuple[int, ...], caller: int, step: list) -> None:
-        """This member's share of a batched step (compute lock held); when one of its parts
-        is this member's own batch, its rows go to the waiting scheduler thread."""
-        mine = ([i for i, (owner, _) in enumerate(step) if owner == self.shard.rank]
-                if self.shard is not None else [])
+    def _run_step(self, block: tuple[int, ...], caller: int, step: list
+                  ) -> torch.Tensor | None:
+        """This member's share of ``step`` (its owners' batches, all-reduced on ``caller``'s
+        call group; compute lock held): the final-normed rows of this member's own batch when
+        it is one of the parts, else None. Per owner, a step is one owner's batch."""
+        if self.unit != block:
+            raise RuntimeError(f"a step of group {list(block)} reached replica {self.replica} "
+                               f"serving in {list(self.unit)}")
+        mine = [i for i, (owner, _) in enumerate(step) if owner == self.shard.rank]
+        parts = [Part(batch, *self.kv_views(self.order[owner])) for owner, batch in step]
+        hidden = forward(self.model, self._shard_layers(), self.shard, self.head_dim, parts,
+                         self._all_reduce(self.members[block].link.calls[caller]),
+                         final_norm=bool(mine))
+        self._count_batches(0, len(step) - len(mine))
+        if not mine:
+            return None
+        start = sum(p.tokens for p in parts[:mine[0]])
+        return hidden[start:start + parts[mine[0]].tokens]
+
+    def _run_batched_step(self, block: tuple[int, ...], caller: int, step: list) -> None:
+        """``_run_step`` of a batched step: this member's own rows, or why there are none, go
+        to its scheduler thread waiting in ``_post``."""
+        own = self.shard is not None and any(owner == self.shard.rank for owner, _ in step)
         try:
-            if self.unit != block:
-                raise RuntimeError(f"a step of group {list(block)} reached replica "
-                                   f"{self.replica} serving in {list(self.unit)}")
-            parts = [Part(batch, *self.kv_views(self.order[owner])) for owner, batch in step]
-            hidden = forward(self.model, self._shard_layers(), self.shard, self.head_dim,
-                             parts, self._all_reduce(self.members[block].link.calls[caller]),
-                             final_norm=bool(mine))
+            rows = self._run_step(block, caller, step)
         except Exception as e:
-            if mine and self._pending is not None:
+            if own and self._pending is not None:
                 self._pending.fail(f"replica {self.replica} could not run its share of a "
                                    f"merged step: {e}")
             raise
-        self._count_batches(0, len(step) - len(mine))
-        if mine:
-            start = sum(p.tokens for p in parts[:mine[0]])
-            self._pending.set(hidden[start:start + parts[mine[0]].tokens].clone())
+        if rows is not None:
+            self._pending.set(rows)
 
     def _run_for(self, block: tuple[int, ...], caller: int, tensors: dict[str, torch.Tensor],
                  ints: dict[str, int]) -> dict[str, torch.Tensor]:
@@ -718,17 +726,10 @@ class AmoebasReplica:
         owner) the caller's batch. Runs this member's share."""
         if ints.get("post"):
             self._steps[block].post(caller, Batch.from_tensors(tensors))
-            return {}
-        if "parts" in ints:
-            self._run_step(block, caller, step_from_message(tensors, ints))
-            return {}
-        if self.unit != block:
-            raise RuntimeError(f"a batch of group {list(block)} reached replica {self.replica} "
-                               f"serving in {list(self.unit)}")
-        forward(self.model, self._shard_layers(), self.shard, self.head_dim,
-                [Part(Batch.from_tensors(tensors), *self.kv_views(self.order[caller]))],
-                self._all_reduce(self.members[block].link.calls[caller]), final_norm=False)
-        self._count_batches(0, 1)
+        elif "parts" in ints:
+            self._run_batched_step(block, caller, step_from_message(tensors, ints))
+        else:
+            self._run_step(block, caller, [(caller, Batch.from_tensors(tensors))])
         return {}
 
     def _shard_layers(self) -> list:
@@ -747,6 +748,11 @@ class AmoebasReplica:
             finally:
                 self.lock.acquire()
         return all_reduce
+
+
+def _block_name(block: tuple[int, ...]) -> str:
+    """A group's name in the status, the metrics and thread names: ``0-1-2``."""
+    return "-".join(map(str, block))
 
 
 class _Metrics(MemberMetrics):
