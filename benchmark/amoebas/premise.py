@@ -76,6 +76,15 @@ def transition(url: str, route: str, body: dict) -> float:
     return time.perf_counter() - started
 
 
+def measure_merged(url: str, round_no: int) -> tuple[dict, dict]:
+    """``measure`` with the replicas merged into one group, split back after; and the merge's
+    and the split's wall time."""
+    merge_s = transition(url, "merge", {"replicas": list(REPLICAS)})
+    run = measure(url, round_no)
+    split_s = transition(url, "split", {"group": list(REPLICAS)})
+    return run, {"merge_s": merge_s, "split_s": split_s}
+
+
 def summary(runs: list[dict]) -> dict:
     rates = [r["output_tokens_per_s"] for r in runs]
     out = {"output_tokens_per_s_median": statistics.median(rates),
@@ -167,13 +176,10 @@ def main(argv: list[str] | None = None) -> int:
         for k in range(args.rounds):
             runs["plain"].append(measure(plain.url, k))
             runs["alone"].append(measure(amoebas.url, k))
-            merge_s = transition(amoebas.url, "merge", {"replicas": list(REPLICAS)})
-            runs["merged"].append(measure(amoebas.url, k))
-            split_s = transition(amoebas.url, "split", {"group": list(REPLICAS)})
-            transitions.append({"merge_s": merge_s, "split_s": split_s})
-            transition(per_owner.url, "merge", {"replicas": list(REPLICAS)})
-            runs["per_owner"].append(measure(per_owner.url, k))
-            transition(per_owner.url, "split", {"group": list(REPLICAS)})
+            run, seconds = measure_merged(amoebas.url, k)
+            runs["merged"].append(run)
+            transitions.append(seconds)
+            runs["per_owner"].append(measure_merged(per_owner.url, k)[0])
             rates = [f"{name} {runs[name][-1]['output_tokens_per_s']:.1f}" for name in LAYOUTS]
             print(f"round {k}: {', '.join(rates)} tok/s", flush=True)
     result = {

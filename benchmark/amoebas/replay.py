@@ -40,7 +40,14 @@ from typing import Any, Sequence
 
 import httpx
 
-from benchmark.harness import REPO_ROOT, load_average, run_meta, running_server, spread
+from benchmark.harness import (
+    REPO_ROOT,
+    git_state,
+    load_average,
+    run_meta,
+    running_server,
+    spread,
+)
 from benchmark.replay import metrics as M
 from benchmark.replay import report as R
 from benchmark.replay.__main__ import repo_path, trace_settings
@@ -469,7 +476,7 @@ def run_all(st: Settings, command: str) -> dict[str, Any]:
         "sampling": "greedy, ignore_eos, max_new_tokens = the request's output length"},
         "arms": {a: {"runs": []} for a in st.arms}}
     # The commit and whether the tree is clean, read before this run writes its results.
-    git = run_meta(command, load_before)["git"]
+    git = git_state()
     for run in range(st.runs):  # arms interleaved: background drift hits every arm alike
         for arm in st.arms:
             report["arms"][arm]["runs"].append(
