@@ -109,7 +109,11 @@ def run_grid_point(scenario: Scenario, spec: ModelSpec, costs: StepCosts, worklo
         summary[name] = {
             **{f"median_{k}": _median([r[k] for r in rs]) for k in (
                 "completed_tokens_per_s", "requests_per_s", "output_tokens_per_s", "merges",
-                "splits", "completed_long", "p50_ttft_s", "p99_ttft_s", "p50_e2e_s")},
+                "splits", "completed_long", "completed_long_tokens_per_s", "waiting_at_end",
+                "p50_ttft_s", "p99_ttft_s", "p50_e2e_s")},
+            "median_decode_tokens_per_replica_s": {
+                d: _median([r["decode_tokens_per_replica_s"].get(d) for r in rs])
+                for d in sorted({d for r in rs for d in r["decode_tokens_per_replica_s"]})},
             "min_completed_tokens_per_s": min(r["completed_tokens_per_s"] for r in rs),
             "max_completed_tokens_per_s": max(r["completed_tokens_per_s"] for r in rs),
             "amoebas_gain_median": statistics.median(gain), "amoebas_gain_min": min(gain),
@@ -198,7 +202,12 @@ def report(meta: dict, rows: list[dict]) -> str:
              "baseline read as \"every long prompt merges its own group\". Gain bound: the "
              "offered over the policy's throughput, the most any policy could gain over it "
              "(none completes more than arrives). Replica time: share of replica-seconds in "
-             "decode / prefill / merge + split stalls / idle (medians over seeds).", ""]
+             "decode / prefill / merge + split stalls / idle (medians over seeds). Long tok/s: "
+             "the long prompts' share of the throughput. Waiting: requests not yet admitted when "
+             "the window ends (an overloaded cluster's backlog). Decode tok per replica-s: "
+             "tokens a replica-second of decoding produced at each degree (a group of d counts "
+             "d replica-seconds a second): merged time pays for throughput only where a "
+             "degree's figure beats TP 1's.", ""]
     for row in rows:
         sc, wl, cap = row["scenario"], row["workload"], row["capacity"]
         costs = row["costs"]
@@ -214,8 +223,9 @@ def report(meta: dict, rows: list[dict]) -> str:
             f"{costs['allreduce_s_per_layer'] * 1e3:.2f} ms per layer. Offered "
             f"{row['offered_tokens_per_s_median']:.0f} tok/s.", "",
             "| policy | tok/s median (min-max) | req/s | AMOEBAs gain | gain bound | merges / "
-            "splits | longs done | P50 / P99 TTFT s | replica time decode / prefill / "
-            "transitions / idle |", "|---|---|---|---|---|---|---|---|---|"]
+            "splits | longs done | long tok/s | waiting | P50 / P99 TTFT s | replica time "
+            "decode / prefill / transitions / idle | decode tok per replica-s by degree |",
+            "|---|---|---|---|---|---|---|---|---|---|---|---|"]
         for name, s in row["summary"].items():
             share = s["replica_time_share"]
             bound = row["offered_tokens_per_s_median"] / s["median_completed_tokens_per_s"] - 1
@@ -227,9 +237,12 @@ def report(meta: dict, rows: list[dict]) -> str:
                 f" | {s['median_requests_per_s']:.3f} | {s['amoebas_gain_median']:+.1%} "
                 f"({s['amoebas_gain_min']:+.1%}..{s['amoebas_gain_max']:+.1%}) | "
                 f"{bound:+.0%} | {s['median_merges']:g} / {s['median_splits']:g} | "
-                f"{s['median_completed_long']:g} | {ttft} | {_pct(share['decode'])} / "
+                f"{s['median_completed_long']:g} | {s['median_completed_long_tokens_per_s']:.0f} | "
+                f"{s['median_waiting_at_end']:g} | {ttft} | {_pct(share['decode'])} / "
                 f"{_pct(share['prefill'])} / {_pct(share['merge'] + share['split'])} / "
-                f"{_pct(share['idle'])} |")
+                f"{_pct(share['idle'])} | " + ", ".join(
+                    f"{d}: {v:.1f}" for d, v in s["median_decode_tokens_per_replica_s"].items())
+                + " |")
         lines.append("")
     lines += ["Inputs measured elsewhere: " + rows[0]["costs"]["source"] + ".", "",
               "Assumed:", *[f"- {k}: {v}" for k, v in meta["assumed"].items()], ""]

@@ -288,6 +288,8 @@ class SimUnit:
             yield env.timeout(seconds)
             phase = "prefill" if admitted else "decode"
             self.sim.replica_s[f"{phase}_tp{self.degree}"] += seconds * self.degree
+            if not admitted:
+                self.sim.decode_tokens[self.degree] += len(stepped)
             finished = False
             for r in stepped:
                 r.generated += 1
@@ -329,6 +331,9 @@ class ClusterSim:
         self.timeline: list[dict] = []
         # replica-seconds by what the replicas did: prefill/decode at each degree, transitions
         self.replica_s: collections.Counter[str] = collections.Counter()
+        # tokens decoded by units of each degree: with ``replica_s`` the productivity of a
+        # replica-second at each degree, which decides whether merged time pays
+        self.decode_tokens: collections.Counter[int] = collections.Counter()
         self._record_shape()
         self.env.process(self.arrivals())
 
@@ -439,6 +444,7 @@ def metrics(sim: ClusterSim, window_s: float) -> dict:
     ttft = [r.first_token_s - r.arrival_s for r in done]
     e2e = [r.finish_s - r.arrival_s for r in done]
     longs = [r for r in done if r.long]
+    waiting = sum(len(m.queue) for m in sim.members.values()) + len(sim.central)
 
     def pct(xs, q):
         return float(np.percentile(xs, q)) if xs else None
@@ -448,6 +454,11 @@ def metrics(sim: ClusterSim, window_s: float) -> dict:
         "refused": len(sim.refused),
         "completed_long": len(longs), "arrived_long": sum(r.long for r in sim.requests),
         "completed_tokens_per_s": sum(r.kv_tokens for r in done) / window_s,
+        "completed_long_tokens_per_s": sum(r.kv_tokens for r in longs) / window_s,
+        "waiting_at_end": waiting,
+        "decode_tokens_per_replica_s": {
+            d: n / sim.replica_s[f"decode_tp{d}"] for d, n in sorted(sim.decode_tokens.items())
+            if sim.replica_s[f"decode_tp{d}"] > 0},
         "output_tokens_per_s": sum(r.generated for r in sim.requests) / window_s,
         "requests_per_s": len(done) / window_s,
         "p50_ttft_s": pct(ttft, 50), "p99_ttft_s": pct(ttft, 99),

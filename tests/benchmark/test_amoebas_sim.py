@@ -73,6 +73,11 @@ def test_a_long_request_merges_then_the_group_splits():
     assert done.timeline[0]["units"] == [[[0], "serving"], [[1], "serving"]]
     assert done.timeline[-1]["units"] == [[[0], "serving"], [[1], "serving"]]
     assert [[0, 1], "transitioning"] in [u for t in done.timeline for u in t["units"]]
+    # One decode step of the group: one token over two replicas' time.
+    m = sim.metrics(done, 10.0)
+    assert m["decode_tokens_per_replica_s"] == {2: pytest.approx(1 / (2 * decode_s))}
+    assert m["completed_long_tokens_per_s"] == pytest.approx(2102 / 10.0)
+    assert m["waiting_at_end"] == 0
 
 
 @pytest.mark.parametrize("make_policy", [
@@ -120,6 +125,11 @@ def test_metrics_count_only_the_window():
     assert m["completed_tokens_per_s"] == pytest.approx(103 / 2.0)
     assert m["output_tokens_per_s"] == pytest.approx((a.generated + b.generated) / 2.0)
     assert dataclasses.replace(reqs[0]).generated == 0  # the inputs were copied, not consumed
+    assert m["completed_long_tokens_per_s"] == 0 and m["waiting_at_end"] == 0
+    # b is still decoding at the window's end: a TP 1 replica's decoded tokens over its time.
+    assert m["decode_tokens_per_replica_s"][1] == pytest.approx(
+        done.decode_tokens[1] / done.replica_s["decode_tp1"])
+    assert done.decode_tokens[1] == a.generated - 1 + b.generated - 1
 
 
 def test_the_paper_shape_on_eight_tiny_replicas_needs_groups_of_four():
