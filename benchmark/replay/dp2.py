@@ -19,6 +19,11 @@ default model are 538 MB, which leaves KV for 910 tokens per replica, the bf16 p
 | ``w4_dp2`` | ``--enable-morph --morph-memory-budget B`` + engines, ``--morph-precision-map '*:4'``, controller off |
 
 Exact match is against ``dp2`` (full precision, the same dtype), request by request.
+
+Every arm's schedulers log their forwards (``SGLANG_MORPH_FORWARD_TIMINGS``, tens of
+microseconds a forward) to ``raw/<arm>_forwards.jsonl``; the arm's results carry the cost
+model fitted on them and the schedulers' step gaps (``benchmark/replay/forwards.py``), which
+the KunServe simulation's check against this replay uses (``benchmark/kunserve/validate.py``).
 """
 
 from __future__ import annotations
@@ -31,9 +36,11 @@ from typing import Any, Callable
 import httpx
 
 from benchmark.harness import running_server
+from benchmark.replay import forwards
 from benchmark.replay import metrics as M
 from benchmark.replay import report as R
 from benchmark.replay.client import replay
+from sglang_morph.kunserve.live.forward_timings import ENV as TIMINGS_ENV
 
 DP2_CONFIGS = ("dp2", "kunserve", "morph_dp2", "w4_dp2")
 REPLICA_BUDGET = "580MB"
@@ -168,9 +175,12 @@ def run_dp2(configs, requests, prompts, *, budget: str, slo: M.Slo, drain_timeou
         log = raw / f"{name}_transitions.jsonl"
         log.unlink(missing_ok=True)
         args = server_args(name, budget, kv_tokens, engines, log, swap_order, auto_config)
+        forwards_log = raw / f"{name}_forwards.jsonl"
+        forwards_log.unlink(missing_ok=True)
+        env = {**SERVER_ENV, TIMINGS_ENV: str(forwards_log.resolve())}
         t0 = time.time()
         try:
-            with running_server(args, raw / f"{name}_server.log", env=SERVER_ENV) as server:
+            with running_server(args, raw / f"{name}_server.log", env=env) as server:
                 startup_s = time.time() - t0
                 res = run_arm(server.url, name, requests, prompts, slo, drain_timeout_s, 30)
         except Exception as e:  # e.g. SGLang's watchdog killed a scheduler mid-forward
@@ -180,7 +190,8 @@ def run_dp2(configs, requests, prompts, *, budget: str, slo: M.Slo, drain_timeou
             print(f"[replay dp2] {name}: FAILED {arms[name]['error']}", flush=True)
         else:
             res.update(server_args=list(args), startup_s=startup_s,
-                       kv_capacity_tokens_per_replica_at_start=kv_tokens)
+                       kv_capacity_tokens_per_replica_at_start=kv_tokens,
+                       forwards=arm_forwards(forwards_log, res["start_unix_s"], name))
             arms[name] = res
             m = res["metrics"]
             print(f"[replay dp2] {name}: TTFT p50 {m['ttft_s']['p50']:.2f} p99 "
@@ -190,6 +201,19 @@ def run_dp2(configs, requests, prompts, *, budget: str, slo: M.Slo, drain_timeou
         if checkpoint is not None:
             checkpoint(out)
     return out
+
+
+def arm_forwards(path: Path, start_unix_s: float, name: str) -> dict[str, Any] | None:
+    """The cost model and step gaps of the arm's forwards during the replay (its server's
+    warm-up before ``start_unix_s`` left out); None when the log determines no model."""
+    if not path.exists():
+        return None
+    during = [f for f in forwards.read_log(path) if f.get("t", 0.0) >= start_unix_s]
+    try:
+        return {**forwards.summarize(during, f"the {name} arm's forwards during the replay"),
+                "log": f"raw/{path.name}"}
+    except ValueError as e:
+        return {"error": str(e), "log": f"raw/{path.name}"}
 
 
 def add_agreement(arms: dict[str, Any]) -> None:

@@ -2,12 +2,13 @@
 
 With ``SGLANG_MORPH_FORWARD_TIMINGS=<path>`` in the server's environment, every scheduler
 process wraps ``ModelRunner.forward`` and appends one JSON line per forward to ``<path>``:
-``{"mode": ..., "cached": [p_i], "new": [c_i], "seconds": t, "pid": ...}``, the chunks of the
-batch exactly as SGLang ran them (its own prefix and extend lengths; a decode step is
-``c = 1`` behind ``seq_len - 1``) and the time of the forward alone: the model and its logits,
-not sampling, scheduling, IPC or HTTP, which a client's end-to-end latency mixes in and which
-a pipeline stage does not pay. Without the variable nothing is hooked and SGLang's path is
-unchanged.
+``{"mode": ..., "cached": [p_i], "new": [c_i], "seconds": s, "t": start, "pid": ...}``: the
+chunks of the batch exactly as SGLang ran them (its own prefix and extend lengths; a decode
+step is ``c = 1`` behind ``seq_len - 1``), the wall clock at the forward's start (so a
+scheduler's gaps between forwards show) and the time of the forward alone: the model and
+its logits, not sampling, scheduling, IPC or HTTP, which a client's end-to-end latency mixes in
+and which a pipeline stage does not pay. Without the variable nothing is hooked and SGLang's
+path is unchanged.
 
 The line is written after the forward returns (on CUDA after a synchronize, so the time is the
 kernels'); a write costs tens of microseconds, against forwards of tens of milliseconds here.
@@ -42,7 +43,7 @@ def timed_forward(path: str) -> Callable[..., Any]:
                               *args: Any, **kwargs: Any) -> Any:
         if runner.is_draft_worker:
             return original(runner, forward_batch, *args, **kwargs)
-        start = time.perf_counter()
+        started_unix_s, start = time.time(), time.perf_counter()
         out = original(runner, forward_batch, *args, **kwargs)
         if str(runner.device).startswith("cuda"):
             import torch
@@ -51,7 +52,7 @@ def timed_forward(path: str) -> Callable[..., Any]:
         seconds = time.perf_counter() - start
         mode, cached, new = batch_chunks(forward_batch)
         line = json.dumps({"mode": mode, "cached": cached, "new": new, "seconds": seconds,
-                           "pid": os.getpid()})
+                           "t": started_unix_s, "pid": os.getpid()})
         # One write per line in append mode: lines of several ranks never interleave.
         with open(path, "a") as f:
             f.write(line + "\n")
