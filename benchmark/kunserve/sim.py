@@ -15,8 +15,9 @@ retracted), prefill the admitted ones in one forward, otherwise decode one token
 running request. A single replica runs a forward in the cost model's time; a group runs each
 iteration as lookahead micro-batches (one per stage) through its pipeline
 (``lookahead.PipelineState``: stages overlap across iterations, hidden states cross a gloo link
-between stages). The router sends each arrival to the unit with the least outstanding tokens
-per member (the same router for both systems).
+between stages). The router sends each arrival to the next replica in turn (SGLang's
+data-parallel default; ``least_outstanding``: the unit with the fewest outstanding tokens per
+member), the same router for both systems.
 
 The controller sees the cluster every ``--monitor-s`` and may drop (merge replicas; the
 members stop for the transition: their live KV of the layers they drop crosses the gloo link,
@@ -36,6 +37,7 @@ import argparse
 import dataclasses
 import json
 import subprocess
+import sys
 import time
 from collections.abc import Sequence
 from pathlib import Path
@@ -66,7 +68,7 @@ from sglang_morph.repo_data import TRACES_DIR
 
 RESULTS = Path("benchmark/results/kunserve")
 MAX_PREFILL_TOKENS = 8192  # one prefill forward at most (SGLang's --max-prefill-tokens)
-COPY_OFFSET_S = 0.137
+ROUTERS = ("round_robin", "least_outstanding")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -76,6 +78,18 @@ class Calibration:
     gloo_bandwidth_bytes_per_s: float
     host_copy_bandwidth_bytes_per_s: float
     hidden_bytes_per_token: int
+    # Measured whole transitions (a live run's drop / restore): when given they replace the
+    # link + copy model, which leaves out the pool's allocation and the members' hand-over
+    drop_s: float | None = None
+    restore_s: float | None = None
+    # What a request spends outside the schedulers before its first token (HTTP, tokenizer,
+    # IPC, detokenizer): charged as a later arrival at the router, so no TPOT changes
+    front_end_s: float = 0.0
+    # A merged pair's decode stage time over what the cost model gives it (1.0: the
+    # model's); a live pair's decode forwards took 1.36-1.38x a whole replica's here (gloo
+    # hops, the compute lock and the GIL shared with the peer's service thread). Prefills are
+    # left alone: the live pair cuts them into micro-batches that overlap.
+    merged_step_factor: float = 1.0
 
     def link_s(self, nbytes: float) -> float:
         return self.gloo_latency_s + nbytes / self.gloo_bandwidth_bytes_per_s
@@ -168,13 +182,14 @@ class Unit:
             self.pipeline = PipelineState(self.group.size, transfer, env.now)
         out = {}
         mbs = by_lookahead(items, self.group.size, cal.costs)
+        factor = cal.merged_step_factor if all(i.new_tokens == 1 for i in items) else 1.0
         for staged, mb in zip(stage_micro_batches(cal.costs, self.iteration, mbs,
                                                   self.layer_shares), mbs):
             tokens = sum(i.new_tokens for i in mb)
             # The hidden states' bytes on the link, charged to the stages' times.
             link = tokens * cal.hidden_bytes_per_token / cal.gloo_bandwidth_bytes_per_s
             staged = dataclasses.replace(staged, stage_seconds=tuple(
-                s + link for s in staged.stage_seconds))
+                s * factor + link for s in staged.stage_seconds))
             back = self.pipeline.submit(staged, env.now)
             for i in mb:
                 out[i.rid] = max(out.get(i.rid, 0.0), back)
@@ -219,38 +234,51 @@ class Unit:
 class ClusterSim:
     def __init__(self, requests: Sequence[Request], replicas: int, planner: DropPlannerConfig,
                  cal: Calibration, kunserve: bool, monitor_s: float,
-                 controller_cfg: ControllerConfig):
+                 controller_cfg: ControllerConfig, router: str = "round_robin"):
+        if router not in ROUTERS:
+            raise ValueError(f"router must be one of {ROUTERS}, got {router!r}")
         self.env = simpy.Environment()
+        self.router, self.replicas, self.dispatched = router, replicas, 0
         self.planner = planner
         self.cal = cal
         self.requests = list(requests)
         self.finished: list[Request] = []
         self.units = [Unit(self, ReplicaGroup((planner.full_replica(i),)))
                       for i in range(replicas)]
-        self.held: list[Request] = []
+        self.held: list[tuple[Request, int | None]] = []  # with the replica each waits for
         self.transitions: list[dict] = []
         self.timeline: list[dict] = []
         self.controller = KunServeController(planner, controller_cfg) if kunserve else None
+        self.finishing_steps = controller_cfg.finishing_steps
         self.monitor_s = monitor_s
         self.env.process(self.arrivals())
         self.env.process(self.monitor())
 
-    def route(self, request: Request) -> None:
-        if not self.units:  # every replica is in a transition: the router holds it
-            self.held.append(request)
+    def route(self, request: Request, replica: int | None = None) -> None:
+        """``round_robin`` (SGLang's data-parallel controller by default): the next replica
+        in turn, whatever unit it is in; a request for a replica in a transition waits for
+        that replica. ``least_outstanding``: the unit with the fewest outstanding tokens per
+        member; held only while every replica is in a transition."""
+        if self.router == "round_robin":
+            if replica is None:
+                replica, self.dispatched = self.dispatched % self.replicas, self.dispatched + 1
+            unit = next((u for u in self.units if replica in u.replicas), None)
+        else:
+            unit = min(self.units, key=lambda u: (u.outstanding_tokens / u.group.size,
+                                                  u.replicas[0]), default=None)
+        if unit is None:
+            self.held.append((request, replica))
             return
-        unit = min(self.units, key=lambda u: (u.outstanding_tokens / u.group.size,
-                                              u.replicas[0]))
         unit.add(request)
 
     def release_held(self) -> None:
         held, self.held = self.held, []
-        for r in held:
-            self.route(r)
+        for r, replica in held:
+            self.route(r, replica)
 
     def arrivals(self):
         for r in self.requests:
-            yield self.env.timeout(max(0.0, r.arrival_s - self.env.now))
+            yield self.env.timeout(max(0.0, r.arrival_s + self.cal.front_end_s - self.env.now))
             self.route(r)
 
     def view(self) -> ClusterView:
@@ -260,9 +288,18 @@ class ClusterSim:
             used = sum(r.kv_tokens for r in u.running)
             growth = sum(r.output_tokens - r.generated for r in u.running)
             waiting = sum(r.reserved_tokens for r in u.waiting)
+            # What the live replicas report too: the queue's head does not fit (SGLang's
+            # prefill adder refused it), and the requests about to finish
+            reserved = sum(r.reserved_tokens for r in u.running)
+            refused = bool(u.waiting) and (
+                reserved + u.waiting[0].reserved_tokens > u.capacity_tokens)
+            finishing = sum(r.reserved_tokens for r in u.running
+                            if r.output_tokens - r.generated <= self.finishing_steps)
             for k, m in enumerate(u.group.members):
-                snapshots.append(ReplicaSnapshot(m.replica, u.capacity_tokens, used, growth,
-                                                 waiting if k == 0 else 0, live))
+                snapshots.append(ReplicaSnapshot(
+                    m.replica, u.capacity_tokens, used, growth, waiting if k == 0 else 0, live,
+                    queue_refused=refused and k == 0,
+                    kv_finishing_tokens=min(finishing, used + growth)))
         groups = tuple(u.group for u in self.units if u.group.size > 1)
         return ClusterView(self.env.now, tuple(sorted(snapshots, key=lambda s: s.replica)),
                            groups)
@@ -307,7 +344,8 @@ class ClusterSim:
             members = [u for u in old if set(u.replicas) <= set(g.replicas)]
             migrate = max(plan.kv_migration_bytes[r] for r in g.replicas)
             rebuild = max(m.budget.kv_bytes for m in g.members)
-            yield self.env.timeout(self.cal.link_s(migrate) + self.cal.copy_s(rebuild))
+            yield self.env.timeout(self.cal.drop_s if self.cal.drop_s is not None
+                                   else self.cal.link_s(migrate) + self.cal.copy_s(rebuild))
             unit = Unit(self, g)
             unit.running = [r for u in members for r in u.running]
             unit.waiting = sorted((r for u in members for r in u.waiting),
@@ -325,9 +363,10 @@ class ClusterSim:
         plan, start = action.plan, self.env.now
         (old,) = yield from self._retire(set(plan.group.replicas))
         inbound = max(plan.kv_inbound_bytes.values())
-        yield self.env.timeout(self.cal.link_s(inbound) + self.cal.copy_s(
-            max(m.freed_bytes for m in plan.group.members)
-            + max(m.budget.kv_bytes for m in plan.restored)))
+        yield self.env.timeout(self.cal.restore_s if self.cal.restore_s is not None
+                               else self.cal.link_s(inbound) + self.cal.copy_s(
+                                   max(m.freed_bytes for m in plan.group.members)
+                                   + max(m.budget.kv_bytes for m in plan.restored)))
         units = {m.replica: Unit(self, ReplicaGroup((m,))) for m in plan.restored}
         for r in old.running:
             units[plan.home[r.rid]].running.append(r)
@@ -357,31 +396,36 @@ def latency_stats(requests: Sequence[Request]) -> dict:
 
 
 def trace_requests(path: Path, replicas: int, window: dict) -> list[Request]:
-    w = TraceWindow(path, **window)
-    reqs = load_window(w)
-    # Each replica gets its own slice of the trace's requests: replicas x the trace's rate.
-    out = []
-    for copy in range(replicas):
-        # Copies offset by a fraction of a second, so they do not arrive in lockstep.
-        shift_s = (copy * COPY_OFFSET_S) % 0.5
-        out += [Request(f"{copy}-{r.index}", r.arrival_s + shift_s, r.prompt_tokens,
-                        r.output_tokens) for r in reqs]
+    """Each replica its own slice of the trace window: the window's requests are dealt in
+    turn, request ``i`` to slice ``i mod step`` with ``step = max(keep_every, replicas)``, and
+    replica ``k`` gets slice ``k``. With ``step = keep_every`` (the window's thinning) each
+    replica sees one thinned copy's rate, as a single replica of the live replay does, and no
+    two replicas see the same request; with more replicas than that the window's time is
+    compressed by ``keep_every / replicas`` to keep each replica's rate (BurstGPT's 400
+    requests: a shorter run)."""
+    keep = int(window.get("keep_every", 1))
+    step = max(keep, replicas)
+    scale = float(window.get("time_scale", 1.0)) * keep / step
+    w = TraceWindow(path, **{**window, "keep_every": 1, "time_scale": scale})
+    out = [Request(f"{r.index % step}-{r.index}", r.arrival_s, r.prompt_tokens,
+                   r.output_tokens) for r in load_window(w) if r.index % step < replicas]
     return sorted(out, key=lambda r: (r.arrival_s, r.rid))
 
 
 def simulate(requests: Sequence[Request], replicas: int, planner: DropPlannerConfig,
              cal: Calibration, kunserve: bool, monitor_s: float = 0.5,
              controller_cfg: ControllerConfig = ControllerConfig(),
-             limit_s: float = 36000.0) -> ClusterSim:
+             limit_s: float = 36000.0, router: str = "round_robin") -> ClusterSim:
     sim = ClusterSim([dataclasses.replace(r, token_times_s=[], generated=0) for r in requests],
-                     replicas, planner, cal, kunserve, monitor_s, controller_cfg)
+                     replicas, planner, cal, kunserve, monitor_s, controller_cfg, router)
     sim.run(limit_s)
     return sim
 
 
 # Windows and thinning that load one simulated replica of this machine at roughly the rate
 # it serves (~0.2-0.3 requests/s), so that the traces' bursts overflow its KV; every replica
-# gets its own copy of the window (the cluster's rate grows with its size).
+# gets its own slice of the window (``trace_requests``: the cluster's rate grows with its
+# size).
 TRACES = {
     "azure_conv": ("azure_llm_2023_conv.csv",
                    dict(start_s=0.0, duration_s=600.0, keep_every=40, max_prompt_tokens=1024,
@@ -404,13 +448,30 @@ def main() -> None:
     ap.add_argument("--budget-bytes", type=int, default=365_000_000)
     ap.add_argument("--max-group-size", type=int, default=2)
     ap.add_argument("--quick", action="store_true", help="2 and 4 replicas, one trace")
+    ap.add_argument("--replay", type=Path,
+                    help="a live two-replica replay (`benchmark.replay --dp2 --configs "
+                         "dp2,kunserve`): its calibration (the plain arm's forwards and step "
+                         "gap, KunServe's transition durations), its float32 pool and its "
+                         "controller settings, as `benchmark.kunserve.validate` checks them; "
+                         "replaces --calibration and --budget-bytes")
     args = ap.parse_args()
     from sglang_morph.models import default_model_path
 
-    spec = ModelSpec.from_model_dir(default_model_path())
-    planner = DropPlannerConfig(MemoryModel.from_spec(spec, bits=(16,)), args.budget_bytes,
-                                max_group_size=args.max_group_size)
-    cal = Calibration.load(args.calibration, spec)
+    monitor_s, controller_cfg = 0.5, ControllerConfig()
+    if args.replay:
+        from benchmark.kunserve import validate
+
+        rnd = validate.load_round(args.replay)
+        spec = ModelSpec.from_model_dir(default_model_path(), dtype_bytes=validate.DTYPE_BYTES)
+        planner = validate.planner_for(spec, rnd.kv_tokens_per_replica, args.max_group_size)
+        cal = validate.calibration("replay+transitions", rnd, spec, [rnd], args.calibration)
+        monitor_s, controller_cfg = rnd.interval_s, rnd.controller
+        args.budget_bytes = planner.budget_bytes
+    else:
+        spec = ModelSpec.from_model_dir(default_model_path())
+        planner = DropPlannerConfig(MemoryModel.from_spec(spec, bits=(16,)), args.budget_bytes,
+                                    max_group_size=args.max_group_size)
+        cal = Calibration.load(args.calibration, spec)
     replicas_list = [2, 4] if args.quick else args.replicas
     traces = dict(list(TRACES.items())[:1]) if args.quick else TRACES
     started = time.monotonic()
@@ -420,7 +481,7 @@ def main() -> None:
             reqs = trace_requests(TRACES_DIR / csv, n, window)
             row = {"trace": name, "replicas": n, "requests": len(reqs)}
             for system, kun in (("dp", False), ("kunserve", True)):
-                sim = simulate(reqs, n, planner, cal, kun)
+                sim = simulate(reqs, n, planner, cal, kun, monitor_s, controller_cfg)
                 if len(sim.finished) != len(reqs):
                     raise RuntimeError(f"{name} x{n} {system}: {len(sim.finished)} of "
                                        f"{len(reqs)} requests finished")
@@ -432,11 +493,13 @@ def main() -> None:
             print(f"{name} x{n}: DP P99 TTFT {row['dp']['p99_ttft_s']:.2f} s, KunServe "
                   f"{row['kunserve']['p99_ttft_s']:.2f} s; P50 TPOT {row['dp']['p50_tpot_s']:.4f}"
                   f" vs {row['kunserve']['p50_tpot_s']:.4f} s", flush=True)
-    meta = {"command": "python -m benchmark.kunserve.sim" + (" --quick" if args.quick else ""),
+    meta = {"command": " ".join(["python -m benchmark.kunserve.sim", *sys.argv[1:]]),
             "commit": subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True,
                                      text=True).stdout.strip(),
             "budget_bytes": args.budget_bytes, "max_group_size": args.max_group_size,
-            "calibration": cal.costs.source, "seconds": time.monotonic() - started,
+            "calibration": cal.costs.source, "replay": str(args.replay) if args.replay else None,
+            "transitions_s": {"drop": cal.drop_s, "restore": cal.restore_s},
+            "monitor_s": monitor_s, "seconds": time.monotonic() - started,
             "SIMULATED": True}
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "simulated_clusters.json").write_text(json.dumps({"meta": meta, "rows": rows}))

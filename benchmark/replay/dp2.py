@@ -39,6 +39,7 @@ from benchmark.harness import running_server
 from benchmark.replay import forwards
 from benchmark.replay import metrics as M
 from benchmark.replay import report as R
+from benchmark.kunserve.rounds import merged_windows
 from benchmark.replay.client import replay
 from sglang_morph.kunserve.live.forward_timings import ENV as TIMINGS_ENV
 
@@ -191,7 +192,7 @@ def run_dp2(configs, requests, prompts, *, budget: str, slo: M.Slo, drain_timeou
         else:
             res.update(server_args=list(args), startup_s=startup_s,
                        kv_capacity_tokens_per_replica_at_start=kv_tokens,
-                       forwards=arm_forwards(forwards_log, res["start_unix_s"], name))
+                       forwards=arm_forwards(forwards_log, res, name))
             arms[name] = res
             m = res["metrics"]
             print(f"[replay dp2] {name}: TTFT p50 {m['ttft_s']['p50']:.2f} p99 "
@@ -203,14 +204,17 @@ def run_dp2(configs, requests, prompts, *, budget: str, slo: M.Slo, drain_timeou
     return out
 
 
-def arm_forwards(path: Path, start_unix_s: float, name: str) -> dict[str, Any] | None:
+def arm_forwards(path: Path, arm: dict[str, Any], name: str) -> dict[str, Any] | None:
     """The cost model and step gaps of the arm's forwards during the replay (its server's
-    warm-up before ``start_unix_s`` left out); None when the log determines no model."""
+    warm-up before the replay's start left out; KunServe's: outside its merged windows, with
+    the merged decode forwards' ratio to them); None when there is no log."""
     if not path.exists():
         return None
-    during = [f for f in forwards.read_log(path) if f.get("t", 0.0) >= start_unix_s]
+    during = [f for f in forwards.read_log(path) if f.get("t", 0.0) >= arm["start_unix_s"]]
+    windows = [(a, min(b, arm["end_unix_s"])) for a, b in merged_windows(arm)]
     try:
-        return {**forwards.summarize(during, f"the {name} arm's forwards during the replay"),
+        return {**forwards.summarize(during, f"the {name} arm's forwards during the replay",
+                                     windows),
                 "log": f"raw/{path.name}"}
     except ValueError as e:
         return {"error": str(e), "log": f"raw/{path.name}"}

@@ -84,9 +84,27 @@ def _fit(timings: list[ForwardTiming], phase: str):
     raise ValueError(f"the log's {len(own)} {phase} forwards determine no cost model")
 
 
-def summarize(forwards: Sequence[dict[str, Any]], source: str) -> dict[str, Any]:
+def summarize(forwards: Sequence[dict[str, Any]], source: str,
+              merged_windows: Sequence[tuple[float, float]] = ()) -> dict[str, Any]:
     """The fitted ``PhaseCosts`` (``fit``, the form ``PhaseCosts.from_json`` reads), each
-    phase's terms, forwards and mean error, and the step gaps' median and count."""
+    phase's terms, forwards and mean error, and the step gaps' median and count.
+
+    With ``merged_windows`` (unix seconds a KunServe pair was merged) the fit and the gaps
+    take the forwards outside them, and ``merged_decode_ratio`` is the median of the merged
+    decode forwards' seconds over what that fit gives the same batch on a whole replica."""
+    inside = [f for f in forwards if any(a <= f.get("t", 0.0) <= b for a, b in merged_windows)]
+    outside = [f for f in forwards if f not in inside] if inside else list(forwards)
+    out = _summarize(outside, source)
+    if merged_windows:
+        decode = PhaseCosts.from_json(out["fit"]).decode
+        ratios = [t.seconds / decode.seconds(t.chunks) for t in timings_of(inside)
+                  if t.phase == "decode"]
+        out["merged_decode_ratio"] = {"median": statistics.median(ratios) if ratios else None,
+                                      "forwards": len(ratios)}
+    return out
+
+
+def _summarize(forwards: Sequence[dict[str, Any]], source: str) -> dict[str, Any]:
     timings = timings_of(forwards)
     fits, models = {}, {}
     for phase in ("prefill", "decode"):
@@ -101,3 +119,30 @@ def summarize(forwards: Sequence[dict[str, Any]], source: str) -> dict[str, Any]
             "phases": fits, "schedulers": len({f["pid"] for f in forwards}),
             "step_gap_s": {"median": statistics.median(gaps) if gaps else None,
                            "count": len(gaps)}}
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Fit a replay's forward logs again (its ``raw/<arm>_forwards.jsonl``) into its results,
+    e.g. after this module learned something new."""
+    import argparse
+
+    from benchmark.replay import dp2
+
+    ap = argparse.ArgumentParser(prog="python -m benchmark.replay.forwards",
+                                 description=main.__doc__.splitlines()[0])
+    ap.add_argument("rounds", nargs="+", type=Path, help="output directories of `benchmark."
+                    "replay --dp2` whose raw/ holds the forward logs")
+    args = ap.parse_args(argv)
+    for path in args.rounds:
+        report = json.loads((path / "replay_dp2.json").read_text())
+        for name, arm in report["dp2"]["configs"].items():
+            if "records" in arm:
+                arm["forwards"] = dp2.arm_forwards(path / "raw" / f"{name}_forwards.jsonl",
+                                                   arm, name)
+        (path / "replay_dp2.json").write_text(json.dumps(report, indent=1))
+        print(f"[forwards] refitted {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

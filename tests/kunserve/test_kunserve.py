@@ -373,7 +373,12 @@ def test_forward_timings_log_the_chunks_sglang_ran(tmp_path, monkeypatch):
     hook.fn(forward, runner, decode)
     hook.fn(forward, runner, idle)
     hook.fn(forward, SimpleNamespace(is_draft_worker=True, device="cpu"), extend)  # not logged
+    after = time.time()
     lines = [json.loads(line) for line in path.read_text().splitlines()]
+    # Each line's start, in order, one forward's time apart at least (a scheduler's gaps).
+    starts = [r["t"] for r in lines]
+    assert starts == sorted(starts) and starts[-1] + lines[-1]["seconds"] <= after
+    assert starts[1] - starts[0] >= lines[0]["seconds"]
     assert [(r["mode"], r["cached"], r["new"]) for r in lines] == [
         ("extend", [0, 512], [64, 16]), ("decode", [9, 299], [1, 1]), ("idle", [], [])]
     assert all(0.02 <= r["seconds"] < 1.0 for r in lines)
@@ -756,3 +761,30 @@ def test_simulation_conserves_requests_and_is_deterministic(sim_setup, kunserve)
         assert kinds[:2] == ["drop", "restore"]  # the burst merges the pair, the lull splits it
     else:
         assert kinds == []
+
+
+@pytest.mark.parametrize("replicas", [2, 4, 16])
+def test_each_simulated_replica_gets_its_own_slice_of_the_trace(replicas):
+    from benchmark.kunserve.sim import TRACES, trace_requests
+    from benchmark.replay.trace import TraceWindow, load_window
+    from sglang_morph.repo_data import TRACES_DIR
+
+    csv, window = TRACES["azure_code"]
+    reqs = trace_requests(TRACES_DIR / csv, replicas, window)
+    slices = {}
+    for r in reqs:
+        slices.setdefault(r.rid.split("-")[0], []).append(r)
+    assert sorted(slices, key=int) == [str(k) for k in range(replicas)]
+    # Disjoint: no request of the window is in two slices.
+    assert len({r.rid.split("-")[1] for r in reqs}) == len(reqs)
+    # Each slice is one thinned copy's rate: as many requests as the single replica's window.
+    single = load_window(TraceWindow(TRACES_DIR / csv, **window))
+    assert all(abs(len(s) - len(single)) <= 1 for s in slices.values())
+    # More replicas than the thinning: time compressed so each still sees that rate.
+    csv, window = TRACES["burstgpt"]
+    dense = trace_requests(TRACES_DIR / csv, replicas, window)
+    alone = load_window(TraceWindow(TRACES_DIR / csv, **window))
+    per_replica = len(dense) / replicas
+    span = max(r.arrival_s for r in dense)
+    assert per_replica / span == pytest.approx(len(alone) / max(r.arrival_s for r in alone),
+                                               rel=0.1)

@@ -1,0 +1,110 @@
+"""The KunServe simulation's check against a live replay (``benchmark/kunserve/validate.py``),
+on a replay the simulator itself produced with known step and transition costs: configured
+from the replay's files, the simulation must find exactly those latencies again (zero error
+with the replay's calibration, for the plain pair and for KunServe's drops and restores), and
+another calibration must not."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+
+import numpy as np
+import pytest
+
+from benchmark.kunserve import sim as KS
+from benchmark.kunserve import validate as V
+from sglang_morph.kunserve.controller import ControllerConfig
+from sglang_morph.kunserve.cost import ChunkCostModel, PhaseCosts
+from sglang_morph.models import default_model_path
+from sglang_morph.models.spec import ModelSpec
+
+START_UNIX_S = 1_800_000_000.0
+KV_TOKENS = 910
+COSTS = PhaseCosts(ChunkCostModel(alpha_s=4e-7, beta_s=1.2e-3, gamma_s=0.09),
+                   ChunkCostModel(alpha_s=1.3e-5, beta_s=5e-3, gamma_s=0.06), "made up")
+GAP_S = 0.002
+DROP_S, RESTORE_S = 0.5, 0.8
+
+
+@pytest.fixture(scope="module")
+def spec():
+    return ModelSpec.from_model_dir(default_model_path(), dtype_bytes=V.DTYPE_BYTES)
+
+
+def workload() -> list[KS.Request]:
+    """A calm start, a burst more than two 910-token pools hold, then a trickle again (the
+    pair restores in it)."""
+    rng = np.random.default_rng(7)
+    calm = [KS.Request(str(i), 1.5 * i, int(rng.integers(32, 200)), 32) for i in range(6)]
+    burst = [KS.Request(str(6 + i), 10.0 + 0.1 * i, int(rng.integers(250, 384)), 48)
+             for i in range(14)]
+    trickle = [KS.Request(str(20 + i), 40.0 + 4 * i, 64, 16) for i in range(8)]
+    return calm + burst + trickle
+
+
+def records_of(finished: list[KS.Request]) -> list[dict]:
+    return [{"index": int(r.rid), "scheduled_unix_s": START_UNIX_S + r.arrival_s,
+             "queue_time_s": 0.0,
+             "prompt_tokens": r.prompt_tokens, "max_new_tokens": r.output_tokens,
+             "ttft_s": r.token_times_s[0] - r.arrival_s,
+             "tpot_s": (r.token_times_s[-1] - r.token_times_s[0]) / (len(r.token_times_s) - 1),
+             "e2e_s": r.token_times_s[-1] - r.arrival_s} for r in finished]
+
+
+def write_round(path, spec, with_forwards=True):
+    """The replay a pair with ``COSTS`` (+ ``GAP_S`` a forward) and KunServe's transitions of
+    ``DROP_S`` / ``RESTORE_S`` would have recorded."""
+    planner = V.planner_for(spec, KV_TOKENS)
+    idle = KS.Calibration.load(KS.RESULTS, spec)
+    costs = PhaseCosts(*(dataclasses.replace(m, gamma_s=m.gamma_s + GAP_S)
+                         for m in (COSTS.prefill, COSTS.decode)))
+    cal = dataclasses.replace(idle, costs=costs, drop_s=DROP_S, restore_s=RESTORE_S)
+    arms = {}
+    for arm in V.ARMS:
+        s = KS.simulate(workload(), 2, planner, cal, arm == "kunserve",
+                        monitor_s=V.DEFAULT_INTERVAL_S, controller_cfg=ControllerConfig())
+        arms[arm] = {"records": records_of(s.finished), "start_unix_s": START_UNIX_S,
+                     "status_samples": [],
+                     "kunserve_transitions": [
+                         # what a live pair records: the transition's own time, not the
+                         # wait for the batch in flight that the simulation counts in
+                         {"replica": 0, "action": t["kind"],
+                          "duration_s": DROP_S if t["kind"] == "drop" else RESTORE_S}
+                         for t in s.transitions]}
+    if with_forwards:
+        arms["dp2"]["forwards"] = {"fit": COSTS.to_json(), "step_gap_s": {"median": GAP_S,
+                                                                          "count": 100},
+                                   "phases": {p: {"forwards": 10, "mean_error": 0.0}
+                                              for p in ("prefill", "decode")}}
+    report = {"settings": {"kunserve_auto_config": None, "git": {"commit": "abc1234"}},
+              "dp2": {"kv_capacity_tokens_per_replica": KV_TOKENS, "configs": arms}}
+    path.mkdir(parents=True, exist_ok=True)
+    (path / "replay_dp2.json").write_text(json.dumps(report))
+    return arms
+
+
+def test_the_replays_own_costs_find_its_latencies_again(tmp_path, spec):
+    arms = write_round(tmp_path / "r1", spec)
+    kinds = [t["action"] for t in arms["kunserve"]["kunserve_transitions"]]
+    assert kinds[:2] == ["drop", "restore"], "the burst should make the pair drop"
+    rnd = V.load_round(tmp_path / "r1")
+    assert (rnd.drops_s, rnd.kv_tokens_per_replica, rnd.interval_s) == ((DROP_S,), 910, 0.25)
+    got = V.validate([rnd], spec)["calibrations"]
+    # Transitions modelled from the link: the plain pair is found exactly, KunServe is not.
+    assert all(got["replay"]["error"]["dp2"][k] == pytest.approx(0.0, abs=1e-6)
+               for k in V.SHOWN)
+    assert any(abs(e) > 1e-3 for e in got["replay"]["error"]["kunserve"].values())
+    exact = got["replay+transitions"]
+    assert all(exact["error"][arm][k] == pytest.approx(0.0, abs=1e-6)
+               for arm in V.ARMS for k in V.SHOWN)
+    assert exact["within_tolerance"]
+    # The idle machine's costs are another machine's: the check must notice.
+    assert not got["idle"]["within_tolerance"]
+    assert max(abs(e) for e in got["idle"]["error"]["dp2"].values()) > V.TOLERANCE
+
+
+def test_a_replay_without_forward_timings_is_refused(tmp_path, spec):
+    write_round(tmp_path / "old", spec, with_forwards=False)
+    with pytest.raises(ValueError, match="no fitted forwards"):
+        V.load_round(tmp_path / "old")
