@@ -69,6 +69,8 @@ from sglang_morph.repo_data import TRACES_DIR
 RESULTS = Path("benchmark/results/kunserve")
 MAX_PREFILL_TOKENS = 8192  # one prefill forward at most (SGLang's --max-prefill-tokens)
 ROUTERS = ("round_robin", "least_outstanding")
+LENGTH_KEYS = ("prompt_scale", "output_scale", "min_prompt_tokens", "max_prompt_tokens",
+               "min_output_tokens", "max_output_tokens")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -390,9 +392,12 @@ def latency_stats(requests: Sequence[Request]) -> dict:
     ttft = np.array([r.token_times_s[0] - r.arrival_s for r in requests])
     tpot = np.array([(r.token_times_s[-1] - r.token_times_s[0]) / (len(r.token_times_s) - 1)
                      for r in requests if len(r.token_times_s) > 1])
+    e2e = np.array([r.token_times_s[-1] - r.arrival_s for r in requests])
     return {"requests": len(requests), "p99_ttft_s": float(np.percentile(ttft, 99)),
             "p50_ttft_s": float(np.percentile(ttft, 50)),
-            "p50_tpot_s": float(np.percentile(tpot, 50)) if len(tpot) else None}
+            "p50_tpot_s": float(np.percentile(tpot, 50)) if len(tpot) else None,
+            "p95_tpot_s": float(np.percentile(tpot, 95)) if len(tpot) else None,
+            "p95_e2e_s": float(np.percentile(e2e, 95))}
 
 
 def trace_requests(path: Path, replicas: int, window: dict) -> list[Request]:
@@ -439,6 +444,14 @@ TRACES = {
 }
 
 
+def matched_thinning(path: Path, window: dict, tokens_per_s: float) -> int:
+    """The ``keep_every`` that makes the window offer about ``tokens_per_s`` (prompt +
+    output tokens a second) to one replica."""
+    w = TraceWindow(path, **{**window, "keep_every": 1})
+    every = sum(r.prompt_tokens + r.output_tokens for r in load_window(w))
+    return max(1, round(every / w.replay_duration_s / tokens_per_s))
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(prog="python -m benchmark.kunserve.sim",
                                  description=__doc__.splitlines()[0])
@@ -464,7 +477,8 @@ def main() -> None:
         rnd = validate.load_round(args.replay)
         spec = ModelSpec.from_model_dir(default_model_path(), dtype_bytes=validate.DTYPE_BYTES)
         planner = validate.planner_for(spec, rnd.kv_tokens_per_replica, args.max_group_size)
-        cal = validate.calibration("replay+transitions", rnd, spec, [rnd], args.calibration)
+        cal = validate.calibration("replay+transitions+merged", rnd, spec, [rnd],
+                                   args.calibration)
         monitor_s, controller_cfg = rnd.interval_s, rnd.controller
         args.budget_bytes = planner.budget_bytes
     else:
@@ -476,7 +490,21 @@ def main() -> None:
     traces = dict(list(TRACES.items())[:1]) if args.quick else TRACES
     started = time.monotonic()
     rows = []
+    lengths, per_replica_tokens_per_s, keep_every = {}, None, {}
+    if args.replay:
+        # The replay's prompt and output lengths (scales and caps) and its offered tokens per
+        # second per replica: each simulated replica gets the kind of load the check against
+        # that replay validated, with each trace's own burstiness.
+        trace = json.loads((args.replay / "replay_dp2.json").read_text())["settings"]["trace"]
+        lengths = {k: trace[k] for k in LENGTH_KEYS}
+        per_replica_tokens_per_s = sum(r.reserved_tokens for r in rnd.requests) / (
+            trace["duration_s"] * trace["time_scale"]) / 2
     for name, (csv, window) in traces.items():
+        window = {**window, **lengths}
+        if per_replica_tokens_per_s:
+            window["keep_every"] = matched_thinning(TRACES_DIR / csv, window,
+                                                    per_replica_tokens_per_s)
+        keep_every[name] = window.get("keep_every", 1)
         for n in replicas_list:
             reqs = trace_requests(TRACES_DIR / csv, n, window)
             row = {"trace": name, "replicas": n, "requests": len(reqs)}
@@ -499,6 +527,7 @@ def main() -> None:
             "budget_bytes": args.budget_bytes, "max_group_size": args.max_group_size,
             "calibration": cal.costs.source, "replay": str(args.replay) if args.replay else None,
             "transitions_s": {"drop": cal.drop_s, "restore": cal.restore_s},
+            "merged_step_factor": cal.merged_step_factor, "keep_every": keep_every,
             "monitor_s": monitor_s, "seconds": time.monotonic() - started,
             "SIMULATED": True}
     args.out.mkdir(parents=True, exist_ok=True)
@@ -511,10 +540,15 @@ def write_table(path: Path, rows, meta) -> None:
     lines = ["# KunServe vs plain DP on SIMULATED clusters (SimPy; calibrated on this machine)", "",
              f"SIMULATED. `{meta['command']}` at commit {meta['commit']}, SmolLM2-135M, "
              f"{meta['budget_bytes']} bytes (weights + KV) per replica, groups of at most "
-             f"{meta['max_group_size']}; calibration: {meta['calibration']}.", "",
+             f"{meta['max_group_size']}; calibration: {meta['calibration']}"
+             + (f"; transitions {meta['transitions_s']}, merged decode step x"
+                f"{meta.get('merged_step_factor', 1.0):.2f}, thinning per trace "
+                f"{meta.get('keep_every')} (the replay's offered tokens/s per replica)"
+                if meta.get("replay") else "") + ".", "",
              "| trace | replicas | requests | DP P99 TTFT (s) | KunServe P99 TTFT (s) | "
-             "TTFT x lower | DP P50 TPOT (ms) | KunServe P50 TPOT (ms) | TPOT change | groups "
-             "merged | groups restored |", "|---|---|---|---|---|---|---|---|---|---|---|"]
+             "TTFT x lower | DP P50 TPOT (ms) | KunServe P50 TPOT (ms) | TPOT change | TPOT "
+             "P95 change | E2E P95 change | groups merged | groups restored |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         dp, ks = r["dp"], r["kunserve"]
         merged = sum(len(t["groups"]) for t in ks["transitions"] if t["kind"] == "drop")
@@ -523,7 +557,9 @@ def write_table(path: Path, rows, meta) -> None:
             f"| {r['trace']} | {r['replicas']} | {r['requests']} | {dp['p99_ttft_s']:.2f} | "
             f"{ks['p99_ttft_s']:.2f} | {dp['p99_ttft_s'] / max(ks['p99_ttft_s'], 1e-9):.1f}x | "
             f"{dp['p50_tpot_s'] * 1e3:.1f} | {ks['p50_tpot_s'] * 1e3:.1f} | "
-            f"{ks['p50_tpot_s'] / dp['p50_tpot_s'] - 1:+.0%} | {merged} | {restored} |")
+            f"{ks['p50_tpot_s'] / dp['p50_tpot_s'] - 1:+.0%} | "
+            f"{ks['p95_tpot_s'] / dp['p95_tpot_s'] - 1:+.0%} | "
+            f"{ks['p95_e2e_s'] / dp['p95_e2e_s'] - 1:+.0%} | {merged} | {restored} |")
     path.write_text("\n".join(lines) + "\n")
 
 
