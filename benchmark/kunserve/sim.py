@@ -162,10 +162,12 @@ class Unit:
     def _admit(self) -> list[Request]:
         reserved = sum(r.reserved_tokens for r in self.running)
         admitted, prefill_tokens = [], 0
+        cap = self.sim.merged_running_cap if self.group.size > 1 else None
         while self.waiting:
             r = self.waiting[0]
             if (reserved + r.reserved_tokens > self.capacity_tokens
-                    or (admitted and prefill_tokens + r.prompt_tokens > MAX_PREFILL_TOKENS)):
+                    or (admitted and prefill_tokens + r.prompt_tokens > MAX_PREFILL_TOKENS)
+                    or (cap is not None and len(self.running) + len(admitted) >= cap)):
                 break
             self.waiting.pop(0)
             admitted.append(r)
@@ -236,9 +238,15 @@ class Unit:
 class ClusterSim:
     def __init__(self, requests: Sequence[Request], replicas: int, planner: DropPlannerConfig,
                  cal: Calibration, kunserve: bool, monitor_s: float,
-                 controller_cfg: ControllerConfig, router: str = "round_robin"):
+                 controller_cfg: ControllerConfig, router: str = "round_robin",
+                 merged_running_cap: int | None = None):
         if router not in ROUTERS:
             raise ValueError(f"router must be one of {ROUTERS}, got {router!r}")
+        if merged_running_cap is not None and merged_running_cap < 1:
+            raise ValueError(f"merged_running_cap must be >= 1, got {merged_running_cap}")
+        # Admission control while merged (a policy studied in simulation): a merged group
+        # runs at most this many requests, the rest wait in its queue
+        self.merged_running_cap = merged_running_cap
         self.env = simpy.Environment()
         self.router, self.replicas, self.dispatched = router, replicas, 0
         self.planner = planner
@@ -420,9 +428,11 @@ def trace_requests(path: Path, replicas: int, window: dict) -> list[Request]:
 def simulate(requests: Sequence[Request], replicas: int, planner: DropPlannerConfig,
              cal: Calibration, kunserve: bool, monitor_s: float = 0.5,
              controller_cfg: ControllerConfig = ControllerConfig(),
-             limit_s: float = 36000.0, router: str = "round_robin") -> ClusterSim:
+             limit_s: float = 36000.0, router: str = "round_robin",
+             merged_running_cap: int | None = None) -> ClusterSim:
     sim = ClusterSim([dataclasses.replace(r, token_times_s=[], generated=0) for r in requests],
-                     replicas, planner, cal, kunserve, monitor_s, controller_cfg, router)
+                     replicas, planner, cal, kunserve, monitor_s, controller_cfg, router,
+                     merged_running_cap)
     sim.run(limit_s)
     return sim
 

@@ -174,14 +174,20 @@ def simulated(rnd: LiveRound, cal: KS.Calibration, planner: DropPlannerConfig, k
               ) -> tuple[dict[str, Any], KS.ClusterSim]:
     s = KS.simulate(rnd.requests, 2, planner, cal, kunserve, monitor_s=rnd.interval_s,
                     controller_cfg=rnd.controller)
-    if len(s.finished) != len(rnd.requests):
-        raise RuntimeError(f"{rnd.path}: {len(s.finished)} of {len(rnd.requests)} simulated "
-                           f"requests finished")
+    return distribution_of(s), s
+
+
+def distribution_of(s: KS.ClusterSim) -> dict[str, Any]:
+    """The simulated requests' distribution, as ``benchmark.kunserve.rounds`` gives a live
+    arm's (every request must have finished)."""
+    if len(s.finished) != len(s.requests):
+        raise RuntimeError(f"{len(s.finished)} of {len(s.requests)} simulated requests "
+                           f"finished")
     records = [{"index": r.rid, "ttft_s": r.token_times_s[0] - r.arrival_s,
                 "tpot_s": ((r.token_times_s[-1] - r.token_times_s[0])
                            / (len(r.token_times_s) - 1)) if len(r.token_times_s) > 1 else None,
                 "e2e_s": r.token_times_s[-1] - r.arrival_s} for r in s.finished]
-    return distribution({"records": records}), s
+    return distribution({"records": records})
 
 
 def validate(rounds: Sequence[LiveRound], spec: ModelSpec) -> dict[str, Any]:
@@ -258,8 +264,10 @@ def markdown(report: dict[str, Any]) -> str:
                                              for t in ts) or "none"
                                    for ts in c["transitions"])
             for n, c in v["calibrations"].items()) + ".", "",
-        f"KV pool per member after a drop: live {v['live_merged_kv_tokens_per_replica']}, "
-        f"planner {v['calibrations']['idle']['merged_kv_tokens_per_replica']} tokens.", "",
+        "KV after a drop: live, each replica's own pool "
+        f"{v['live_merged_kv_tokens_per_replica']} tokens (its mirror of the peer's requests "
+        "as large again); the planner's pair holds "
+        f"{v['calibrations']['idle']['merged_kv_tokens_per_replica']} tokens of requests.", "",
         "Cost fits on the dp2 arm's forwards (per round): " + "; ".join(
             f"prefill {f['prefill']['forwards']} forwards, mean error "
             f"{f['prefill']['mean_error']:.1%}, decode {f['decode']['forwards']}, "

@@ -108,3 +108,18 @@ def test_a_replay_without_forward_timings_is_refused(tmp_path, spec):
     write_round(tmp_path / "old", spec, with_forwards=False)
     with pytest.raises(ValueError, match="no fitted forwards"):
         V.load_round(tmp_path / "old")
+
+
+def test_the_levers_start_from_the_checked_simulation(tmp_path, spec):
+    from benchmark.kunserve import levers as L
+
+    write_round(tmp_path / "r1", spec)
+    rnd = V.load_round(tmp_path / "r1")
+    checked = V.validate([rnd], spec)["calibrations"][L.CALIBRATION]["simulated"]
+    want = L.ratios({k: v["median"] for k, v in checked["dp2"].items()},
+                    {k: v["median"] for k, v in checked["kunserve"].items()})
+    got = L.run_lever(L.LEVERS[0], [rnd], spec)["rounds"][0]
+    assert got == pytest.approx(want)
+    # The replay's drop costs 0.5 s: free transitions serve the burst's worst request sooner.
+    free = L.run_lever(L.Lever("free", costs={"drop_s": 0.0, "restore_s": 0.0}), [rnd], spec)
+    assert free["rounds"][0]["p99_ttft_ratio"] > got["p99_ttft_ratio"]

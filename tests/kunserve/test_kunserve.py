@@ -788,3 +788,31 @@ def test_each_simulated_replica_gets_its_own_slice_of_the_trace(replicas):
     span = max(r.arrival_s for r in dense)
     assert per_replica / span == pytest.approx(len(alone) / max(r.arrival_s for r in alone),
                                                rel=0.1)
+
+
+def test_simulated_admission_cap_holds_while_merged(sim_setup, monkeypatch):
+    """A merged pair admits nothing that would run more than the cap (it keeps what its
+    members held at the drop)."""
+    from benchmark.kunserve import sim as KS
+
+    cal, reqs, cfg = sim_setup
+    admitted = []  # (running before, admitted) of each merged admission
+    admit = KS.Unit._admit
+
+    def recording(unit):
+        out = admit(unit)
+        if unit.group.size > 1 and out:
+            admitted.append((len(unit.running), len(out)))
+        return out
+
+    monkeypatch.setattr(KS.Unit, "_admit", recording)
+    ctl = ControllerConfig(min_dwell_s=1.0)
+    free = KS.simulate(reqs, 2, cfg, cal, True, monitor_s=0.5, controller_cfg=ctl)
+    assert max(a + b for a, b in admitted) > 3, "uncapped, the pair runs more than 3"
+    admitted.clear()
+    capped = KS.simulate(reqs, 2, cfg, cal, True, monitor_s=0.5, controller_cfg=ctl,
+                         merged_running_cap=3)
+    assert admitted and max(a + b for a, b in admitted) <= 3
+    assert len(capped.finished) == len(free.finished) == len(reqs)
+    with pytest.raises(ValueError, match="merged_running_cap"):
+        KS.simulate(reqs, 2, cfg, cal, True, merged_running_cap=0)

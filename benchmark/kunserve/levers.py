@@ -1,0 +1,129 @@
+"""Where KunServe's replay targets are lost, on the simulation checked against the live replay
+(``benchmark/kunserve/validate.py``): the same requests and calibration, with one lever moved
+at a time. Every number this writes is SIMULATED.
+
+    .venv/bin/python -m benchmark.kunserve.levers ROUND [ROUND ...] [--out DIR]
+
+Levers: admission control while merged (a merged pair runs at most N requests; the rest
+wait), the controller's restore thresholds, and the costs themselves set to what a better
+implementation would pay (transitions free; a merged decode step as cheap as a whole
+replica's; both). Each row gives, per round and then as the median over the rounds, the
+targets' ratios of KunServe to plain DP 2, both simulated with the same calibration:
+P99 TTFT (DP 2 / KunServe; goal >= 5), P50 TPOT change (goal <= +30%), E2E P95 change (goal
+<= 0) and TPOT P95 change.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import sys
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from benchmark.harness import load_average, run_meta, spread, write_results
+from benchmark.kunserve import sim as KS
+from benchmark.kunserve import validate as V
+from benchmark.kunserve.rounds import GOALS
+
+CALIBRATION = "replay+transitions+merged"  # the one within 15% on every figure checked
+
+
+@dataclasses.dataclass(frozen=True)
+class Lever:
+    name: str
+    merged_running_cap: int | None = None
+    controller: dict = dataclasses.field(default_factory=dict)  # ControllerConfig fields
+    costs: dict = dataclasses.field(default_factory=dict)  # Calibration fields
+
+
+LEVERS = (
+    Lever("as measured"),
+    *(Lever(f"merged pair runs at most {n} requests", merged_running_cap=n)
+      for n in (10, 8, 6, 4)),
+    Lever("restore at once (usage 0.95, 1 view, no dwell)",
+          controller={"restore_usage": 0.95, "restore_headroom": 1.0, "restore_persist": 1,
+                      "min_dwell_s": 0.0}),
+    Lever("transitions free", costs={"drop_s": 0.0, "restore_s": 0.0}),
+    Lever("merged decode step as a whole replica's", costs={"merged_step_factor": 1.0}),
+    Lever("both free", costs={"drop_s": 0.0, "restore_s": 0.0, "merged_step_factor": 1.0}),
+)
+
+
+def ratios(dp: dict[str, Any], ks: dict[str, Any]) -> dict[str, float]:
+    return {"p99_ttft_ratio": dp["ttft_s_p99"] / ks["ttft_s_p99"],
+            "p50_tpot_change": ks["tpot_s_p50"] / dp["tpot_s_p50"] - 1,
+            "e2e_p95_change": ks["e2e_s_p95"] / dp["e2e_s_p95"] - 1,
+            "tpot_p95_change": ks["tpot_s_p95"] / dp["tpot_s_p95"] - 1}
+
+
+def run_lever(lever: Lever, rounds: Sequence[V.LiveRound], spec) -> dict[str, Any]:
+    per_round = []
+    for rnd in rounds:
+        planner = V.planner_for(spec, rnd.kv_tokens_per_replica)
+        cal = dataclasses.replace(V.calibration(CALIBRATION, rnd, spec, rounds), **lever.costs)
+        ctl = dataclasses.replace(rnd.controller, **lever.controller)
+        arms = {}
+        for arm in V.ARMS:
+            s = KS.simulate(rnd.requests, 2, planner, cal, arm == "kunserve",
+                            monitor_s=rnd.interval_s, controller_cfg=ctl,
+                            merged_running_cap=lever.merged_running_cap)
+            arms[arm] = V.distribution_of(s)
+        per_round.append(ratios(arms["dp2"], arms["kunserve"]))
+    return {"lever": dataclasses.asdict(lever), "rounds": per_round,
+            "median": {k: spread([r[k] for r in per_round]) for k in per_round[0]}}
+
+
+def markdown(report: dict[str, Any]) -> str:
+    meta = report["meta"]
+    lines = ["# KunServe's replay targets, lever by lever: SIMULATED", "",
+             f"**SIMULATED** on the simulation checked against the live replay "
+             f"(`{CALIBRATION}` calibration, [validate.md](validate.md)). "
+             f"`{meta['command']}` at commit {meta['git']['commit'][:7]} (dirty: "
+             f"{meta['git']['dirty']}), {meta['machine']['cpu_model']}, "
+             f"{meta['machine']['cpu_cores']} cores; rounds {', '.join(meta['rounds'])}.", "",
+             "KunServe against plain DP 2, both simulated; median over the rounds (min to max). "
+             f"Goals: P99 TTFT ratio {GOALS['p99_ttft_ratio']}, P50 TPOT change "
+             f"{GOALS['p50_tpot_change']}, E2E P95 change {GOALS['e2e_p95_change']}.", "",
+             "| lever | P99 TTFT DP 2 / KunServe | P50 TPOT change | E2E P95 change | "
+             "TPOT P95 change |", "|---|---|---|---|---|"]
+    for row in report["levers"]:
+        m = row["median"]
+        lines.append(
+            f"| {row['lever']['name']} | {m['p99_ttft_ratio']['median']:.2f}x "
+            f"({m['p99_ttft_ratio']['min']:.2f}-{m['p99_ttft_ratio']['max']:.2f}) | "
+            + " | ".join(f"{m[k]['median']:+.0%} ({m[k]['min']:+.0%} to {m[k]['max']:+.0%})"
+                         for k in ("p50_tpot_change", "e2e_p95_change", "tpot_p95_change"))
+            + " |")
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m benchmark.kunserve.levers",
+                                 description=__doc__.splitlines()[0])
+    ap.add_argument("rounds", nargs="+", type=Path,
+                    help="output directories of `benchmark.replay --dp2 --configs dp2,kunserve`")
+    ap.add_argument("--out", type=Path, default=KS.RESULTS)
+    args = ap.parse_args(argv)
+    from sglang_morph.models import default_model_path
+    from sglang_morph.models.spec import ModelSpec
+
+    started, load = time.monotonic(), load_average()
+    try:
+        rounds = [V.load_round(p) for p in args.rounds]
+    except (OSError, ValueError, KeyError) as e:
+        ap.error(str(e))
+    spec = ModelSpec.from_model_dir(default_model_path(), dtype_bytes=V.DTYPE_BYTES)
+    rows = [run_lever(lever, rounds, spec) for lever in LEVERS]
+    meta = run_meta("python -m benchmark.kunserve.levers " + " ".join(
+        sys.argv[1:] if argv is None else argv), load, SIMULATED=True,
+        seconds=time.monotonic() - started, rounds=[str(p) for p in args.rounds])
+    write_results(args.out, "levers", {"meta": meta, "levers": rows},
+                  markdown({"meta": meta, "levers": rows}))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
