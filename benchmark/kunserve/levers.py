@@ -15,12 +15,10 @@ P99 TTFT (DP 2 / KunServe; goal >= 5), P50 TPOT change (goal <= +30%), E2E P95 c
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import sys
 import time
 from collections.abc import Sequence
-from pathlib import Path
 from typing import Any
 
 from benchmark.harness import load_average, run_meta, spread, write_results
@@ -101,21 +99,9 @@ def markdown(report: dict[str, Any]) -> str:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m benchmark.kunserve.levers",
-                                 description=__doc__.splitlines()[0])
-    ap.add_argument("rounds", nargs="+", type=Path,
-                    help="output directories of `benchmark.replay --dp2 --configs dp2,kunserve`")
-    ap.add_argument("--out", type=Path, default=KS.RESULTS)
-    args = ap.parse_args(argv)
-    from sglang_morph.models import default_model_path
-    from sglang_morph.models.spec import ModelSpec
-
     started, load = time.monotonic(), load_average()
-    try:
-        rounds = [V.load_round(p) for p in args.rounds]
-    except (OSError, ValueError, KeyError) as e:
-        ap.error(str(e))
-    spec = ModelSpec.from_model_dir(default_model_path(), dtype_bytes=V.DTYPE_BYTES)
+    args, rounds, spec = V.rounds_cli("python -m benchmark.kunserve.levers",
+                                      __doc__.splitlines()[0], argv)
     rows = [run_lever(lever, rounds, spec) for lever in LEVERS]
     meta = run_meta("python -m benchmark.kunserve.levers " + " ".join(
         sys.argv[1:] if argv is None else argv), load, SIMULATED=True,

@@ -276,21 +276,29 @@ def markdown(report: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m benchmark.kunserve.validate",
-                                 description=__doc__.splitlines()[0])
+def rounds_cli(prog: str, description: str, argv: Sequence[str] | None
+               ) -> tuple[argparse.Namespace, list[LiveRound], ModelSpec]:
+    """The command line of a study of replay rounds: the rounds (a CLI error names a round
+    that cannot be read) and the float32 default model's spec."""
+    ap = argparse.ArgumentParser(prog=prog, description=description)
     ap.add_argument("rounds", nargs="+", type=Path,
                     help="output directories of `benchmark.replay --dp2 --configs dp2,kunserve`")
     ap.add_argument("--out", type=Path, default=KS.RESULTS)
     args = ap.parse_args(argv)
     from sglang_morph.models import default_model_path
 
-    started, load = time.monotonic(), load_average()
     try:
         rounds = [load_round(p) for p in args.rounds]
     except (OSError, ValueError, KeyError) as e:
         ap.error(str(e))
-    spec = ModelSpec.from_model_dir(default_model_path(), dtype_bytes=DTYPE_BYTES)
+    return args, rounds, ModelSpec.from_model_dir(default_model_path(),
+                                                  dtype_bytes=DTYPE_BYTES)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    started, load = time.monotonic(), load_average()
+    args, rounds, spec = rounds_cli("python -m benchmark.kunserve.validate",
+                                    __doc__.splitlines()[0], argv)
     validation = validate(rounds, spec)
     meta = run_meta("python -m benchmark.kunserve.validate " + " ".join(
         sys.argv[1:] if argv is None else argv), load, SIMULATED="the simulated rows",

@@ -3,7 +3,6 @@ micro-batching, controller policy and the cluster simulation. Pure Python, no se
 
 from __future__ import annotations
 
-import itertools
 import math
 import random
 
