@@ -34,7 +34,7 @@ from sglang.srt.mem_cache.unified_cache.component_type import ComponentType
 from sglang.srt.mem_cache.unified_radix_cache import UnifiedRadixCache
 from sglang.srt.model_executor.pool_configurator import MemoryPoolConfig
 from sglang_morph.faults import FaultInjector, InjectedFault
-from sglang_morph.elastic.kv_resizer import KVResizer, KVResizeRefused
+from sglang_morph.elastic.kv_resizer import KVResizer, KVResizeRefused, allocated_rows
 
 LAYERS, KV_HEADS, HEAD_DIM = 3, 3, 8
 CAPACITY_PAGES = 16
@@ -497,3 +497,21 @@ def test_failed_shrink_after_moving_live_kv_keeps_the_old_capacity(page_size, co
     assert result.new_capacity_tokens == 10 * u and capacity_copies(s) == {10 * u}
     assert torch.equal(request_kv(s, b), reference["b"])
     resizer.check_integrity()
+
+
+@pytest.mark.parametrize("page_size,core", [(1, "rust"), (4, "python")])
+def test_allocated_rows_are_every_row_requests_and_the_cache_hold(page_size, core):
+    s = make_scheduler(page_size, core)
+    u, a, b, c, d = build_scenario(s)
+    rtt = s.req_to_token_pool.req_to_token
+    held = torch.cat([s.tree_cache.all_values_flatten().long(),
+                      *(rtt[r.kv.req_pool_idx, : r.kv.kv_allocated_len].long() for r in (b, d))])
+    pages = torch.unique(held // u)
+    want = (pages[:, None] * u + torch.arange(u)).flatten()
+    got = allocated_rows(s)
+    assert torch.equal(got, want)  # pages 1-15 of 16: page 16 is free
+    assert got.numel() == 15 * u and got.dtype == torch.int64
+    for req in (b, d):
+        finish_request(s, req)
+    s.tree_cache.evict(EvictParams(num_tokens=s.tree_cache.evictable_size()))
+    assert allocated_rows(s).numel() == 0

@@ -296,9 +296,11 @@ def test_restore_refused_while_more_is_held_than_a_whole_replica_holds(dp2, corp
             b["group"], b["layers"], b["kv_capacity_tokens"], b["transitions"])
 
 
-def test_restore_with_requests_in_flight_gives_whole_replicas_back(dp2, prompts, undropped):
+def test_restore_with_requests_in_flight_gives_whole_replicas_back(dp2, prompts, undropped,
+                                                                   default_model_path):
     s = transition_while_streaming(dp2, "restore", prompts, undropped, (0, 2))
     assert s["groups"] == [[0], [1]]
+    layer_token = kv_bytes_per_layer_token(default_model_path)
     for rep in s["replicas"]:
         assert rep["layers"] == [0, 30] and rep["dropped_weight_bytes"] == 0
         assert rep["kv_capacity_tokens"] == WHOLE_TOKENS and rep["peer_kv_capacity_tokens"] == 0
@@ -306,6 +308,9 @@ def test_restore_with_requests_in_flight_gives_whole_replicas_back(dp2, prompts,
         assert rep["transitions"][1]["kv_capacity_tokens"] == [
             rep["kv_capacity_tokens_merged"], WHOLE_TOKENS]
         assert rep["transitions"][1]["requests_in_flight"] == 1
+        # Only allocated rows came back: far less than the mirrors' whole rows (both ways).
+        whole_mirrors = 2 * (rep["kv_capacity_tokens_merged"] + 1) * 15 * layer_token
+        assert 0 < rep["transitions"][1]["kv_moved_bytes"] < whole_mirrors / 4
     assert [generate_on(dp2, ids, r) for r in (0, 1) for ids in prompts] == undropped * 2
     metrics = requests.get(f"{dp2.url}/metrics", headers=USER, timeout=60).text
     for replica in ("0", "1"):

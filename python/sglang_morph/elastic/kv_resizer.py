@@ -530,6 +530,19 @@ def held_kv_tokens(scheduler: Any) -> int:
             - int(scheduler.tree_cache.evictable_size()))
 
 
+def allocated_rows(scheduler: Any) -> torch.Tensor:
+    """The rows (token slots) of every page a scheduler's allocator has handed out: the KV of
+    its requests and of its radix cache, the only rows a copy of its pool must carry (a free
+    row is overwritten before anything reads it). Sorted, int64."""
+    allocator = scheduler.token_to_kv_pool_allocator
+    ps = allocator.page_size
+    in_use = torch.ones(allocator.size // ps + 1, dtype=torch.bool)
+    in_use[0] = False  # SGLang's padding page
+    in_use[allocator.get_all_free_pages().long()] = False
+    pages = in_use.nonzero().flatten()
+    return (pages[:, None] * ps + torch.arange(ps)).flatten()
+
+
 def max_request_tokens(context_len: int, capacity_tokens: int) -> int:
     """The longest request SGLang admits (``max_req_len``) at a pool of ``capacity_tokens``."""
     return min(context_len - 1, capacity_tokens - 1)

@@ -32,7 +32,8 @@ Transitions (drop, restore): both schedulers handle the same request between two
 data-parallel controller sends it to each) and run it as a voted transition of the group
 (``groups/transition.py``): they vote, then (1) move KV between the replicas (a drop gives the
 peer our KV of the layers we drop, into its mirror; a restore takes it back from the peer's
-mirror), one layer's K and V per message, and (2) change their own pool and weights; after
+mirror), one layer's K and V per message, only the rows their allocators have handed out
+(requests' and the radix cache's), and (2) change their own pool and weights; after
 each phase they exchange outcomes and both undo the phases so far when either failed, so a
 transition happens on both replicas or on neither (a restore's final shrink is local, checked
 in the vote, and not undone). Requests in flight keep running across both: their KV (and the
@@ -55,7 +56,12 @@ from typing import Any
 import torch
 
 from sglang_morph.faults import FaultInjector
-from sglang_morph.elastic.kv_resizer import KVResizer, held_kv_tokens, set_pool_buffers
+from sglang_morph.elastic.kv_resizer import (
+    KVResizer,
+    allocated_rows,
+    held_kv_tokens,
+    set_pool_buffers,
+)
 from sglang_morph.kunserve.live.attention import new_rows_backend
 from sglang_morph.kunserve.live.link import PeerLink
 from sglang_morph.kunserve.planner import DropPlannerConfig, MemberLayout, make_group
@@ -330,29 +336,50 @@ class KunServeReplica(GroupMember):
                         f"restore waits until fewer are held")
         return None
 
-    def _exchange_layers(self, send_k: list, send_v: list, recv_k: list, recv_v: list) -> int:
-        """Send our K/V buffers of some layers and receive the peer's into ``recv_*`` (each
-        received buffer fills the leading rows of ours), one layer (K and V) per message. The
-        lower replica sends first, so two large sends never wait on each other. Returns the
-        bytes sent and received."""
+    def _in_turn(self, send, recv) -> None:
+        """The lower replica sends first, so two large sends never wait on each other."""
+        for step in ((send, recv) if self.rank == 0 else (recv, send)):
+            step()
+
+    def _rows_of_both(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(our allocated rows, the peer's): the KV rows either pool must carry, exchanged
+        first so that a KV move sends only those."""
+        ours, theirs = allocated_rows(self.scheduler), []
+
+        def send() -> None:
+            self.link.send(self.link.control, {"rows": ours})
+
+        def recv() -> None:
+            got, _ = self.link.recv(self.link.control)
+            theirs.append(got["rows"].long())
+
+        self._in_turn(send, recv)
+        return ours, theirs[0]
+
+    def _exchange_layers(self, send_k: list, send_v: list, send_rows: torch.Tensor,
+                         recv_k: list, recv_v: list, recv_rows: torch.Tensor) -> int:
+        """Send rows ``send_rows`` of our K/V buffers of some layers and receive the peer's
+        into rows ``recv_rows`` of ``recv_*``, one layer (K and V) per message: only allocated
+        rows move (at a restore the peer's mirror is mostly free). Returns the bytes sent and
+        received."""
         moved = 0
 
         def send() -> None:
             nonlocal moved
             for k, v in zip(send_k, send_v):
-                self.link.send(self.link.control, {"k": k, "v": v})
-                moved += k.numel() * k.element_size() + v.numel() * v.element_size()
+                rows_k, rows_v = k.index_select(0, send_rows), v.index_select(0, send_rows)
+                self.link.send(self.link.control, {"k": rows_k, "v": rows_v})
+                moved += 2 * rows_k.numel() * rows_k.element_size()
 
         def recv() -> None:
             nonlocal moved
             for k, v in zip(recv_k, recv_v):
                 got, _ = self.link.recv(self.link.control)
-                k[:got["k"].shape[0]].copy_(got["k"])
-                v[:got["v"].shape[0]].copy_(got["v"])
+                k.index_copy_(0, recv_rows, got["k"])
+                v.index_copy_(0, recv_rows, got["v"])
                 moved += sum(t.numel() * t.element_size() for t in got.values())
 
-        for step in ((send, recv) if self.rank == 0 else (recv, send)):
-            step()
+        self._in_turn(send, recv)
         return moved
 
     # drop: phase 1 gives the peer our KV of the layers we drop (its kept layers) and takes its
@@ -370,9 +397,10 @@ class KunServeReplica(GroupMember):
             device=pool.device, enable_memory_saver=False, v_head_dim=pool.v_head_dim,
             start_layer=kept.start, end_layer=kept.stop, enable_alt_stream=False)
         dropped = self.dropped_layers
+        ours, theirs = self._rows_of_both()
         self._moved_bytes = self._exchange_layers(
-            [pool.k_buffer[i] for i in dropped], [pool.v_buffer[i] for i in dropped],
-            mirror.k_buffer, mirror.v_buffer)
+            [pool.k_buffer[i] for i in dropped], [pool.v_buffer[i] for i in dropped], ours,
+            mirror.k_buffer, mirror.v_buffer, theirs)
         self.mirror = mirror
         self.peer_backend = TorchNativeAttnBackend(types.SimpleNamespace(
             device=self.runner.device, req_to_token_pool=self._peer_rows,
@@ -420,11 +448,15 @@ class KunServeReplica(GroupMember):
         pool, kept = self.pool, self.member.layers
         rows, shape = pool.k_buffer[0].shape[0], pool.k_buffer[0].shape[1:]
         dropped = self.dropped_layers
-        fused = [torch.zeros((2, rows, *shape), dtype=pool.k_buffer[0].dtype,
+        # Only our allocated rows come back, so the buffers are not zeroed: a free row is
+        # written before anything reads it (SGLang leaves freed rows stale too), and zeroing
+        # the whole merged size cost more than the move itself (0.37 s of a 1.0-s restore).
+        fused = [torch.empty((2, rows, *shape), dtype=pool.k_buffer[0].dtype,
                              device=pool.k_buffer[0].device) for _ in dropped]
+        ours, theirs = self._rows_of_both()
         self._moved_bytes = self._exchange_layers(
-            self.mirror.k_buffer, self.mirror.v_buffer, [f[0] for f in fused],
-            [f[1] for f in fused])
+            self.mirror.k_buffer, self.mirror.v_buffer, theirs, [f[0] for f in fused],
+            [f[1] for f in fused], ours)
         self._merged_layers = _pool_layers(pool)
         k_all, v_all = [None] * self.num_layers, [None] * self.num_layers
         for i, f in zip(dropped, fused):
