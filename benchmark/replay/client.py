@@ -21,6 +21,7 @@ from tqdm import tqdm
 from benchmark.replay.trace import TraceRequest
 
 STATUS_POLL_INTERVAL_S = 0.25
+KEEPALIVE_EXPIRY_S = 1.0
 
 
 @dataclasses.dataclass
@@ -150,7 +151,11 @@ async def _poll_status(client: httpx.AsyncClient, url: str, out: list[dict[str, 
 async def _replay(url: str, requests: list[TraceRequest], prompts: list[list[int]],
                   drain_timeout_s: float, label: str, status_path: str | None,
                   sample: Sampler) -> ReplayResult:
-    limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
+    # An idle connection is dropped well before the server's keep-alive timeout (uvicorn's is
+    # 5 s, httpx's expiry too): a request sent on one the server closed at that instant fails
+    # with a ReadError the server never saw (seen once in a replay).
+    limits = httpx.Limits(max_connections=None, max_keepalive_connections=None,
+                          keepalive_expiry=KEEPALIVE_EXPIRY_S)
     async with httpx.AsyncClient(limits=limits) as client:
         start = time.time() + 0.5  # time to schedule every task before the first arrival
         records = [RequestRecord(r.index, start + r.arrival_s, prompt_tokens=len(p),
