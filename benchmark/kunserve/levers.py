@@ -79,9 +79,7 @@ def markdown(report: dict[str, Any]) -> str:
     lines = ["# KunServe's replay targets, lever by lever: SIMULATED", "",
              f"**SIMULATED** on the simulation checked against the live replay "
              f"(`{CALIBRATION}` calibration, [validate.md](validate.md)). "
-             f"`{meta['command']}` at commit {meta['git']['commit'][:7]} (dirty: "
-             f"{meta['git']['dirty']}), {meta['machine']['cpu_model']}, "
-             f"{meta['machine']['cpu_cores']} cores; rounds {', '.join(meta['rounds'])}.", "",
+             + V.run_line(meta) + ".", "",
              "KunServe against plain DP 2, both simulated; median over the rounds (min to max). "
              f"Goals: P99 TTFT ratio {GOALS['p99_ttft_ratio']}, P50 TPOT change "
              f"{GOALS['p50_tpot_change']}, E2E P95 change {GOALS['e2e_p95_change']}.", "",

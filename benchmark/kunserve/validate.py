@@ -229,13 +229,18 @@ def merged_pool_tokens(planner: DropPlannerConfig) -> int:
                for i, layers in enumerate(split_layers(planner.num_layers, 2)))
 
 
+def run_line(meta: dict[str, Any]) -> str:
+    """The command, commit and machine of a study of rounds, and the rounds it read."""
+    return (f"`{meta['command']}` at commit {meta['git']['commit'][:7]} (dirty: "
+            f"{meta['git']['dirty']}), {meta['machine']['cpu_model']}, "
+            f"{meta['machine']['cpu_cores']} cores; rounds: {', '.join(meta['rounds'])}")
+
+
 def markdown(report: dict[str, Any]) -> str:
     meta = report["meta"]
     lines = ["# KunServe's simulation against the live two-replica replay", "",
-             f"`{meta['command']}` at commit {meta['git']['commit'][:7]} (dirty: "
-             f"{meta['git']['dirty']}), {meta['machine']['cpu_model']}, "
-             f"{meta['machine']['cpu_cores']} cores; rounds: {', '.join(meta['rounds'])} "
-             f"(replays at {', '.join(sorted(set(c[:7] for c in meta['round_commits'])))}).", "",
+             run_line(meta) + " (replays at "
+             f"{', '.join(sorted(set(c[:7] for c in meta['round_commits'])))}).", "",
              "Live: the replays' medians over the rounds (min to max). SIMULATED: the same "
              "requests on a SimPy pair, one run per round and calibration, median over the "
              "rounds. Error: simulated median over live median - 1. The check: P50 / P99 "
