@@ -22,9 +22,8 @@ from collections.abc import Sequence
 from typing import Any
 
 from benchmark.harness import load_average, run_meta, spread, write_results
-from benchmark.kunserve import sim as KS
 from benchmark.kunserve import validate as V
-from benchmark.kunserve.rounds import GOALS
+from benchmark.kunserve.rounds import GOALS, against_dp2
 
 CALIBRATION = "replay+transitions+merged"  # the one within 15% on every figure checked
 
@@ -50,26 +49,15 @@ LEVERS = (
 )
 
 
-def ratios(dp: dict[str, Any], ks: dict[str, Any]) -> dict[str, float]:
-    return {"p99_ttft_ratio": dp["ttft_s_p99"] / ks["ttft_s_p99"],
-            "p50_tpot_change": ks["tpot_s_p50"] / dp["tpot_s_p50"] - 1,
-            "e2e_p95_change": ks["e2e_s_p95"] / dp["e2e_s_p95"] - 1,
-            "tpot_p95_change": ks["tpot_s_p95"] / dp["tpot_s_p95"] - 1}
-
-
 def run_lever(lever: Lever, rounds: Sequence[V.LiveRound], spec) -> dict[str, Any]:
     per_round = []
     for rnd in rounds:
         planner = V.planner_for(spec, rnd.kv_tokens_per_replica)
         cal = dataclasses.replace(V.calibration(CALIBRATION, rnd, spec, rounds), **lever.costs)
         ctl = dataclasses.replace(rnd.controller, **lever.controller)
-        arms = {}
-        for arm in V.ARMS:
-            s = KS.simulate(rnd.requests, 2, planner, cal, arm == "kunserve",
-                            monitor_s=rnd.interval_s, controller_cfg=ctl,
-                            merged_running_cap=lever.merged_running_cap)
-            arms[arm] = V.distribution_of(s)
-        per_round.append(ratios(arms["dp2"], arms["kunserve"]))
+        arms = {arm: V.simulated(rnd, cal, planner, arm == "kunserve", ctl,
+                                 lever.merged_running_cap)[0] for arm in V.ARMS}
+        per_round.append(against_dp2(arms["dp2"], arms["kunserve"]))
     return {"lever": dataclasses.asdict(lever), "rounds": per_round,
             "median": {k: spread([r[k] for r in per_round]) for k in per_round[0]}}
 

@@ -83,17 +83,22 @@ def one_round(report: dict[str, Any]) -> dict[str, Any]:
                              for begin, end in windows],
         "arms": {a: {"all": distribution(arms[a]), "merged": distribution(arms[a], touched)}
                  for a in ARMS}}
-    ks, dp = out["arms"]["kunserve"]["all"], out["arms"]["dp2"]["all"]
+    out["vs_dp2"] = {
+        **against_dp2(out["arms"]["dp2"]["all"], out["arms"]["kunserve"]["all"]),
+        "exact_match": arms["kunserve"].get("quality", {}).get("exact_match_rate")}
+    return out
+
+
+def against_dp2(dp: dict[str, Any], ks: dict[str, Any]) -> dict[str, float | None]:
+    """KunServe's latency targets against plain DP 2, from two ``distribution``s."""
 
     def change(key: str) -> float | None:
         return ks[key] / dp[key] - 1 if ks[key] is not None and dp[key] else None
 
-    out["vs_dp2"] = {
+    return {
         "p99_ttft_ratio": (dp["ttft_s_p99"] / ks["ttft_s_p99"] if ks["ttft_s_p99"] else None),
         "p50_tpot_change": change("tpot_s_p50"), "e2e_p95_change": change("e2e_s_p95"),
-        "tpot_p95_change": change("tpot_s_p95"),
-        "exact_match": arms["kunserve"].get("quality", {}).get("exact_match_rate")}
-    return out
+        "tpot_p95_change": change("tpot_s_p95")}
 
 
 def aggregate(rounds: Sequence[dict[str, Any]]) -> dict[str, Any]:

@@ -23,9 +23,9 @@ one of these calibrations, side by side:
 Every calibration also charges each request the plain arm's front-end time (``front_end_s``).
 ``replay`` takes only the plain DP 2 arm's forwards and latencies: the KunServe arm's (its
 merged pipeline, its controller's timing) are predicted; the two richer rows take the
-KunServe arm's transition times and merged step, so they say how much each of those explains. The check (the one asked before 4-16 replica
-figures are quoted): P50 and P99 TTFT and P50 TPOT, median over the rounds, within
-``TOLERANCE`` of the live medians, in both arms.
+KunServe arm's transition times and merged step, so they say how much each of those explains.
+The check (the one asked before 4-16 replica figures are quoted): P50 and P99 TTFT and P50
+TPOT, median over the rounds, within ``TOLERANCE`` of the live medians, in both arms.
 """
 
 from __future__ import annotations
@@ -170,10 +170,13 @@ def front_end_s(rnd: LiveRound, cal: KS.Calibration, spec: ModelSpec) -> float:
     return max(0.0, statistics.median(residuals)) if residuals else 0.0
 
 
-def simulated(rnd: LiveRound, cal: KS.Calibration, planner: DropPlannerConfig, kunserve: bool
-              ) -> tuple[dict[str, Any], KS.ClusterSim]:
+def simulated(rnd: LiveRound, cal: KS.Calibration, planner: DropPlannerConfig, kunserve: bool,
+              controller: ControllerConfig | None = None,
+              merged_running_cap: int | None = None) -> tuple[dict[str, Any], KS.ClusterSim]:
+    """The round's requests on a simulated pair (its controller unless another is given)."""
     s = KS.simulate(rnd.requests, 2, planner, cal, kunserve, monitor_s=rnd.interval_s,
-                    controller_cfg=rnd.controller)
+                    controller_cfg=controller or rnd.controller,
+                    merged_running_cap=merged_running_cap)
     return distribution_of(s), s
 
 
@@ -194,18 +197,17 @@ def validate(rounds: Sequence[LiveRound], spec: ModelSpec) -> dict[str, Any]:
     live = {a: {k: spread([r.live[a][k] for r in rounds]) for k in SHOWN} for a in ARMS}
     out: dict[str, Any] = {"live": live, "calibrations": {}}
     for name in CALIBRATIONS:
-        per_round, transitions, merged_pool = [], [], []
+        per_round, transitions, cals = [], [], []
         for rnd in rounds:
             planner = planner_for(spec, rnd.kv_tokens_per_replica)
-            cal = calibration(name, rnd, spec, rounds)
+            cals.append(calibration(name, rnd, spec, rounds))
             row = {}
             for arm in ARMS:
-                row[arm], s = simulated(rnd, cal, planner, arm == "kunserve")
+                row[arm], s = simulated(rnd, cals[-1], planner, arm == "kunserve")
                 if arm == "kunserve":
                     transitions.append([{k: t[k] for k in ("kind", "at_s", "seconds")}
                                         for t in s.transitions])
             per_round.append(row)
-            merged_pool.append(merged_pool_tokens(planner))
         sim = {a: {k: spread([r[a][k] for r in per_round]) for k in SHOWN} for a in ARMS}
         errors = {a: {k: sim[a][k]["median"] / live[a][k]["median"] - 1 for k in SHOWN}
                   for a in ARMS}
@@ -213,8 +215,9 @@ def validate(rounds: Sequence[LiveRound], spec: ModelSpec) -> dict[str, Any]:
             "simulated": sim, "error": errors, "transitions": transitions,
             "within_tolerance": all(abs(errors[a][k]) <= TOLERANCE for a in ARMS
                                     for k in CHECKED),
-            "merged_kv_tokens_per_replica": merged_pool[0],
-            "costs": calibration(name, rounds[0], spec, rounds).costs.to_json()}
+            "merged_kv_tokens_per_replica": merged_pool_tokens(
+                planner_for(spec, rounds[0].kv_tokens_per_replica)),
+            "costs": cals[0].costs.to_json()}
     out["live_merged_kv_tokens_per_replica"] = [r.merged_kv_tokens_per_replica for r in rounds]
     out["live_transitions_s"] = {"drop": [d for r in rounds for d in r.drops_s],
                                  "restore": [d for r in rounds for d in r.restores_s]}

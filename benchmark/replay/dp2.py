@@ -36,10 +36,10 @@ from typing import Any, Callable
 import httpx
 
 from benchmark.harness import running_server
+from benchmark.kunserve.rounds import merged_windows
 from benchmark.replay import forwards
 from benchmark.replay import metrics as M
 from benchmark.replay import report as R
-from benchmark.kunserve.rounds import merged_windows
 from benchmark.replay.client import replay
 from sglang_morph.kunserve.live.forward_timings import ENV as TIMINGS_ENV
 

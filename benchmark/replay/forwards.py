@@ -92,8 +92,10 @@ def summarize(forwards: Sequence[dict[str, Any]], source: str,
     With ``merged_windows`` (unix seconds a KunServe pair was merged) the fit and the gaps
     take the forwards outside them, and ``merged_decode_ratio`` is the median of the merged
     decode forwards' seconds over what that fit gives the same batch on a whole replica."""
-    inside = [f for f in forwards if any(a <= f.get("t", 0.0) <= b for a, b in merged_windows)]
-    outside = [f for f in forwards if f not in inside] if inside else list(forwards)
+    inside, outside = [], []
+    for f in forwards:
+        merged = any(a <= f.get("t", 0.0) <= b for a, b in merged_windows)
+        (inside if merged else outside).append(f)
     out = _summarize(outside, source)
     if merged_windows:
         decode = PhaseCosts.from_json(out["fit"]).decode

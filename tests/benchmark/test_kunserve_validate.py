@@ -116,7 +116,7 @@ def test_the_levers_start_from_the_checked_simulation(tmp_path, spec):
     write_round(tmp_path / "r1", spec)
     rnd = V.load_round(tmp_path / "r1")
     checked = V.validate([rnd], spec)["calibrations"][L.CALIBRATION]["simulated"]
-    want = L.ratios({k: v["median"] for k, v in checked["dp2"].items()},
+    want = L.against_dp2({k: v["median"] for k, v in checked["dp2"].items()},
                     {k: v["median"] for k, v in checked["kunserve"].items()})
     got = L.run_lever(L.LEVERS[0], [rnd], spec)["rounds"][0]
     assert got == pytest.approx(want)

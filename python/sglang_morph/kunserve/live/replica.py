@@ -369,7 +369,7 @@ class KunServeReplica(GroupMember):
             for k, v in zip(send_k, send_v):
                 rows_k, rows_v = k.index_select(0, send_rows), v.index_select(0, send_rows)
                 self.link.send(self.link.control, {"k": rows_k, "v": rows_v})
-                moved += 2 * rows_k.numel() * rows_k.element_size()
+                moved += sum(t.numel() * t.element_size() for t in (rows_k, rows_v))
 
         def recv() -> None:
             nonlocal moved
