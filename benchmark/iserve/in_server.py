@@ -99,8 +99,10 @@ def _fits(fingerprints: list[dict], memory_records: list[dict], raw: dict
 
 
 def score(profile_path: str, truth_dirs: list[str], memory_from: str | None,
-          layouts_at: int | None = None) -> dict:
-    raw = json.loads(Path(profile_path).read_text())
+          layouts_at: int | None = None, raw: dict | None = None) -> dict:
+    """``raw``: the profile's contents when they differ from the file's (``noise`` scores a
+    profile rescaled to another window's speed)."""
+    raw = raw if raw is not None else json.loads(Path(profile_path).read_text())
     rounds = [json.loads((Path(d) / "profile.json").read_text()) for d in truth_dirs]
     for r in rounds:
         # The fingerprints may take fewer repetitions or shorter outputs (what they cost is
@@ -177,6 +179,121 @@ def score(profile_path: str, truth_dirs: list[str], memory_from: str | None,
             "ratio_full_over_fingerprints_latency": [c / fingerprint_cpu for c in full_cpu]},
         "intents": intent_check(profile, truth) if memory_records else [],
     }
+
+
+def _fingerprint_points(raw: dict) -> dict[tuple, tuple[float, float]]:
+    """(tp, pp, bits, layers, batch) -> (TTFT s, TPOT s), each the fastest repetition's."""
+    out = {}
+    for r in raw["records"]:
+        if r["kind"] == "fingerprint":
+            for p in estimate.latency_points([r], r["bits"]):
+                out[(p.tp, p.pp, r["bits"], p.layers, p.batch)] = (p.ttft_s, p.tpot_s)
+    return out
+
+
+def leave_one_out(round_profiles: list[dict]) -> dict[str, float]:
+    """Each round's fastest repetition against the mean of the other rounds, mean relative
+    difference over configurations, batches and rounds: what a model exact to the machine's
+    mean speed, but measured in one launch window, would score against a truth of the other
+    launches. The floor no one-window profile can beat here."""
+    per_config: dict[tuple[str, int], list[tuple[float, float]]] = {}
+    for profile in round_profiles:
+        for r in profile["records"]:
+            if r["kind"] == "full":
+                for p in estimate.latency_points([r], r["bits"]):
+                    per_config.setdefault((r["config"], p.batch), []).append(
+                        (p.ttft_s, p.tpot_s))
+    out = {}
+    for i, phase in enumerate(("ttft", "tpot")):
+        diffs = []
+        for values in per_config.values():
+            if len(values) != len(round_profiles):
+                continue
+            for k, v in enumerate(values):
+                rest = statistics.mean(x[i] for j, x in enumerate(values) if j != k)
+                diffs.append(abs(v[i] - rest) / rest)
+        out[phase] = statistics.mean(diffs)
+    return out
+
+
+def noise(profile_paths: list[str], reference: str, truth_dirs: list[str],
+          memory_from: str | None) -> dict:
+    """How much of each profile's error is the machine's speed in its window.
+
+    The drift: at the points a profile shares with ``reference`` (same layout, bit-width,
+    depth and batch), the median ratio of its TTFT and TPOT to the reference's. TTFT is the
+    like-for-like one (the same prompt whatever the output length); TPOT also moves with the
+    output length and the repetitions. Each profile is then scored as measured and rescaled
+    by its drift to the reference's window (a computed counterfactual, not a measurement):
+    what is left is model error plus the reference window's own offset.
+    """
+    rounds = [json.loads((Path(d) / "profile.json").read_text()) for d in truth_dirs]
+    ref = _fingerprint_points(json.loads(Path(reference).read_text()))
+    rows = []
+    for path in profile_paths:
+        raw = json.loads(Path(path).read_text())
+        points = _fingerprint_points(raw)
+        shared = sorted(set(points) & set(ref))
+        if not shared:
+            raise SystemExit(f"{path} shares no fingerprint point with {reference}")
+        drift = {phase: float(np.median([points[k][i] / ref[k][i] for k in shared]))
+                 for i, phase in enumerate(("ttft", "tpot"))}
+        rescaled = copy.deepcopy(raw)
+        for r in rescaled["records"]:
+            for point in r["latency"] if r["kind"] == "fingerprint" else ():
+                for phase in ("ttft", "tpot", "e2e"):
+                    key = f"{phase}_s"
+                    if key in point:
+                        scale = drift["ttft" if phase == "e2e" else phase]
+                        point[key] = [v / scale for v in point[key]]
+        uptimes = [r["uptime_s_at_start"] for r in raw["records"] if "uptime_s_at_start" in r]
+        as_measured = score(path, truth_dirs, memory_from)
+        at_reference = score(path, truth_dirs, memory_from, raw=rescaled)
+        rows.append({
+            "profile": path, "shared_points": len(shared), "drift": drift,
+            "uptime_s": [min(uptimes), max(uptimes)] if uptimes else None,
+            "workload": {k: raw["workload"].get(k) for k in ("output_tokens", "repetitions")},
+            "mean_error": as_measured["mean_error"],
+            "signed_mean_error": as_measured["signed_mean_error"],
+            "mean_error_at_reference_speed": at_reference["mean_error"],
+            "signed_mean_error_at_reference_speed": at_reference["signed_mean_error"],
+            "profiling_cpu_s": as_measured["profiling_cpu_s"]["fingerprints_latency"]})
+    truth_uptimes = [r["uptime_s_at_start"] for p in rounds for r in p["records"]
+                     if r["kind"] == "full" and "uptime_s_at_start" in r]
+    return {"reference": reference, "truth": truth_dirs,
+            "truth_uptime_s": [min(truth_uptimes), max(truth_uptimes)] if truth_uptimes else None,
+            "leave_one_out": leave_one_out(rounds),
+            "truth_cv_mean": score(reference, truth_dirs, memory_from)["truth_cv_mean"],
+            "profiles": rows}
+
+
+def noise_markdown(result: dict) -> str:
+    pct = "{:.1%}".format
+    loo, cv = result["leave_one_out"], result["truth_cv_mean"]
+    lines = [
+        f"Reference window: `{result['reference']}`; truth: "
+        + ", ".join(f"`{d}`" for d in result["truth"])
+        + (" (machine uptime {:.0f}-{:.0f} s)".format(*result["truth_uptime_s"])
+           if result["truth_uptime_s"] else ""), "",
+        f"**Noise in the truth.** Each round against the mean of the other two (a model exact "
+        f"to the machine's mean speed but measured in one window would score this): TTFT "
+        f"{pct(loo['ttft'])}, TPOT {pct(loo['tpot'])}; the rounds' coefficient of variation: "
+        f"TTFT {pct(cv['ttft'])}, TPOT {pct(cv['tpot'])}.", "",
+        "| profile | uptime s | outputs x repetitions | points shared | drift TTFT / TPOT | "
+        "error TTFT / TPOT (signed) | at the reference's speed (computed) | latency CPU-s |",
+        "|---|---|---|---:|---|---|---|---:|"]
+    for r in result["profiles"]:
+        up = "{:.0f}-{:.0f}".format(*r["uptime_s"]) if r["uptime_s"] else "-"
+        w = r["workload"]
+        m, sg = r["mean_error"], r["signed_mean_error"]
+        mr, sr = r["mean_error_at_reference_speed"], r["signed_mean_error_at_reference_speed"]
+        lines.append(
+            f"| `{Path(r['profile']).parent.name}` | {up} | {w['output_tokens']} x "
+            f"{w['repetitions']} | {r['shared_points']} | {r['drift']['ttft']:.3f} / "
+            f"{r['drift']['tpot']:.3f} | {pct(m['ttft'])} / {pct(m['tpot'])} ({sg['ttft']:+.1%}"
+            f" / {sg['tpot']:+.1%}) | {pct(mr['ttft'])} / {pct(mr['tpot'])} ({sr['ttft']:+.1%} /"
+            f" {sr['tpot']:+.1%}) | {r['profiling_cpu_s']:.0f} |")
+    return "\n".join(lines) + "\n"
 
 
 def markdown(result: dict) -> str:
@@ -291,6 +408,13 @@ def main(argv=None) -> int:
     p.add_argument("--layouts-at", type=int, metavar="BITS",
                    help="fit and cost only the records `profile --layouts-at BITS` measures")
     p.add_argument("--out", required=True)
+    p = sub.add_parser("noise", help="each profile's drift against a reference profile, and "
+                       "its error as measured and at the reference's speed")
+    p.add_argument("--profiles", nargs="+", required=True)
+    p.add_argument("--reference", required=True, help="the profile whose window is the yardstick")
+    p.add_argument("--truth", nargs="+", required=True, help="round directories (profile.json)")
+    p.add_argument("--memory-from", help="a profile of truncated fingerprints for M2")
+    p.add_argument("--out", required=True)
     p = sub.add_parser("sweep")
     p.add_argument("--depths", default="2,4,8,12,16,20,24,28,30")
     p.add_argument("--bits", default="16")
@@ -318,6 +442,21 @@ def main(argv=None) -> int:
         (out / f"{name}.json").write_text(json.dumps(result, indent=1))
         text = markdown(result)
         (out / f"{name}.md").write_text(text)
+    elif args.command == "noise":
+        import sys
+
+        from benchmark.harness import git_state
+
+        result = noise(args.profiles, args.reference, args.truth, args.memory_from)
+        # Computed from stored measurements: what ran, and where, is in those directories.
+        result["computed"] = {"command": "python -m benchmark.iserve.in_server "
+                              + " ".join(sys.argv[1:]), "git": git_state()}
+        (out / "noise.json").write_text(json.dumps(result, indent=1))
+        text = (f"# Launch-window noise in the in-server profiles\n\nComputed from stored "
+                f"measurements (no server launched) at commit {result['computed']['git']['commit']}"
+                f": `{result['computed']['command']}`. The profiles' and the truth's machine "
+                f"and times: their directories' README.\n\n" + noise_markdown(result))
+        (out / "noise.md").write_text(text)
     else:
         workload = Workload(output_tokens=(args.output,), repetitions=args.repetitions,
                             timing="stream")

@@ -57,7 +57,9 @@ def _points(bits, layers):
             for b in (1, 4)]
 
 
-def test_an_exact_model_scores_no_error_and_the_cost_is_both_sides_measured(tmp_path):
+def _exact_profile_and_truth(tmp_path):
+    """A profile of the exact model's fingerprints (``p.json``) and three truth rounds at 0.9,
+    1.0 and 1.1 times the exact full configurations' times."""
     workload = {"prompt_tokens": 128, "output_tokens": [64], "batches": [1, 4]}
     fingerprints = [{"kind": "fingerprint", "source": "in-server", "config": f"W{b}-TP1-PP1",
                      "bits": b, "tp": 1, "pp": 1, "num_layers": n, "cpu_s": 10.0,
@@ -76,6 +78,11 @@ def test_an_exact_model_scores_no_error_and_the_cost_is_both_sides_measured(tmp_
         d.mkdir()
         (d / "profile.json").write_text(json.dumps({"workload": workload, "records": records}))
         truth_dirs.append(str(d))
+    return profile, workload, truth_dirs
+
+
+def test_an_exact_model_scores_no_error_and_the_cost_is_both_sides_measured(tmp_path):
+    profile, workload, truth_dirs = _exact_profile_and_truth(tmp_path)
     result = in_server.score(str(tmp_path / "p.json"), truth_dirs, None)
     assert result["configs_scored"] == 2
     assert result["mean_error"]["ttft"] == pytest.approx(0, abs=1e-9)
@@ -96,6 +103,34 @@ def test_an_exact_model_scores_no_error_and_the_cost_is_both_sides_measured(tmp_
     (tmp_path / "q.json").write_text(json.dumps(other))
     with pytest.raises(SystemExit, match="workload"):
         in_server.score(str(tmp_path / "q.json"), truth_dirs, None)
+
+
+def test_noise_measures_a_slow_windows_drift_and_the_truths_own_floor(tmp_path):
+    profile, _, truth_dirs = _exact_profile_and_truth(tmp_path)
+    slow = json.loads(json.dumps(profile))
+    for r in slow["records"]:  # the same fingerprints measured 10% slower
+        for p in r["latency"]:
+            p["ttft_s"] = [v * 1.1 for v in p["ttft_s"]]
+            p["tpot_s"] = [v * 1.1 for v in p["tpot_s"]]
+    (tmp_path / "slow.json").write_text(json.dumps(slow))
+    result = in_server.noise([str(tmp_path / "p.json"), str(tmp_path / "slow.json")],
+                             str(tmp_path / "p.json"), truth_dirs, None)
+    exact, late = result["profiles"]
+    assert exact["drift"] == {"ttft": pytest.approx(1.0), "tpot": pytest.approx(1.0)}
+    assert exact["mean_error"]["ttft"] == pytest.approx(0, abs=1e-9)
+    assert late["shared_points"] == 8  # 2 bit-widths x 2 depths x 2 batches
+    assert late["drift"] == {"ttft": pytest.approx(1.1), "tpot": pytest.approx(1.1)}
+    assert late["mean_error"]["ttft"] == pytest.approx(0.1)  # a slope and an intercept 10% high
+    assert late["signed_mean_error"]["tpot"] == pytest.approx(0.1)
+    assert late["mean_error_at_reference_speed"]["ttft"] == pytest.approx(0, abs=1e-9)
+    # each round against the other two's mean: 0.9 vs 1.05, 1.0 vs 1.0, 1.1 vs 0.95
+    floor = (0.15 / 1.05 + 0 + 0.15 / 0.95) / 3
+    assert result["leave_one_out"] == {"ttft": pytest.approx(floor), "tpot": pytest.approx(floor)}
+    assert "drift TTFT / TPOT" in in_server.noise_markdown(result)
+    with pytest.raises(SystemExit, match="shares no fingerprint point"):
+        other = {**profile, "records": [{**r, "tp": 3} for r in profile["records"]]}
+        (tmp_path / "tp3.json").write_text(json.dumps(other))
+        in_server.noise([str(tmp_path / "tp3.json")], str(tmp_path / "p.json"), truth_dirs, None)
 
 
 def test_in_server_launches_one_server_per_layout():
