@@ -217,7 +217,7 @@ def leave_one_out(round_profiles: list[dict]) -> dict[str, float]:
 
 
 def noise(profile_paths: list[str], reference: str, truth_dirs: list[str],
-          memory_from: str | None) -> dict:
+          memory_from: str | None, layouts_at: int | None = None) -> dict:
     """How much of each profile's error is the machine's speed in its window.
 
     The drift: at the points a profile shares with ``reference`` (same layout, bit-width,
@@ -247,8 +247,8 @@ def noise(profile_paths: list[str], reference: str, truth_dirs: list[str],
                         scale = drift["ttft" if phase == "e2e" else phase]
                         point[key] = [v / scale for v in point[key]]
         uptimes = [r["uptime_s_at_start"] for r in raw["records"] if "uptime_s_at_start" in r]
-        as_measured = score(path, truth_dirs, memory_from)
-        at_reference = score(path, truth_dirs, memory_from, raw=rescaled)
+        as_measured = score(path, truth_dirs, memory_from, layouts_at)
+        at_reference = score(path, truth_dirs, memory_from, layouts_at, raw=rescaled)
         rows.append({
             "profile": path, "shared_points": len(shared), "drift": drift,
             "uptime_s": [min(uptimes), max(uptimes)] if uptimes else None,
@@ -260,7 +260,7 @@ def noise(profile_paths: list[str], reference: str, truth_dirs: list[str],
             "profiling_cpu_s": as_measured["profiling_cpu_s"]["fingerprints_latency"]})
     truth_uptimes = [r["uptime_s_at_start"] for p in rounds for r in p["records"]
                      if r["kind"] == "full" and "uptime_s_at_start" in r]
-    return {"reference": reference, "truth": truth_dirs,
+    return {"reference": reference, "truth": truth_dirs, "layouts_at": layouts_at,
             "truth_uptime_s": [min(truth_uptimes), max(truth_uptimes)] if truth_uptimes else None,
             "leave_one_out": leave_one_out(rounds),
             "truth_cv_mean": score(reference, truth_dirs, memory_from)["truth_cv_mean"],
@@ -278,7 +278,9 @@ def noise_markdown(result: dict) -> str:
         f"**Noise in the truth.** Each round against the mean of the other two (a model exact "
         f"to the machine's mean speed but measured in one window would score this): TTFT "
         f"{pct(loo['ttft'])}, TPOT {pct(loo['tpot'])}; the rounds' coefficient of variation: "
-        f"TTFT {pct(cv['ttft'])}, TPOT {pct(cv['tpot'])}.", "",
+        f"TTFT {pct(cv['ttft'])}, TPOT {pct(cv['tpot'])}."
+        + (f" Profiles fitted and costed on what `--layouts-at {result['layouts_at']}` "
+           f"measures." if result["layouts_at"] is not None else ""), "",
         "| profile | uptime s | outputs x repetitions | points shared | drift TTFT / TPOT | "
         "error TTFT / TPOT (signed) | at the reference's speed (computed) | latency CPU-s |",
         "|---|---|---|---:|---|---|---|---:|"]
@@ -414,6 +416,8 @@ def main(argv=None) -> int:
     p.add_argument("--reference", required=True, help="the profile whose window is the yardstick")
     p.add_argument("--truth", nargs="+", required=True, help="round directories (profile.json)")
     p.add_argument("--memory-from", help="a profile of truncated fingerprints for M2")
+    p.add_argument("--layouts-at", type=int, metavar="BITS",
+                   help="fit and cost only the records `profile --layouts-at BITS` measures")
     p.add_argument("--out", required=True)
     p = sub.add_parser("sweep")
     p.add_argument("--depths", default="2,4,8,12,16,20,24,28,30")
@@ -447,16 +451,19 @@ def main(argv=None) -> int:
 
         from benchmark.harness import git_state
 
-        result = noise(args.profiles, args.reference, args.truth, args.memory_from)
+        result = noise(args.profiles, args.reference, args.truth, args.memory_from,
+                       args.layouts_at)
         # Computed from stored measurements: what ran, and where, is in those directories.
         result["computed"] = {"command": "python -m benchmark.iserve.in_server "
                               + " ".join(sys.argv[1:]), "git": git_state()}
-        (out / "noise.json").write_text(json.dumps(result, indent=1))
+        name = "noise" + (f"_layouts_at_{args.layouts_at}" if args.layouts_at is not None
+                          else "")
+        (out / f"{name}.json").write_text(json.dumps(result, indent=1))
         text = (f"# Launch-window noise in the in-server profiles\n\nComputed from stored "
                 f"measurements (no server launched) at commit {result['computed']['git']['commit']}"
                 f": `{result['computed']['command']}`. The profiles' and the truth's machine "
                 f"and times: their directories' README.\n\n" + noise_markdown(result))
-        (out / "noise.md").write_text(text)
+        (out / f"{name}.md").write_text(text)
     else:
         workload = Workload(output_tokens=(args.output,), repetitions=args.repetitions,
                             timing="stream")
