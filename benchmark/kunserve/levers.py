@@ -5,9 +5,10 @@ at a time. Every number this writes is SIMULATED.
     .venv/bin/python -m benchmark.kunserve.levers ROUND [ROUND ...] [--out DIR]
 
 Levers: admission control while merged (a merged pair runs at most N requests; the rest
-wait), the controller's restore thresholds, and the costs themselves set to what a better
-implementation would pay (transitions free; a merged decode step as cheap as a whole
-replica's; both). Each row gives, per round and then as the median over the rounds, the
+wait), how far from its end a running request counts as about to free its KV (the drop's
+``finishing_steps``), the controller's restore thresholds, and the costs themselves set to
+what a better implementation would pay (transitions free; a merged decode step as cheap as a
+whole replica's; both). Each row gives, per round and then as the median over the rounds, the
 targets' ratios of KunServe to plain DP 2, both simulated with the same calibration:
 P99 TTFT (DP 2 / KunServe; goal >= 5), P50 TPOT change (goal <= +30%), E2E P95 change (goal
 <= 0) and TPOT P95 change.
@@ -40,6 +41,10 @@ LEVERS = (
     Lever("as measured"),
     *(Lever(f"merged pair runs at most {n} requests", merged_running_cap=n)
       for n in (10, 8, 6, 4)),
+    # A blocked queue drops unless the running requests about to finish make room: counting
+    # requests further from their end as finishing drops only for queues they cannot absorb.
+    *(Lever(f"running requests within {n} steps of their end count as finishing",
+            controller={"finishing_steps": n}) for n in (16, 32, 64)),
     Lever("restore at once (usage 0.95, 1 view, no dwell)",
           controller={"restore_usage": 0.95, "restore_headroom": 1.0, "restore_persist": 1,
                       "min_dwell_s": 0.0}),

@@ -78,6 +78,10 @@ class LiveRound:
     dp2_records: tuple[dict[str, Any], ...]  # the plain arm's requests as the replay recorded
     # KunServe's merged decode forwards over its own unmerged fit (None: no log or no drop)
     merged_decode_ratio: float | None
+    # The live admission cap while merged, as the simulated pair's (each replica's
+    # --kunserve-merged-max-running times two: the simulation queues a merged pair as one);
+    # None: no cap
+    merged_running_cap: int | None = None
 
 
 def load_round(path: Path) -> LiveRound:
@@ -111,7 +115,9 @@ def load_round(path: Path) -> LiveRound:
         live={a: distribution(arms[a]) for a in ARMS},
         commit=report["settings"]["git"]["commit"], dp2_records=tuple(dp2["records"]),
         merged_decode_ratio=((arms["kunserve"].get("forwards") or {}).get(
-            "merged_decode_ratio") or {}).get("median"))
+            "merged_decode_ratio") or {}).get("median"),
+        merged_running_cap=(2 * cap if (cap := report["settings"].get(
+            "kunserve_merged_max_running")) is not None else None))
 
 
 def planner_for(spec: ModelSpec, kv_tokens_per_replica: int, max_group_size: int = 2
@@ -173,10 +179,11 @@ def front_end_s(rnd: LiveRound, cal: KS.Calibration, spec: ModelSpec) -> float:
 def simulated(rnd: LiveRound, cal: KS.Calibration, planner: DropPlannerConfig, kunserve: bool,
               controller: ControllerConfig | None = None,
               merged_running_cap: int | None = None) -> tuple[dict[str, Any], KS.ClusterSim]:
-    """The round's requests on a simulated pair (its controller unless another is given)."""
+    """The round's requests on a simulated pair (its controller and admission cap unless others
+    are given)."""
     s = KS.simulate(rnd.requests, 2, planner, cal, kunserve, monitor_s=rnd.interval_s,
                     controller_cfg=controller or rnd.controller,
-                    merged_running_cap=merged_running_cap)
+                    merged_running_cap=merged_running_cap or rnd.merged_running_cap)
     return distribution_of(s), s
 
 

@@ -71,14 +71,17 @@ def kv_tokens_for(budget: str) -> int:
 
 
 def server_args(name: str, budget: str, kv_tokens: int, engines: Path | None, log: Path,
-                swap_order: Path, auto_config: str | None) -> tuple[str, ...]:
+                swap_order: Path, auto_config: str | None,
+                merged_max_running: int | None = None) -> tuple[str, ...]:
     base = ("--dp-size", "2", "--dtype", DTYPE, "--enable-metrics")
     if name == "dp2":
         return base + ("--max-total-tokens", str(kv_tokens))
     if name == "kunserve":
         return base + ("--max-total-tokens", str(kv_tokens), "--enable-kunserve",
                        "--kunserve-auto") + (("--kunserve-auto-config", auto_config)
-                                             if auto_config else ())
+                                             if auto_config else ()) + (
+            ("--kunserve-merged-max-running", str(merged_max_running))
+            if merged_max_running is not None else ())
     morph = base + ("--enable-morph", "--morph-memory-budget", budget, "--morph-log", str(log),
                     "--morph-engines", str(engines))
     if name == "morph_dp2":
@@ -161,6 +164,7 @@ def run_arm(url: str, name: str, requests, prompts, slo: M.Slo, drain_timeout_s:
 
 def run_dp2(configs, requests, prompts, *, budget: str, slo: M.Slo, drain_timeout_s: float,
             engines: Path | None, swap_order: Path, out_dir: Path, auto_config: str | None,
+            merged_max_running: int | None = None,
             checkpoint: Callable[[dict[str, Any]], None] | None = None) -> dict[str, Any]:
     """Each arm in turn; an arm whose server fails records the error and the next one runs.
     ``checkpoint`` gets the results so far after each arm (a long run keeps what it measured)."""
@@ -175,7 +179,8 @@ def run_dp2(configs, requests, prompts, *, budget: str, slo: M.Slo, drain_timeou
     for name in configs:
         log = raw / f"{name}_transitions.jsonl"
         log.unlink(missing_ok=True)
-        args = server_args(name, budget, kv_tokens, engines, log, swap_order, auto_config)
+        args = server_args(name, budget, kv_tokens, engines, log, swap_order, auto_config,
+                           merged_max_running)
         forwards_log = raw / f"{name}_forwards.jsonl"
         forwards_log.unlink(missing_ok=True)
         env = {**SERVER_ENV, TIMINGS_ENV: str(forwards_log.resolve())}

@@ -94,10 +94,15 @@ def local_view(replica: Any, finishing_steps: int = 0) -> dict[str, int]:
 
 def queue_refused(scheduler: Any, running: int) -> bool:
     """SGLang's last prefill attempt found no KV room for the waiting queue (``batch_is_full``
-    with requests waiting and fewer than its limit running). O(1): read every step."""
+    with requests waiting and fewer than its limit running: the running-request cap as it is
+    now, which admission control lowers while merged). O(1): read every step."""
+    from sglang.srt.runtime_context import get_parallel
+
+    limit = min(int(getattr(scheduler, "max_running_requests", 1 << 30)),
+                int(get_parallel().pp_max_micro_batch_size or 1 << 30))
     return (bool(scheduler.waiting_queue)
             and bool(getattr(scheduler.running_batch, "batch_is_full", False))
-            and running < int(getattr(scheduler, "max_running_requests", 1 << 30)))
+            and running < limit)
 
 
 def snapshot(replica: int, view: dict[str, int]) -> ReplicaSnapshot:

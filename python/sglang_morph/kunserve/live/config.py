@@ -83,22 +83,32 @@ class KunServeLiveConfig:
     # A merged replica's prefill of at least 2 x 64 tokens runs as up to this many
     # micro-batches through the pair's two stages (1: never cut).
     micro_batches: int = 4
+    # While merged, each replica runs at most this many requests (None: SGLang's own cap);
+    # the rest wait in its queue. Checked against the replica's cap when it starts.
+    merged_max_running: int | None = None
 
     def __post_init__(self) -> None:
         m = self.micro_batches
         if not (isinstance(m, int) and not isinstance(m, bool) and 1 <= m <= MAX_MICRO_BATCHES):
             raise KunServeConfigError(f"--kunserve-micro-batches must be an integer in "
                                       f"[1, {MAX_MICRO_BATCHES}], got {m!r}")
+        c = self.merged_max_running
+        if c is not None and not (isinstance(c, int) and not isinstance(c, bool) and c >= 1):
+            raise KunServeConfigError(f"--kunserve-merged-max-running must be an integer >= 1, "
+                                      f"got {c!r}")
 
     @classmethod
     def from_cli_namespace(cls, args: argparse.Namespace) -> "KunServeLiveConfig":
         auto = bool(getattr(args, "kunserve_auto", False))
         auto_json = getattr(args, "kunserve_auto_config", None)
         micro = getattr(args, "kunserve_micro_batches", None)
+        cap = getattr(args, "kunserve_merged_max_running", None)
         if not getattr(args, "enable_kunserve", False):
             given = [flag for flag, on in (("--kunserve-auto", auto),
                                            ("--kunserve-auto-config", auto_json is not None),
-                                           ("--kunserve-micro-batches", micro is not None)) if on]
+                                           ("--kunserve-micro-batches", micro is not None),
+                                           ("--kunserve-merged-max-running", cap is not None))
+                     if on]
             if given:
                 raise KunServeConfigError(f"{', '.join(given)} "
                                           f"{'needs' if len(given) == 1 else 'need'} "
@@ -109,7 +119,8 @@ class KunServeLiveConfig:
         port = getattr(args, "kunserve_link_port", None)
         return cls(enabled=True, link_port=port if port is not None else free_late_bind_port(),
                    auto=AutoControlConfig.from_json(auto_json) if auto else None,
-                   **({} if micro is None else {"micro_batches": micro}))
+                   **({} if micro is None else {"micro_batches": micro}),
+                   merged_max_running=cap)
 
 
 def add_cli_args(parser: argparse.ArgumentParser) -> None:
@@ -139,6 +150,11 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
         help="While merged, cut a replica's prefill of at least 128 tokens into up to K "
         "micro-batches of equal tokens (at least 64 each) that flow through the pair's two "
         f"stages at once (default {KunServeLiveConfig.micro_batches}; 1: never cut).")
+    group.add_argument(
+        "--kunserve-merged-max-running", type=int, default=None, metavar="N",
+        help="Admission control while merged: each replica runs at most N requests (SGLang's "
+        "running-request cap, lowered at a drop and put back at the restore); the rest wait "
+        "in its queue. Default: no cap beyond --max-running-requests.")
 
 
 def check_launch(server_args: Any, morph_enabled: bool) -> None:

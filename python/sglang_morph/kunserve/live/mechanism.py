@@ -34,7 +34,8 @@ def attach(scheduler: Any):
 
     cfg = kunserve_config.get(scheduler.server_args)
     try:
-        attach_replica(scheduler, cfg.link_port, cfg.auto, cfg.micro_batches)
+        attach_replica(scheduler, cfg.link_port, cfg.auto, cfg.micro_batches,
+                       cfg.merged_max_running)
     except NotImplementedError as e:
         raise PluginError(f"sglang-morph: error: --enable-kunserve does not support this "
                           f"configuration: {e}") from e

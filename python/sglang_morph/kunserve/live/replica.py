@@ -87,7 +87,7 @@ class KunServeReplica(GroupMember):
     service thread answering the peer is alive."""
 
     def __init__(self, scheduler: Any, link_port: int, auto: Any = None,
-                 micro_batches: int = 4):
+                 micro_batches: int = 4, merged_max_running: int | None = None):
         from sglang_morph.models.memory import MemoryModel
         from sglang_morph.models.spec import ModelSpec
 
@@ -145,6 +145,16 @@ class KunServeReplica(GroupMember):
         self._early: tuple | None = None
         self.batches_sent_ahead = 0
         self.micro_batches = micro_batches  # --kunserve-micro-batches
+        # --kunserve-merged-max-running: admission control while merged (None: SGLang's own
+        # cap only). Whole, the replica admits up to SGLang's per-batch request cap as launched.
+        self.merged_max_running = merged_max_running
+        self._whole_max_running = whole = _running_cap()
+        if merged_max_running is not None and not 1 <= merged_max_running <= whole:
+            from sglang_morph.kunserve.live.config import KunServeConfigError
+
+            raise KunServeConfigError(
+                f"--kunserve-merged-max-running must be in [1, {whole}] (the "
+                f"replica's running-request cap), got {merged_max_running}")
         self.batches_micro = 0  # own extend batches run as a pipeline of micro-batches
         # The micro-batches' own layers attend over this replica's pools, new rows only.
         self._micro_backend = new_rows_backend(runner.device, scheduler.req_to_token_pool,
@@ -216,6 +226,9 @@ class KunServeReplica(GroupMember):
             # took the compute lock (send_ahead); the front member's stay 0.
             "batches_sent_ahead": self.batches_sent_ahead,
             "batches_micro": self.batches_micro,
+            # Requests SGLang lets this replica run at once now, and the cap while merged.
+            "max_running_requests": _running_cap(),
+            "merged_max_running_requests": self.merged_max_running,
             # What the automatic control sees of this replica (also without it): held KV,
             # the remaining outputs of its running requests, its queue.
             "load": {k: v for k, v in local_view(self, self.auto.cfg.controller.finishing_steps
@@ -422,6 +435,7 @@ class KunServeReplica(GroupMember):
             raise
         self._hold_weights()
         self.merged = True
+        self._admit(merged=True)
 
     def _unmerge_local(self) -> None:
         """Undo ``_merge_local``, completed (the peer failed its part) or not (a failed grow
@@ -437,6 +451,7 @@ class KunServeReplica(GroupMember):
             _set_pool_layers(self.pool, range(self.num_layers), k_all, v_all)
         self._give_weights_back()
         self.merged = False
+        self._admit(merged=False)
 
     # restore: phase 1 takes our KV of the dropped layers back from the peer's mirror (and
     # gives it its own), puts every layer back in our pool at the merged size and the weights
@@ -468,6 +483,7 @@ class KunServeReplica(GroupMember):
         self._merged_mirror = (self.mirror, self.peer_backend, self.peer_micro_backend)
         self.mirror = self.peer_backend = self.peer_micro_backend = None
         self.merged = False
+        self._admit(merged=False)
 
     def _unsplit(self) -> None:
         """Undo ``_split_move_kv``, completed (the peer failed its part) or not: the merged
@@ -479,9 +495,28 @@ class KunServeReplica(GroupMember):
             self.mirror, self.peer_backend, self.peer_micro_backend = self._merged_mirror
             self._merged_mirror = None
         self.merged = True
+        self._admit(merged=True)
+
+    def _admit(self, merged: bool) -> None:
+        """While merged, SGLang admits at most ``merged_max_running`` requests here (its
+        per-batch request cap, set through the scheduler's internal-state update, the handler
+        of SGLang's ``/set_internal_state``); whole, its cap as launched. Running requests are
+        never cut: the cap only holds new ones in the queue. A merged pair's decode step costs
+        in proportion to its batch on this CPU, so the cap bounds every request's TPOT at the
+        price of the queued ones' TTFT."""
+        if self.merged_max_running is None:
+            return
+        from sglang.srt.managers.io_struct import SetInternalStateReq
+
+        cap = self.merged_max_running if merged else self._whole_max_running
+        out = self.scheduler.set_internal_state(
+            SetInternalStateReq(server_args={"pp_max_micro_batch_size": cap}))
+        if not out.updated:  # checked against the same range at launch
+            raise RuntimeError(f"SGLang refused the running-request cap {cap}")
 
     def _split_local(self) -> None:
-        KVResizer(self.scheduler, self.faults).shrink(self.pool.size - self.kv_capacity_tokens_whole)
+        KVResizer(self.scheduler, self.faults).shrink(
+            self.pool.size - self.kv_capacity_tokens_whole)
         self._merged_mirror = None
 
     # Both directions skip what is already where they put it, so that an undo after a move
@@ -756,6 +791,14 @@ class _Metrics(MemberMetrics):
         self.peer_kv_capacity_tokens = self.gauge("peer_kv_capacity_tokens",
                                                   "Mirror pool capacity for the peer's tokens")
         self.transitions = self.counter("transitions", "KunServe transitions", "action")
+
+
+def _running_cap() -> int:
+    """How many requests SGLang lets this replica's scheduler run at once now (its per-batch
+    request cap; without PP, ``--max-running-requests`` unless updated)."""
+    from sglang.srt.runtime_context import get_parallel
+
+    return int(get_parallel().pp_max_micro_batch_size)
 
 
 def _layers_batch(mode: Any, input_ids: torch.Tensor, req_pool_indices: torch.Tensor,
