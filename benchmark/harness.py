@@ -47,9 +47,12 @@ def git_state() -> dict:
         return subprocess.run(["git", *args], cwd=REPO_ROOT, capture_output=True, text=True)
 
     head = git("rev-parse", "HEAD")
+    changed = git("status", "--porcelain", "--untracked-files=all").stdout.splitlines()
     return {
         "commit": head.stdout.strip() if head.returncode == 0 else None,  # None: no commit yet
-        "dirty": bool(git("status", "--porcelain").stdout.strip()),
+        # Results a run writes (untracked files under benchmark/results) are not code.
+        "dirty": any(not (line.startswith("?? ") and line[3:].startswith("benchmark/results/"))
+                     for line in changed if line.strip()),
     }
 
 

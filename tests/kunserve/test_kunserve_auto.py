@@ -72,6 +72,19 @@ def test_local_view_reports_a_queue_sglang_refused(waiting, running, full, max_r
     assert view["waiting_tokens"] == waiting * 108 and view["kv_used_tokens"] == 410
     assert snapshot(0, view).queue_refused is bool(refused)
 
+
+def test_a_queue_the_merged_cap_holds_is_not_a_kv_refusal():
+    from sglang_morph.kunserve.live.auto import local_view
+
+    capped = _replica(1, 2, True)
+    capped.merged_max_running = 2
+    capped.merged = True  # two running: SGLang's batch is full by the cap, not for KV
+    assert local_view(capped)["queue_refused"] == 0
+    capped.merged = False  # whole, the cap does not apply: a full batch under 8 is KV
+    assert local_view(capped)["queue_refused"] == 1
+    capped.merged, capped.merged_max_running = True, 3  # under the cap: KV again
+    assert local_view(capped)["queue_refused"] == 1
+
 @pytest.mark.parametrize("flags, message", [
     (dict(kunserve_auto=True), "--kunserve-auto needs --enable-kunserve"),
     (dict(kunserve_auto=True, kunserve_auto_config="{}"),

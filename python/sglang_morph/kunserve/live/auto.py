@@ -70,7 +70,7 @@ def local_view(replica: Any, finishing_steps: int = 0) -> dict[str, int]:
     left. Also the count of transitions, which dates the view."""
     s = replica.scheduler
     running = replica.live_requests()
-    refused = queue_refused(s, len(running))
+    refused = queue_refused(s, len(running), merged_cap(replica))
 
     def max_new(req: Any) -> int:
         return int(req.sampling_params.max_new_tokens or 0)
@@ -92,17 +92,24 @@ def local_view(replica: Any, finishing_steps: int = 0) -> dict[str, int]:
             "kv_finishing_tokens": min(int(finishing), max(0, used) + int(growth))}
 
 
-def queue_refused(scheduler: Any, running: int) -> bool:
+def queue_refused(scheduler: Any, running: int, cap: int | None = None) -> bool:
     """SGLang's last prefill attempt found no KV room for the waiting queue (``batch_is_full``
-    with requests waiting and fewer than its limit running: the running-request cap as it is
-    now, which admission control lowers while merged). O(1): read every step."""
-    from sglang.srt.runtime_context import get_parallel
-
-    limit = min(int(getattr(scheduler, "max_running_requests", 1 << 30)),
-                int(get_parallel().pp_max_micro_batch_size or 1 << 30))
+    with requests waiting and fewer than its limit running: ``--max-running-requests``, or
+    ``cap`` when admission control holds the merged replica below it, so that a queue
+    the cap holds is not read as a KV refusal). O(1): read every step."""
+    limit = int(getattr(scheduler, "max_running_requests", 1 << 30))
+    if cap is not None:
+        limit = min(limit, cap)
     return (bool(scheduler.waiting_queue)
             and bool(getattr(scheduler.running_batch, "batch_is_full", False))
             and running < limit)
+
+
+def merged_cap(replica: Any) -> int | None:
+    """The running-request cap admission control sets while the replica is merged (None:
+    whole, or no cap)."""
+    cap = getattr(replica, "merged_max_running", None)
+    return cap if getattr(replica, "merged", False) else None
 
 
 def snapshot(replica: int, view: dict[str, int]) -> ReplicaSnapshot:
@@ -184,7 +191,8 @@ class AutoControl:
 
     def _blocked_now(self) -> bool:
         s = self.replica.scheduler
-        return queue_refused(s, len(s.running_batch.reqs) if s.running_batch else 0)
+        return queue_refused(s, len(s.running_batch.reqs) if s.running_batch else 0,
+                             merged_cap(self.replica))
 
     def _follow(self) -> None:
         written = self.mailbox.add(_COUNT_KEY, 0)
