@@ -50,8 +50,8 @@ def git_state() -> dict:
     changed = git("status", "--porcelain", "--untracked-files=all").stdout.splitlines()
     return {
         "commit": head.stdout.strip() if head.returncode == 0 else None,  # None: no commit yet
-        # Results a run writes (untracked files under benchmark/results) are not code.
-        "dirty": any(not (line.startswith("?? ") and line[3:].startswith("benchmark/results/"))
+        # Results (what runs write under benchmark/results, new or rewritten) are not code.
+        "dirty": any(not line[3:].startswith("benchmark/results/")
                      for line in changed if line.strip()),
     }
 

@@ -20,6 +20,10 @@ def test_results_a_run_writes_do_not_make_the_tree_dirty(tmp_path, monkeypatch):
     (tmp_path / "benchmark" / "results" / "run").mkdir(parents=True)
     (tmp_path / "benchmark" / "results" / "run" / "out.json").write_text("{}")
     assert harness.git_state()["dirty"] is False  # a result, not code
+    git("add", "benchmark")
+    git("-c", "user.name=t", "-c", "user.email=t@t", "commit", "-qm", "a result")
+    (tmp_path / "benchmark" / "results" / "run" / "out.json").write_text('{"again": 1}')
+    assert harness.git_state()["dirty"] is False  # a result rewritten by a rerun
     (tmp_path / "new_module.py").write_text("y = 2\n")
     assert harness.git_state()["dirty"] is True  # code not committed
     (tmp_path / "new_module.py").unlink()
