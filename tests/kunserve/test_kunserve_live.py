@@ -82,15 +82,18 @@ def test_launch_refuses_what_is_not_built(overrides, morph, message):
     assert not hasattr(server_args, kunserve_config.SERVER_ARGS_ATTR)  # nothing attached
 
 
-@pytest.mark.parametrize("value, message", [
-    (0, "--kunserve-micro-batches must be an integer in [1, 16], got 0"),
-    (17, "got 17"),
+@pytest.mark.parametrize("field, value, message", [
+    ("kunserve_micro_batches", 0, "--kunserve-micro-batches must be an integer in [1, 16], got 0"),
+    ("kunserve_micro_batches", 17, "got 17"),
+    ("kunserve_merged_max_running", 0,
+     "--kunserve-merged-max-running must be an integer >= 1, got 0"),
+    ("kunserve_merged_max_running", True, "got True"),
 ])
-def test_micro_batches_out_of_range_are_refused(value, message):
+def test_values_out_of_range_are_refused(field, value, message):
     server_args = launch_args()
     with pytest.raises(PluginError, match="sglang-morph: error: ") as e:
-        configure_kunserve(server_args, argparse.Namespace(
-            enable_kunserve=True, kunserve_micro_batches=value), False)
+        configure_kunserve(server_args, argparse.Namespace(enable_kunserve=True,
+                                                           **{field: value}), False)
     assert message in str(e.value)
     assert not hasattr(server_args, kunserve_config.SERVER_ARGS_ATTR)
 
