@@ -14,8 +14,8 @@ T0 = 1_000_000.0
 
 
 def record(index: int, at_s: float, ttft_s: float, tpot_s: float, e2e_s: float) -> dict:
-    return {"index": index, "scheduled_unix_s": T0 + at_s, "ttft_s": ttft_s, "tpot_s": tpot_s,
-            "e2e_s": e2e_s}
+    return {"index": index, "scheduled_unix_s": T0 + at_s, "sent_unix_s": T0 + at_s,
+            "ttft_s": ttft_s, "tpot_s": tpot_s, "e2e_s": e2e_s}
 
 
 def report(scale: float, windows=((10.0, 0.2, 20.0),)) -> dict:
@@ -69,6 +69,23 @@ def test_one_round_against_numpy_and_the_comparison():
     assert vs["e2e_p95_change"] == pytest.approx(0.5)
     assert vs["exact_match"] == 1.0
     assert r["merged_windows_s"] == [10.2]
+    assert r["client"]["dp2"] == {"max_s": 0.0, "late_sends": 0,
+                                  "ttft_s_p99_from_send": r["arms"]["dp2"]["all"]["ttft_s_p99"]}
+
+
+def test_the_clients_late_sends_and_the_p99_counted_from_the_send():
+    rep = report(1.5)
+    slow = rep["dp2"]["configs"]["dp2"]["records"][9]
+    slow["sent_unix_s"] += 5.0  # the client sent DP 2's worst request 5 s after its time
+    r = KR.one_round(rep)
+    dp2 = rep["dp2"]["configs"]["dp2"]["records"]
+    from_send = [x["ttft_s"] - (x["sent_unix_s"] - x["scheduled_unix_s"]) for x in dp2]
+    assert r["client"]["dp2"]["late_sends"] == 1 and r["client"]["dp2"]["max_s"] == 5.0
+    assert r["client"]["dp2"]["ttft_s_p99_from_send"] == pytest.approx(
+        np.percentile(from_send, 99))
+    assert r["vs_dp2"]["p99_ttft_ratio_from_send"] == pytest.approx(
+        np.percentile(from_send, 99) / r["arms"]["kunserve"]["all"]["ttft_s_p99"])
+    assert r["vs_dp2"]["p99_ttft_ratio_from_send"] < r["vs_dp2"]["p99_ttft_ratio"]
 
 
 def test_the_spread_over_rounds_and_the_files(tmp_path):
@@ -86,6 +103,7 @@ def test_the_spread_over_rounds_and_the_files(tmp_path):
     md = (tmp_path / "out" / "rounds.md").read_text()
     assert "3 replay rounds (test point)" in md and "| kunserve (merged) |" in md
     assert "P50 TPOT change: +0.300 (+0.100 to +0.500)" in md
+    assert "per round, DP 2 / KunServe: 0 / 0, 0 / 0, 0 / 0 requests, at most 0.00 s" in md
     assert (tmp_path / "out" / "rounds_cdf.png").stat().st_size > 0
     # The plot pools the rounds: 3 x 10 requests; a merged window touches requests 7-9 at
     # scale 1.1 and 6-9 at 1.5 and 1.3 (request 6 then lives past 9.8 s).
