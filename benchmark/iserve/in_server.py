@@ -84,6 +84,13 @@ def truth_records(round_profiles: list[dict]) -> tuple[list[dict], list[dict]]:
     return records, spread
 
 
+def truth_cv_mean(spread: list[dict]) -> dict[str, float]:
+    """The truth's coefficient of variation over the rounds (``truth_records``' spread), mean
+    over configurations and batches."""
+    return {phase: statistics.mean(s[f"{phase}_cv"] for s in spread)
+            for phase in ("ttft", "tpot")}
+
+
 def _fits(fingerprints: list[dict], memory_records: list[dict], raw: dict
           ) -> estimate.ModelEstimates:
     """L2 from the profile's fingerprints, M2 from ``--memory-from``'s (each fitted alone, with
@@ -169,8 +176,7 @@ def score(profile_path: str, truth_dirs: list[str], memory_from: str | None,
                                    if any("rss_hwm" in r for r in rows) else None)},
         "signed_mean_error": {"ttft": signed("ttft"), "tpot": signed("tpot")},
         "mean_error_per_round": per_round_mean,
-        "truth_cv_mean": {"ttft": statistics.mean(s["ttft_cv"] for s in spread),
-                          "tpot": statistics.mean(s["tpot_cv"] for s in spread)},
+        "truth_cv_mean": truth_cv_mean(spread),
         "profiling_cpu_s": {
             "fingerprints_latency": fingerprint_cpu,
             "fingerprint_launches": len({(r["tp"], r["pp"]) for r in fingerprints}),
@@ -191,27 +197,19 @@ def _fingerprint_points(raw: dict) -> dict[tuple, tuple[float, float]]:
     return out
 
 
-def leave_one_out(round_profiles: list[dict]) -> dict[str, float]:
-    """Each round's fastest repetition against the mean of the other rounds, mean relative
-    difference over configurations, batches and rounds: what a model exact to the machine's
-    mean speed, but measured in one launch window, would score against a truth of the other
-    launches. The floor no one-window profile can beat here."""
-    per_config: dict[tuple[str, int], list[tuple[float, float]]] = {}
-    for profile in round_profiles:
-        for r in profile["records"]:
-            if r["kind"] == "full":
-                for p in estimate.latency_points([r], r["bits"]):
-                    per_config.setdefault((r["config"], p.batch), []).append(
-                        (p.ttft_s, p.tpot_s))
+def leave_one_out(spread: list[dict]) -> dict[str, float]:
+    """Each round's fastest repetition against the mean of the other rounds (``spread`` of
+    ``truth_records``), mean relative difference over configurations, batches and rounds: what
+    a model exact to the machine's mean speed, but measured in one launch window, would score
+    against a truth of the other launches. The floor no one-window profile can beat here."""
     out = {}
-    for i, phase in enumerate(("ttft", "tpot")):
+    for phase in ("ttft", "tpot"):
         diffs = []
-        for values in per_config.values():
-            if len(values) != len(round_profiles):
-                continue
+        for s in spread:
+            values = s[f"{phase}_s"]
             for k, v in enumerate(values):
-                rest = statistics.mean(x[i] for j, x in enumerate(values) if j != k)
-                diffs.append(abs(v[i] - rest) / rest)
+                rest = statistics.mean(x for j, x in enumerate(values) if j != k)
+                diffs.append(abs(v - rest) / rest)
         out[phase] = statistics.mean(diffs)
     return out
 
@@ -260,10 +258,11 @@ def noise(profile_paths: list[str], reference: str, truth_dirs: list[str],
             "profiling_cpu_s": as_measured["profiling_cpu_s"]["fingerprints_latency"]})
     truth_uptimes = [r["uptime_s_at_start"] for p in rounds for r in p["records"]
                      if r["kind"] == "full" and "uptime_s_at_start" in r]
+    spread = truth_records(rounds)[1]
     return {"reference": reference, "truth": truth_dirs, "layouts_at": layouts_at,
             "truth_uptime_s": [min(truth_uptimes), max(truth_uptimes)] if truth_uptimes else None,
-            "leave_one_out": leave_one_out(rounds),
-            "truth_cv_mean": score(reference, truth_dirs, memory_from)["truth_cv_mean"],
+            "leave_one_out": leave_one_out(spread),
+            "truth_cv_mean": truth_cv_mean(spread),
             "profiles": rows}
 
 
