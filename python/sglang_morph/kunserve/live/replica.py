@@ -435,7 +435,7 @@ class KunServeReplica(GroupMember):
             raise
         self._hold_weights()
         self.merged = True
-        self._admit(merged=True)
+        self._admit()
 
     def _unmerge_local(self) -> None:
         """Undo ``_merge_local``, completed (the peer failed its part) or not (a failed grow
@@ -451,7 +451,7 @@ class KunServeReplica(GroupMember):
             _set_pool_layers(self.pool, range(self.num_layers), k_all, v_all)
         self._give_weights_back()
         self.merged = False
-        self._admit(merged=False)
+        self._admit()
 
     # restore: phase 1 takes our KV of the dropped layers back from the peer's mirror (and
     # gives it its own), puts every layer back in our pool at the merged size and the weights
@@ -483,7 +483,7 @@ class KunServeReplica(GroupMember):
         self._merged_mirror = (self.mirror, self.peer_backend, self.peer_micro_backend)
         self.mirror = self.peer_backend = self.peer_micro_backend = None
         self.merged = False
-        self._admit(merged=False)
+        self._admit()
 
     def _unsplit(self) -> None:
         """Undo ``_split_move_kv``, completed (the peer failed its part) or not: the merged
@@ -495,10 +495,10 @@ class KunServeReplica(GroupMember):
             self.mirror, self.peer_backend, self.peer_micro_backend = self._merged_mirror
             self._merged_mirror = None
         self.merged = True
-        self._admit(merged=True)
+        self._admit()
 
-    def _admit(self, merged: bool) -> None:
-        """While merged, SGLang admits at most ``merged_max_running`` requests here (its
+    def _admit(self) -> None:
+        """After ``merged`` changed: while merged, SGLang admits at most ``merged_max_running`` requests here (its
         per-batch request cap, set through the scheduler's internal-state update, the handler
         of SGLang's ``/set_internal_state``); whole, its cap as launched. Running requests are
         never cut: the cap only holds new ones in the queue. A merged pair's decode step costs
@@ -508,7 +508,7 @@ class KunServeReplica(GroupMember):
             return
         from sglang.srt.managers.io_struct import SetInternalStateReq
 
-        cap = self.merged_max_running if merged else self._whole_max_running
+        cap = self.merged_max_running if self.merged else self._whole_max_running
         out = self.scheduler.set_internal_state(
             SetInternalStateReq(server_args={"pp_max_micro_batch_size": cap}))
         if not out.updated:  # checked against the same range at launch
