@@ -311,10 +311,11 @@ def run_sweep(profile: Profile, multipliers: Sequence[float]) -> dict[str, Any]:
     return sweep
 
 
-def run_dp2_arms(profile: Profile, replica_budget: str | None, auto_config: str | None,
-                 merged_max_running: int | None = None) -> dict[str, Any]:
+def run_dp2_arms(profile: Profile, replica_budget: str | None,
+                 kunserve: "dp2.KunServeArm | None" = None) -> dict[str, Any]:
     from benchmark.replay import dp2
 
+    kunserve = kunserve or dp2.KunServeArm()
     requests, prompts = load_inputs(profile.window)
     engines = engines_dir() if {"morph_dp2", "w4_dp2"} & set(profile.configs) else None
     budget = replica_budget or dp2.REPLICA_BUDGET
@@ -324,8 +325,7 @@ def run_dp2_arms(profile: Profile, replica_budget: str | None, auto_config: str 
         "engines": str(engines) if engines else None,
         "swap_order": repo_path(SWAP_ORDER),
         "prompt_corpus": str(CORPUS.name),
-        "kunserve_auto_config": auto_config,
-        "kunserve_merged_max_running": merged_max_running,
+        **kunserve.settings(),
         "sampling": "greedy, ignore_eos, max_new_tokens = the request's output length",
         "command": " ".join(sys.argv),
     } | git_and_machine()}
@@ -338,8 +338,8 @@ def run_dp2_arms(profile: Profile, replica_budget: str | None, auto_config: str 
 
     dp2.run_dp2(profile.configs, requests, prompts, budget=budget, slo=profile.slo,
                 drain_timeout_s=profile.drain_timeout_s, engines=engines,
-                swap_order=SWAP_ORDER, out_dir=profile.out_dir, auto_config=auto_config,
-                merged_max_running=merged_max_running, checkpoint=checkpoint)
+                swap_order=SWAP_ORDER, out_dir=profile.out_dir, kunserve=kunserve,
+                checkpoint=checkpoint)
     return report
 
 
@@ -375,6 +375,9 @@ def parse_args(argv: Sequence[str] | None) -> tuple[argparse.Namespace, Profile]
                    help="--dp2: the kunserve arm's --kunserve-auto-config (default: none)")
     p.add_argument("--kunserve-merged-max-running", type=int, default=None, metavar="N",
                    help="--dp2: the kunserve arm's --kunserve-merged-max-running (default: none)")
+    p.add_argument("--kunserve-merged-chunked-prefill", type=int, default=None,
+                   metavar="TOKENS", help="--dp2: the kunserve arm's "
+                   "--kunserve-merged-chunked-prefill (default: none)")
     a = p.parse_args(argv)
     window = dict(QUICK_WINDOW if a.quick else DEFAULT_WINDOW)
     if a.trace:
@@ -402,10 +405,14 @@ def parse_args(argv: Sequence[str] | None) -> tuple[argparse.Namespace, Profile]
     if unknown:
         p.error(f"unknown configs {sorted(unknown)}; choose from {', '.join(names)}"
                 f"{' (with --dp2)' if a.dp2 else ''}")
-    if not a.dp2 and (a.replica_budget or a.kunserve_auto_config
-                      or a.kunserve_merged_max_running is not None):
-        p.error("--replica-budget, --kunserve-auto-config and --kunserve-merged-max-running go "
-                "with --dp2")
+    dp2_only = [flag for flag, value in (
+        ("--replica-budget", a.replica_budget),
+        ("--kunserve-auto-config", a.kunserve_auto_config),
+        ("--kunserve-merged-max-running", a.kunserve_merged_max_running),
+        ("--kunserve-merged-chunked-prefill", a.kunserve_merged_chunked_prefill))
+        if value is not None]
+    if not a.dp2 and dp2_only:
+        p.error(f"{', '.join(dp2_only)} {'goes' if len(dp2_only) == 1 else 'go'} with --dp2")
     out = a.out or (RESULTS / "raw" / "replay_quick" if a.quick else RESULTS / "replay")
     profile = Profile(w, a.budget, M.Slo(a.ttft_slo, a.tpot_slo), configs,
                       a.mixed_layers, 512 if a.quick else 3072, 120.0 if a.quick else 300.0, out)
@@ -427,8 +434,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         run_sweep(profile, [float(x) for x in a.sweep.split(",")])
         return 0
     if a.dp2:
-        run_dp2_arms(profile, a.replica_budget, a.kunserve_auto_config,
-                     a.kunserve_merged_max_running)
+        from benchmark.replay.dp2 import KunServeArm
+
+        run_dp2_arms(profile, a.replica_budget, KunServeArm(
+            a.kunserve_auto_config, a.kunserve_merged_max_running,
+            a.kunserve_merged_chunked_prefill))
         return 0
     report = run_driver(profile)
     write_report(report, profile.out_dir, profile.configs)

@@ -28,6 +28,7 @@ the KunServe simulation's check against this replay uses (``benchmark/kunserve/v
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import time
 from pathlib import Path
@@ -57,6 +58,24 @@ STATUS = {"kunserve": "/kunserve/status", "morph_dp2": "/morph/status",
           "w4_dp2": "/morph/status", "dp2": None}
 
 
+@dataclasses.dataclass(frozen=True)
+class KunServeArm:
+    """The kunserve arm's flags beyond ``--enable-kunserve --kunserve-auto`` (None: the
+    server's default). The results' settings record each as ``kunserve_<field>``."""
+
+    auto_config: str | None = None  # --kunserve-auto-config JSON
+    merged_max_running: int | None = None  # --kunserve-merged-max-running N
+    merged_chunked_prefill: int | None = None  # --kunserve-merged-chunked-prefill TOKENS
+
+    def flags(self) -> tuple[str, ...]:
+        return tuple(arg for field in dataclasses.fields(self)
+                     if (value := getattr(self, field.name)) is not None
+                     for arg in (f"--kunserve-{field.name.replace('_', '-')}", str(value)))
+
+    def settings(self) -> dict[str, Any]:
+        return {f"kunserve_{k}": v for k, v in dataclasses.asdict(self).items()}
+
+
 def kv_tokens_for(budget: str) -> int:
     """KV tokens per replica that ``budget`` leaves beside the float32 weights, as
     ``--morph-memory-budget`` sizes them (the plain and KunServe arms get the same pool)."""
@@ -71,17 +90,13 @@ def kv_tokens_for(budget: str) -> int:
 
 
 def server_args(name: str, budget: str, kv_tokens: int, engines: Path | None, log: Path,
-                swap_order: Path, auto_config: str | None,
-                merged_max_running: int | None = None) -> tuple[str, ...]:
+                swap_order: Path, kunserve: KunServeArm = KunServeArm()) -> tuple[str, ...]:
     base = ("--dp-size", "2", "--dtype", DTYPE, "--enable-metrics")
     if name == "dp2":
         return base + ("--max-total-tokens", str(kv_tokens))
     if name == "kunserve":
         return base + ("--max-total-tokens", str(kv_tokens), "--enable-kunserve",
-                       "--kunserve-auto") + (("--kunserve-auto-config", auto_config)
-                                             if auto_config else ()) + (
-            ("--kunserve-merged-max-running", str(merged_max_running))
-            if merged_max_running is not None else ())
+                       "--kunserve-auto") + kunserve.flags()
     morph = base + ("--enable-morph", "--morph-memory-budget", budget, "--morph-log", str(log),
                     "--morph-engines", str(engines))
     if name == "morph_dp2":
@@ -163,8 +178,8 @@ def run_arm(url: str, name: str, requests, prompts, slo: M.Slo, drain_timeout_s:
 
 
 def run_dp2(configs, requests, prompts, *, budget: str, slo: M.Slo, drain_timeout_s: float,
-            engines: Path | None, swap_order: Path, out_dir: Path, auto_config: str | None,
-            merged_max_running: int | None = None,
+            engines: Path | None, swap_order: Path, out_dir: Path,
+            kunserve: KunServeArm = KunServeArm(),
             checkpoint: Callable[[dict[str, Any]], None] | None = None) -> dict[str, Any]:
     """Each arm in turn; an arm whose server fails records the error and the next one runs.
     ``checkpoint`` gets the results so far after each arm (a long run keeps what it measured)."""
@@ -179,8 +194,7 @@ def run_dp2(configs, requests, prompts, *, budget: str, slo: M.Slo, drain_timeou
     for name in configs:
         log = raw / f"{name}_transitions.jsonl"
         log.unlink(missing_ok=True)
-        args = server_args(name, budget, kv_tokens, engines, log, swap_order, auto_config,
-                           merged_max_running)
+        args = server_args(name, budget, kv_tokens, engines, log, swap_order, kunserve)
         forwards_log = raw / f"{name}_forwards.jsonl"
         forwards_log.unlink(missing_ok=True)
         env = {**SERVER_ENV, TIMINGS_ENV: str(forwards_log.resolve())}

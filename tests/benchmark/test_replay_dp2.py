@@ -11,7 +11,7 @@ def test_every_arm_gets_the_same_budget_per_replica(tmp_path):
     tokens = dp2.kv_tokens_for("580MB")
     assert tokens == (580_000_000 - 538_060_032) // 46_080  # float32 weights, KV per token
     args = {name: dp2.server_args(name, "580MB", tokens, tmp_path, tmp_path / "log",
-                                  tmp_path / "order.json", None) for name in dp2.DP2_CONFIGS}
+                                  tmp_path / "order.json") for name in dp2.DP2_CONFIGS}
     for name, a in args.items():
         assert a[:4] == ("--dp-size", "2", "--dtype", "float32")
         budget = a[a.index("--max-total-tokens") + 1] if "--max-total-tokens" in a else (
@@ -20,7 +20,28 @@ def test_every_arm_gets_the_same_budget_per_replica(tmp_path):
     assert "--kunserve-auto" in args["kunserve"] and "--enable-kunserve" not in args["dp2"]
     assert args["w4_dp2"][-2:] == ("--morph-precision-map", "*:4")
     with pytest.raises(ValueError, match="unknown DP-2 arm"):
-        dp2.server_args("dp4", "580MB", tokens, None, tmp_path, tmp_path, None)
+        dp2.server_args("dp4", "580MB", tokens, None, tmp_path, tmp_path)
+
+
+def test_the_kunserve_arms_flags_are_the_servers_own():
+    arm = dp2.KunServeArm(auto_config='{"min_dwell_s": 2}', merged_chunked_prefill=128)
+    args = dp2.server_args("kunserve", "580MB", 910, None, None, None, arm)
+    assert args[-4:] == ("--kunserve-auto-config", '{"min_dwell_s": 2}',
+                         "--kunserve-merged-chunked-prefill", "128")
+    assert arm.settings() == {"kunserve_auto_config": '{"min_dwell_s": 2}',
+                              "kunserve_merged_max_running": None,
+                              "kunserve_merged_chunked_prefill": 128}
+    # every flag the arm passes is one the server parses
+    import argparse
+
+    from sglang_morph.kunserve.live.config import KunServeLiveConfig, add_cli_args
+
+    parser = argparse.ArgumentParser()
+    add_cli_args(parser)
+    full = dp2.KunServeArm("{}", 2, 64)
+    cfg = KunServeLiveConfig.from_cli_namespace(parser.parse_args(
+        ["--enable-kunserve", "--kunserve-auto", "--kunserve-link-port", "1", *full.flags()]))
+    assert (cfg.merged_max_running, cfg.merged_chunked_prefill) == (2, 64)
 
 
 def test_kunserve_sample_and_targets():

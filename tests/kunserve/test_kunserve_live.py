@@ -88,6 +88,9 @@ def test_launch_refuses_what_is_not_built(overrides, morph, message):
     ("kunserve_merged_max_running", 0,
      "--kunserve-merged-max-running must be an integer >= 1, got 0"),
     ("kunserve_merged_max_running", True, "got True"),
+    ("kunserve_merged_chunked_prefill", 8,
+     "--kunserve-merged-chunked-prefill must be an integer >= 16, got 8"),
+    ("kunserve_merged_chunked_prefill", 64.0, "got 64.0"),
 ])
 def test_values_out_of_range_are_refused(field, value, message):
     server_args = launch_args()

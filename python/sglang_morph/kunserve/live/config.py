@@ -73,6 +73,13 @@ class AutoControlConfig:
 
 
 MAX_MICRO_BATCHES = 16
+# A chunk shorter than this spends more of its step on the fixed per-step work (sampling,
+# the link's two messages a stage) than on the prompt.
+MIN_CHUNK_TOKENS = 16
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -86,16 +93,22 @@ class KunServeLiveConfig:
     # While merged, each replica runs at most this many requests (None: SGLang's own cap);
     # the rest wait in its queue. Checked against the replica's cap when it starts.
     merged_max_running: int | None = None
+    # While merged, each replica prefills at most this many tokens a step and runs its
+    # decodes in the same step (SGLang's mixed chunked prefill; None: as launched).
+    merged_chunked_prefill: int | None = None
 
     def __post_init__(self) -> None:
         m = self.micro_batches
-        if not (isinstance(m, int) and not isinstance(m, bool) and 1 <= m <= MAX_MICRO_BATCHES):
+        if not (_is_int(m) and 1 <= m <= MAX_MICRO_BATCHES):
             raise KunServeConfigError(f"--kunserve-micro-batches must be an integer in "
                                       f"[1, {MAX_MICRO_BATCHES}], got {m!r}")
-        c = self.merged_max_running
-        if c is not None and not (isinstance(c, int) and not isinstance(c, bool) and c >= 1):
-            raise KunServeConfigError(f"--kunserve-merged-max-running must be an integer >= 1, "
-                                      f"got {c!r}")
+        for flag, value, least in (
+                ("--kunserve-merged-max-running", self.merged_max_running, 1),
+                ("--kunserve-merged-chunked-prefill", self.merged_chunked_prefill,
+                 MIN_CHUNK_TOKENS)):
+            if value is not None and not (_is_int(value) and value >= least):
+                raise KunServeConfigError(f"{flag} must be an integer >= {least}, "
+                                          f"got {value!r}")
 
     @classmethod
     def from_cli_namespace(cls, args: argparse.Namespace) -> "KunServeLiveConfig":
@@ -103,11 +116,14 @@ class KunServeLiveConfig:
         auto_json = getattr(args, "kunserve_auto_config", None)
         micro = getattr(args, "kunserve_micro_batches", None)
         cap = getattr(args, "kunserve_merged_max_running", None)
+        chunk = getattr(args, "kunserve_merged_chunked_prefill", None)
         if not getattr(args, "enable_kunserve", False):
             given = [flag for flag, on in (("--kunserve-auto", auto),
                                            ("--kunserve-auto-config", auto_json is not None),
                                            ("--kunserve-micro-batches", micro is not None),
-                                           ("--kunserve-merged-max-running", cap is not None))
+                                           ("--kunserve-merged-max-running", cap is not None),
+                                           ("--kunserve-merged-chunked-prefill",
+                                            chunk is not None))
                      if on]
             if given:
                 raise KunServeConfigError(f"{', '.join(given)} "
@@ -120,7 +136,7 @@ class KunServeLiveConfig:
         return cls(enabled=True, link_port=port if port is not None else free_late_bind_port(),
                    auto=AutoControlConfig.from_json(auto_json) if auto else None,
                    **({} if micro is None else {"micro_batches": micro}),
-                   merged_max_running=cap)
+                   merged_max_running=cap, merged_chunked_prefill=chunk)
 
 
 def add_cli_args(parser: argparse.ArgumentParser) -> None:
@@ -155,6 +171,12 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
         help="Admission control while merged: each replica runs at most N requests (SGLang's "
         "running-request cap, lowered at a drop and put back at the restore); the rest wait "
         "in its queue. Default: no cap beyond --max-running-requests.")
+    group.add_argument(
+        "--kunserve-merged-chunked-prefill", type=int, default=None, metavar="TOKENS",
+        help="While merged, each replica prefills at most TOKENS tokens a step and runs its "
+        "decodes in the same step (SGLang's mixed chunked prefill, set at a drop and put back "
+        f"at the restore), so a merged prefill does not stall decodes (at least "
+        f"{MIN_CHUNK_TOKENS}). Default: the launch's chunked prefill, not mixed.")
 
 
 def check_launch(server_args: Any, morph_enabled: bool) -> None:

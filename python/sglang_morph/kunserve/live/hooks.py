@@ -38,15 +38,15 @@ HOOKS: tuple[Hook, ...] = (
 )
 
 
-def attach(scheduler: Any, link_port: int, auto: Any = None, micro_batches: int = 4,
-           merged_max_running: int | None = None) -> None:
-    """After the scheduler's init: this replica's KunServe side and its control requests."""
+def attach(scheduler: Any, cfg: Any) -> None:
+    """After the scheduler's init: this replica's KunServe side (``cfg``: the launch's
+    ``KunServeLiveConfig``) and its control requests."""
     from sglang.utils import TypeBasedDispatcher
 
     from sglang_morph.kunserve.live.messages import KUNSERVE_REQUESTS
     from sglang_morph.kunserve.live.replica import KunServeReplica
 
-    replica = KunServeReplica(scheduler, link_port, auto, micro_batches, merged_max_running)
+    replica = KunServeReplica(scheduler, cfg)
     scheduler._request_dispatcher += TypeBasedDispatcher(
         [(req_type, replica.handle_control) for req_type in KUNSERVE_REQUESTS])
     scheduler.kunserve = replica

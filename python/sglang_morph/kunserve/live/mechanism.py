@@ -34,8 +34,7 @@ def attach(scheduler: Any):
 
     cfg = kunserve_config.get(scheduler.server_args)
     try:
-        attach_replica(scheduler, cfg.link_port, cfg.auto, cfg.micro_batches,
-                       cfg.merged_max_running)
+        attach_replica(scheduler, cfg)
     except NotImplementedError as e:
         raise PluginError(f"sglang-morph: error: --enable-kunserve does not support this "
                           f"configuration: {e}") from e

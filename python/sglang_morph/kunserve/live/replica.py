@@ -84,10 +84,12 @@ class KunServeReplica(GroupMember):
     it holds the weights of ``member.layers`` only, a pool of exactly those layers with
     ``kv_capacity_tokens_merged`` tokens, and a mirror pool of the same layers sized to the
     peer's capacity; the KV of both plus the kept weights fit the planner's budget; the
-    service thread answering the peer is alive."""
+    service thread answering the peer is alive; with ``merged_chunked_prefill``, the
+    scheduler's chunking is that chunk, mixed, while merged and as launched while whole."""
 
-    def __init__(self, scheduler: Any, link_port: int, auto: Any = None,
-                 micro_batches: int = 4, merged_max_running: int | None = None):
+    def __init__(self, scheduler: Any, cfg: Any):
+        """``cfg``: the launch's ``KunServeLiveConfig`` (its link port, automatic control,
+        micro-batches and what changes in the scheduler while merged)."""
         from sglang_morph.models.memory import MemoryModel
         from sglang_morph.models.spec import ModelSpec
 
@@ -144,17 +146,22 @@ class KunServeReplica(GroupMember):
         # its forward (send_ahead), until forward_merged takes the answer.
         self._early: tuple | None = None
         self.batches_sent_ahead = 0
-        self.micro_batches = micro_batches  # --kunserve-micro-batches
+        self.micro_batches = cfg.micro_batches  # --kunserve-micro-batches
         # --kunserve-merged-max-running: admission control while merged (None: SGLang's own
         # cap only). Whole, the replica admits up to SGLang's per-batch request cap as launched.
-        self.merged_max_running = merged_max_running
+        self.merged_max_running = cfg.merged_max_running
         self._whole_max_running = whole = _running_cap()
-        if merged_max_running is not None and not 1 <= merged_max_running <= whole:
+        if self.merged_max_running is not None and not 1 <= self.merged_max_running <= whole:
             from sglang_morph.kunserve.live.config import KunServeConfigError
 
             raise KunServeConfigError(
                 f"--kunserve-merged-max-running must be in [1, {whole}] (the "
-                f"replica's running-request cap), got {merged_max_running}")
+                f"replica's running-request cap), got {self.merged_max_running}")
+        # --kunserve-merged-chunked-prefill: SGLang's mixed chunked prefill while merged (None:
+        # the scheduler's chunking as launched, in both states).
+        self.merged_chunked_prefill = cfg.merged_chunked_prefill
+        self._whole_chunking = (scheduler.chunked_prefill_size, scheduler.is_mixed_chunk)
+        self.batches_mixed = 0  # own merged batches that carried a prefill and decodes
         self.batches_micro = 0  # own extend batches run as a pipeline of micro-batches
         # The micro-batches' own layers attend over this replica's pools, new rows only.
         self._micro_backend = new_rows_backend(runner.device, scheduler.req_to_token_pool,
@@ -164,13 +171,13 @@ class KunServeReplica(GroupMember):
             self.faults.arm_from_env()
         self._metrics = _Metrics(self.rank) if MemberMetrics.enabled(scheduler) else None
         self._publish_metrics()
-        super().__init__(scheduler, PeerLink(self.rank, link_port), "kunserve",
+        super().__init__(scheduler, PeerLink(self.rank, cfg.link_port), "kunserve",
                          lambda: int(self.pool.size))
         self.auto = None  # --kunserve-auto: the controller's side (auto.py)
-        if auto is not None:
+        if cfg.auto is not None:
             from sglang_morph.kunserve.live.auto import AutoControl
 
-            self.auto = AutoControl(self, auto)
+            self.auto = AutoControl(self, cfg.auto)
         runner.kunserve = self
         self.model.kunserve = self
         self.start_services(self._run_for_peer)
@@ -229,6 +236,12 @@ class KunServeReplica(GroupMember):
             # Requests SGLang lets this replica run at once now, and the cap while merged.
             "max_running_requests": _running_cap(),
             "merged_max_running_requests": self.merged_max_running,
+            # The prefill chunk in tokens now (None: unchunked) and whether decodes ride in
+            # its steps; the chunk set while merged; merged batches that mixed the two.
+            "chunked_prefill_size": self.scheduler.chunked_prefill_size,
+            "mixed_chunk": bool(self.scheduler.is_mixed_chunk),
+            "merged_chunked_prefill_tokens": self.merged_chunked_prefill,
+            "batches_mixed": self.batches_mixed,
             # What the automatic control sees of this replica (also without it): held KV,
             # the remaining outputs of its running requests, its queue.
             "load": {k: v for k, v in local_view(self, self.auto.cfg.controller.finishing_steps
@@ -257,6 +270,11 @@ class KunServeReplica(GroupMember):
         want = self.kv_capacity_tokens_merged if self.merged else self.kv_capacity_tokens_whole
         assert self.pool.size == want, f"pool {self.pool.size} tokens, expected {want}"
         assert (self.mirror is not None) == self.merged
+        if self.merged_chunked_prefill is not None:
+            chunking = (self.scheduler.chunked_prefill_size, self.scheduler.is_mixed_chunk)
+            want_chunking = ((self.merged_chunked_prefill, True) if self.merged
+                             else self._whole_chunking)
+            assert chunking == want_chunking, f"chunking {chunking}, expected {want_chunking}"
         KVResizer(self.scheduler).check_integrity()
         super().check_integrity()
         if self.merged:
@@ -498,21 +516,33 @@ class KunServeReplica(GroupMember):
         self._admit()
 
     def _admit(self) -> None:
-        """After ``merged`` changed: while merged, SGLang admits at most ``merged_max_running`` requests here (its
-        per-batch request cap, set through the scheduler's internal-state update, the handler
-        of SGLang's ``/set_internal_state``); whole, its cap as launched. Running requests are
-        never cut: the cap only holds new ones in the queue. A merged pair's decode step costs
-        in proportion to its batch on this CPU, so the cap bounds every request's TPOT at the
-        price of the queued ones' TTFT."""
-        if self.merged_max_running is None:
-            return
-        from sglang.srt.managers.io_struct import SetInternalStateReq
+        """After ``merged`` changed, the scheduling the state asks for; whole, SGLang's as
+        launched. Neither touches a running request.
 
-        cap = self.merged_max_running if self.merged else self._whole_max_running
-        out = self.scheduler.set_internal_state(
-            SetInternalStateReq(server_args={"pp_max_micro_batch_size": cap}))
-        if not out.updated:  # checked against the same range at launch
-            raise RuntimeError(f"SGLang refused the running-request cap {cap}")
+        - ``merged_max_running``: while merged SGLang admits at most that many requests here
+          (its per-batch request cap, set through the scheduler's internal-state update, the
+          handler of SGLang's ``/set_internal_state``). A merged pair's decode step costs in
+          proportion to its batch on this CPU, so the cap bounds every request's TPOT at the
+          price of the queued ones' TTFT.
+        - ``merged_chunked_prefill``: while merged a prefill runs in chunks of at most that
+          many tokens, each step also carrying the replica's running decodes (SGLang's mixed
+          chunked prefill: the scheduler's ``chunked_prefill_size`` and ``is_mixed_chunk``,
+          which its next prefill reads; no update request covers them). Merged, a prefill of
+          either replica occupies both cores, so an unchunked one stalls both replicas'
+          decodes for its whole length. A request half-way through its chunks goes on with
+          the size now set."""
+        if self.merged_max_running is not None:
+            from sglang.srt.managers.io_struct import SetInternalStateReq
+
+            cap = self.merged_max_running if self.merged else self._whole_max_running
+            out = self.scheduler.set_internal_state(
+                SetInternalStateReq(server_args={"pp_max_micro_batch_size": cap}))
+            if not out.updated:  # checked against the same range at launch
+                raise RuntimeError(f"SGLang refused the running-request cap {cap}")
+        if self.merged_chunked_prefill is not None:
+            s = self.scheduler
+            s.chunked_prefill_size, s.is_mixed_chunk = (
+                (self.merged_chunked_prefill, True) if self.merged else self._whole_chunking)
 
     def _split_local(self) -> None:
         KVResizer(self.scheduler, self.faults).shrink(
@@ -554,6 +584,8 @@ class KunServeReplica(GroupMember):
         parts = ahead if ahead is not None else (
             self._micro_batches(forward_batch, positions, input_ids)
             if input_embeds is None else [])
+        if _carries_decodes(forward_batch):
+            self.batches_mixed += 1
         if parts:
             self.batches_micro += 1
             return (self._front_micro(parts) if self.front
@@ -791,6 +823,15 @@ class _Metrics(MemberMetrics):
         self.peer_kv_capacity_tokens = self.gauge("peer_kv_capacity_tokens",
                                                   "Mirror pool capacity for the peer's tokens")
         self.transitions = self.counter("transitions", "KunServe transitions", "action")
+
+
+def _carries_decodes(fb: Any) -> bool:
+    """An extend batch that prefills and decodes in one step (SGLang's mixed chunked prefill:
+    its decode rows are one new token after a cached prefix; the runner sees the batch as
+    EXTEND, so the mode does not tell)."""
+    lens = fb.extend_seq_lens_cpu if fb.forward_mode.is_extend() else None
+    return bool(lens) and max(lens) > 1 and any(
+        n == 1 and p > 0 for n, p in zip(lens, fb.extend_prefix_lens_cpu))
 
 
 def _running_cap() -> int:

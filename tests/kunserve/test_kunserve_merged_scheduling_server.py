@@ -1,0 +1,171 @@
+"""Scheduling while merged: admission control (``--kunserve-merged-max-running N``) and mixed
+chunked prefill (``--kunserve-merged-chunked-prefill TOKENS``).
+
+One DP 2 server (float32, greedy, CPU) with N = 2 and chunks of 32 tokens. The reference
+outputs are the whole replicas' own, before the drop.
+
+- whole, a replica runs several requests at once (the cap is SGLang's as launched) and
+  prefills a prompt in one step (the launch's chunking, not mixed);
+- after a drop each replica runs at most two requests, the others wait in its queue, and every
+  request finishes with the undropped output;
+- merged, a long prompt prefills in chunks whose steps carry a running stream's decodes, and
+  both finish with the undropped outputs;
+- after the restore the launch cap and chunking are back and requests run together again;
+- the flags need ``--enable-kunserve`` and default to SGLang's scheduling (bad values:
+  ``test_kunserve_live.py``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import threading
+import time
+
+import pytest
+
+from sglang_morph.kunserve.live import config as kunserve_config
+from sglang_morph.surface import PluginError
+# (corpus_ids and tokenizer are that module's fixtures)
+from test_kunserve_live import configure_kunserve, generate_on, launch_args, post, status
+from test_morph_runtime_server import Stream, corpus_ids, prompt_ids, tokenizer  # noqa: F401
+
+N_NEW = 24
+PROMPT_LENGTHS = (24, 40, 56)
+CAP = 2
+CHUNK_TOKENS = 32
+LONG_PROMPT_TOKENS, LONG_NEW = 160, 8  # five chunks
+STREAM_PROMPT_TOKENS, STREAM_NEW = 24, 64
+
+
+@pytest.mark.parametrize("field, flag, value", [
+    ("kunserve_merged_max_running", "--kunserve-merged-max-running", 3),
+    ("kunserve_merged_chunked_prefill", "--kunserve-merged-chunked-prefill", 64),
+])
+def test_the_flags_need_kunserve_and_default_to_none(field, flag, value):
+    with pytest.raises(PluginError, match=f"{flag} needs --enable-kunserve"):
+        configure_kunserve(launch_args(), argparse.Namespace(**{field: value}), False)
+    from_cli = kunserve_config.KunServeLiveConfig.from_cli_namespace
+    name = field.removeprefix("kunserve_")
+    assert getattr(from_cli(argparse.Namespace(enable_kunserve=True, kunserve_link_port=1)),
+                   name) is None
+    assert getattr(from_cli(argparse.Namespace(enable_kunserve=True, kunserve_link_port=1,
+                                               **{field: value})), name) == value
+
+
+@pytest.fixture(scope="module")
+def capped(server_factory):
+    return server_factory("--dtype", "float32", "--dp-size", "2", "--enable-kunserve",
+                          "--max-total-tokens", "1024", "--kunserve-merged-max-running", str(CAP),
+                          "--kunserve-merged-chunked-prefill", str(CHUNK_TOKENS),
+                          "--api-key", "test-api-key", "--admin-api-key", "test-admin-key")
+
+
+@pytest.fixture(scope="module")
+def prompts(corpus_ids):  # noqa: F811
+    return [prompt_ids(corpus_ids, seed=40 + i, n_tokens=n)
+            for i, n in enumerate(PROMPT_LENGTHS)]
+
+
+@pytest.fixture(scope="module")
+def undropped(capped, prompts):
+    return [generate_on(capped, ids, 0, N_NEW) for ids in prompts]
+
+
+@pytest.fixture(scope="module")
+def long_and_stream(corpus_ids):  # noqa: F811
+    return (prompt_ids(corpus_ids, seed=50, n_tokens=LONG_PROMPT_TOKENS),
+            prompt_ids(corpus_ids, seed=51, n_tokens=STREAM_PROMPT_TOKENS))
+
+
+@pytest.fixture(scope="module")
+def long_and_stream_undropped(capped, long_and_stream):
+    """On replica 1: replica 0's radix cache must not hold the prompts, or the merged run
+    below would prefill nothing."""
+    long_ids, stream_ids = long_and_stream
+    return generate_on(capped, long_ids, 1, LONG_NEW), generate_on(capped, stream_ids, 1,
+                                                                   STREAM_NEW)
+
+
+def together_on_replica_0(server, prompts) -> tuple[list[list[int]], int, int]:
+    """Every prompt streamed at once on replica 0, its status polled meanwhile: (the outputs,
+    the most requests it ran at once, the most it queued)."""
+    streams = [Stream(server, ids, N_NEW, routed_dp_rank=0) for ids in prompts]
+    most_running = most_waiting = 0
+    done = threading.Event()
+    watcher_error: list[BaseException] = []
+
+    def watch() -> None:
+        nonlocal most_running, most_waiting
+        try:
+            while not done.is_set():
+                load = status(server)["replicas"][0]["load"]
+                most_running = max(most_running, load["running_reqs"])
+                most_waiting = max(most_waiting, load["waiting_reqs"])
+                time.sleep(0.02)
+        except BaseException as e:  # reported below
+            watcher_error.append(e)
+
+    watcher = threading.Thread(target=watch, daemon=True)
+    watcher.start()
+    outputs = [s.join() for s in streams]
+    done.set()
+    watcher.join(timeout=60)
+    assert not watcher_error, watcher_error
+    return outputs, most_running, most_waiting
+
+
+def test_whole_replicas_run_requests_together(capped, prompts, undropped,
+                                              long_and_stream_undropped):
+    s = status(capped)
+    for rep in s["replicas"]:
+        assert rep["merged_max_running_requests"] == CAP
+        assert rep["max_running_requests"] > len(prompts)
+        assert rep["merged_chunked_prefill_tokens"] == CHUNK_TOKENS
+        assert rep["chunked_prefill_size"] > LONG_PROMPT_TOKENS and not rep["mixed_chunk"]
+        assert rep["batches_mixed"] == 0
+    outputs, most_running, _ = together_on_replica_0(capped, prompts)
+    assert outputs == undropped
+    assert most_running >= 2
+
+
+def test_merged_replicas_run_at_most_the_cap_and_serve_undropped_outputs(
+        capped, prompts, undropped, long_and_stream, long_and_stream_undropped):
+    before = status(capped)["replicas"]
+    whole = [rep["max_running_requests"] for rep in before]
+    whole_chunk = [rep["chunked_prefill_size"] for rep in before]
+    r = post(capped, "drop")
+    assert r.status_code == 200, r.text
+    merged = r.json()["replicas"]
+    assert [rep["max_running_requests"] for rep in merged] == [CAP, CAP]
+    assert [(rep["chunked_prefill_size"], rep["mixed_chunk"]) for rep in merged] == [
+        (CHUNK_TOKENS, True)] * 2
+    outputs, most_running, most_waiting = together_on_replica_0(capped, prompts)
+    assert outputs == undropped
+    assert most_running == CAP and most_waiting >= 1
+    # the other replica serves beside it, also capped
+    assert [generate_on(capped, ids, 1, N_NEW) for ids in prompts] == undropped
+
+    # A long prompt arrives on replica 0 while a stream decodes there: it prefills in chunks,
+    # and every chunk's step carries the stream's decode (mixed batches), so the stream
+    # keeps producing tokens through the prefill.
+    long_ids, stream_ids = long_and_stream
+    mixed_before = status(capped)["replicas"][0]["batches_mixed"]
+    stream = Stream(capped, stream_ids, STREAM_NEW, routed_dp_rank=0)
+    stream.wait_for(4)
+    long_out = generate_on(capped, long_ids, 0, LONG_NEW)
+    during = len(stream.ids)
+    assert during < STREAM_NEW, "the stream ended before the long prompt; lengthen it"
+    assert (long_out, stream.join()) == long_and_stream_undropped
+    chunks = -(-LONG_PROMPT_TOKENS // CHUNK_TOKENS)
+    assert status(capped)["replicas"][0]["batches_mixed"] - mixed_before >= chunks - 1
+
+    r = post(capped, "restore")
+    assert r.status_code == 200, r.text
+    restored = r.json()["replicas"]
+    assert [rep["max_running_requests"] for rep in restored] == whole
+    assert [rep["chunked_prefill_size"] for rep in restored] == whole_chunk
+    assert not any(rep["mixed_chunk"] for rep in restored)
+    outputs, most_running, _ = together_on_replica_0(capped, prompts)
+    assert outputs == undropped
+    assert most_running >= 2
+    assert generate_on(capped, long_ids, 0, LONG_NEW) == long_and_stream_undropped[0]
