@@ -1,7 +1,7 @@
 """Scheduling while merged: admission control (``--kunserve-merged-max-running N``) and mixed
 chunked prefill (``--kunserve-merged-chunked-prefill TOKENS``).
 
-One DP 2 server (float32, greedy, CPU) with N = 2 and chunks of 32 tokens. The reference
+One DP 2 server (float32, greedy, CPU) with N = 2 and chunks of 128 tokens. The reference
 outputs are the whole replicas' own, before the drop.
 
 - whole, a replica runs several requests at once (the cap is SGLang's as launched) and
@@ -32,8 +32,8 @@ from test_morph_runtime_server import Stream, corpus_ids, prompt_ids, tokenizer 
 N_NEW = 24
 PROMPT_LENGTHS = (24, 40, 56)
 CAP = 2
-CHUNK_TOKENS = 32
-LONG_PROMPT_TOKENS, LONG_NEW = 160, 8  # five chunks
+CHUNK_TOKENS = 128
+LONG_PROMPT_TOKENS, LONG_NEW = 400, 8  # four chunks, each cut into two micro-batches
 STREAM_PROMPT_TOKENS, STREAM_NEW = 24, 64
 
 
@@ -73,17 +73,19 @@ def undropped(capped, prompts):
 
 @pytest.fixture(scope="module")
 def long_and_stream(corpus_ids):  # noqa: F811
-    return (prompt_ids(corpus_ids, seed=50, n_tokens=LONG_PROMPT_TOKENS),
-            prompt_ids(corpus_ids, seed=51, n_tokens=STREAM_PROMPT_TOKENS))
+    """A long prompt and a stream's prompt for each replica."""
+    return [(prompt_ids(corpus_ids, seed=50 + 2 * r, n_tokens=LONG_PROMPT_TOKENS),
+             prompt_ids(corpus_ids, seed=51 + 2 * r, n_tokens=STREAM_PROMPT_TOKENS))
+            for r in (0, 1)]
 
 
 @pytest.fixture(scope="module")
 def long_and_stream_undropped(capped, long_and_stream):
-    """On replica 1: replica 0's radix cache must not hold the prompts, or the merged run
-    below would prefill nothing."""
-    long_ids, stream_ids = long_and_stream
-    return generate_on(capped, long_ids, 1, LONG_NEW), generate_on(capped, stream_ids, 1,
-                                                                   STREAM_NEW)
+    """Each replica's pair of prompts served whole on the other replica: a replica's radix
+    cache must not hold its prompts, or the merged run below would prefill nothing."""
+    return [(generate_on(capped, long_ids, 1 - r, LONG_NEW),
+             generate_on(capped, stream_ids, 1 - r, STREAM_NEW))
+            for r, (long_ids, stream_ids) in enumerate(long_and_stream)]
 
 
 def together_on_replica_0(server, prompts) -> tuple[list[list[int]], int, int]:
@@ -145,19 +147,20 @@ def test_merged_replicas_run_at_most_the_cap_and_serve_undropped_outputs(
     # the other replica serves beside it, also capped
     assert [generate_on(capped, ids, 1, N_NEW) for ids in prompts] == undropped
 
-    # A long prompt arrives on replica 0 while a stream decodes there: it prefills in chunks,
-    # and every chunk's step carries the stream's decode (mixed batches), so the stream
-    # keeps producing tokens through the prefill.
-    long_ids, stream_ids = long_and_stream
-    mixed_before = status(capped)["replicas"][0]["batches_mixed"]
-    stream = Stream(capped, stream_ids, STREAM_NEW, routed_dp_rank=0)
-    stream.wait_for(4)
-    long_out = generate_on(capped, long_ids, 0, LONG_NEW)
-    during = len(stream.ids)
-    assert during < STREAM_NEW, "the stream ended before the long prompt; lengthen it"
-    assert (long_out, stream.join()) == long_and_stream_undropped
-    chunks = -(-LONG_PROMPT_TOKENS // CHUNK_TOKENS)
-    assert status(capped)["replicas"][0]["batches_mixed"] - mixed_before >= chunks - 1
+    # A long prompt arrives while a stream decodes on the same replica: it prefills in
+    # chunks, and every chunk's step carries the stream's decode (mixed batches), so the
+    # stream keeps producing tokens through the prefill. On the front member, and on the back
+    # member, whose batches go to the front's layers before its forward.
+    for replica, (long_ids, stream_ids) in enumerate(long_and_stream):
+        mixed_before = status(capped)["replicas"][replica]["batches_mixed"]
+        stream = Stream(capped, stream_ids, STREAM_NEW, routed_dp_rank=replica)
+        stream.wait_for(4)
+        long_out = generate_on(capped, long_ids, replica, LONG_NEW)
+        assert len(stream.ids) < STREAM_NEW, "the stream ended before the long prompt"
+        assert (long_out, stream.join()) == long_and_stream_undropped[replica]
+        chunks = -(-LONG_PROMPT_TOKENS // CHUNK_TOKENS)
+        assert (status(capped)["replicas"][replica]["batches_mixed"] - mixed_before
+                >= chunks - 1)
 
     r = post(capped, "restore")
     assert r.status_code == 200, r.text
@@ -168,4 +171,5 @@ def test_merged_replicas_run_at_most_the_cap_and_serve_undropped_outputs(
     outputs, most_running, _ = together_on_replica_0(capped, prompts)
     assert outputs == undropped
     assert most_running >= 2
-    assert generate_on(capped, long_ids, 0, LONG_NEW) == long_and_stream_undropped[0]
+    assert generate_on(capped, long_and_stream[0][0], 0,
+                       LONG_NEW) == long_and_stream_undropped[0][0]

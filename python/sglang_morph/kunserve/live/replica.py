@@ -638,10 +638,15 @@ class KunServeReplica(GroupMember):
         if early is None:
             return None
         key, parts = early
-        if key != self._batch_key(fb, positions, input_ids):
+        now = self._batch_key(fb, positions, input_ids)
+        if key != now:
             self._answer()  # keep the link in step, then refuse: the peer ran another batch
-            raise RuntimeError(f"replica {self.rank}: the batch sent ahead of the forward is not "
-                               f"the batch the forward runs")
+            fields = ("mode", "positions", "input_ids", "out_cache_loc", "seq_lens")
+            raise RuntimeError(
+                f"replica {self.rank}: the batch sent ahead of the forward is not the batch the "
+                f"forward runs (differing: "
+                f"{', '.join(f for f, a, b in zip(fields, key, now) if a != b)}; "
+                f"{[(a, b) for a, b in zip(key, now) if a != b]})"[:2000])
         return parts
 
     # A long prefill runs as a pipeline of micro-batches (KunServe's micro-batching, within one
@@ -660,7 +665,7 @@ class KunServeReplica(GroupMember):
         ``[]`` otherwise."""
         from sglang.srt.model_executor.forward_batch_info import ForwardMode
 
-        if fb.forward_mode != ForwardMode.EXTEND or self.micro_batches < 2:
+        if _model_mode(fb.forward_mode) != ForwardMode.EXTEND or self.micro_batches < 2:
             return []
         total = int(input_ids.numel())
         k = min(self.micro_batches, total // self.MICRO_MIN_TOKENS)
@@ -681,7 +686,7 @@ class KunServeReplica(GroupMember):
                     pre.append(p + lo - s0)
                     new.append(hi - lo)
             sub = _layers_batch(
-                fb.forward_mode, input_ids[a:b], fb.req_pool_indices[rows],
+                ForwardMode.EXTEND, input_ids[a:b], fb.req_pool_indices[rows],
                 torch.tensor([p + n for p, n in zip(pre, new)], dtype=fb.seq_lens.dtype),
                 fb.out_cache_loc[a:b], positions[a:b],
                 torch.tensor(pre, dtype=fb.extend_prefix_lens.dtype),
@@ -746,7 +751,8 @@ class KunServeReplica(GroupMember):
     def _batch_key(fb, positions, input_ids) -> tuple:
         """What the peer's layers compute from (the runner may hand the model another
         ForwardBatch object holding the same batch, so the values are compared)."""
-        return (int(fb.forward_mode), tuple(positions.tolist()), tuple(input_ids.tolist()),
+        return (int(_model_mode(fb.forward_mode)), tuple(positions.tolist()),
+                tuple(input_ids.tolist()),
                 tuple(fb.out_cache_loc.tolist()), tuple(fb.seq_lens.tolist()))
 
     def settle_ahead(self) -> None:
@@ -769,7 +775,7 @@ class KunServeReplica(GroupMember):
         if mode.is_extend():
             bundle["extend_prefix_lens"] = fb.extend_prefix_lens.to(torch.int64)
             bundle["extend_seq_lens"] = fb.extend_seq_lens.to(torch.int64)
-        self.call(self.link.peer, bundle, mode=int(mode), micro=int(micro))
+        self.call(self.link.peer, bundle, mode=int(_model_mode(mode)), micro=int(micro))
 
     def _answer(self) -> dict[str, torch.Tensor]:
         """The peer's answer to our last call; the compute lock is released while waiting."""
@@ -823,6 +829,16 @@ class _Metrics(MemberMetrics):
         self.peer_kv_capacity_tokens = self.gauge("peer_kv_capacity_tokens",
                                                   "Mirror pool capacity for the peer's tokens")
         self.transitions = self.counter("transitions", "KunServe transitions", "action")
+
+
+def _model_mode(mode: Any) -> Any:
+    """The mode the model runs a batch in: SGLang's runner runs a MIXED batch (a prefill
+    chunk with decode rows, ``--kunserve-merged-chunked-prefill``) as EXTEND, so the back
+    member's batch sent ahead (read before the runner) and its forward (inside) must
+    agree on EXTEND."""
+    from sglang.srt.model_executor.forward_batch_info import ForwardMode
+
+    return ForwardMode.EXTEND if mode == ForwardMode.MIXED else mode
 
 
 def _carries_decodes(fb: Any) -> bool:
