@@ -25,8 +25,11 @@ from sglang_morph.kunserve.cost import (
     Chunk,
     ChunkCostModel,
     ForwardTiming,
+    OnlineChunkCost,
     PhaseCosts,
+    balanced_bounds,
     fit_chunk_cost,
+    range_chunks,
     relative_errors,
 )
 from sglang_morph.kunserve.lookahead import (
@@ -324,6 +327,83 @@ def test_fit_rejects_bad_input():
         Chunk(0, 0)
     with pytest.raises(ValueError, match=">= 0"):
         ChunkCostModel(-1e-9, 0.0, 0.0)
+
+
+def test_range_chunks_keep_each_requests_earlier_tokens_as_prefix():
+    batch = [Chunk(10, 5), Chunk(0, 3), Chunk(7, 4)]  # new tokens laid end to end: 12
+    assert range_chunks(batch, 0, 12) == tuple(batch)
+    assert range_chunks(batch, 3, 9) == (Chunk(13, 2), Chunk(0, 3), Chunk(7, 1))
+    assert range_chunks(batch, 5, 8) == (Chunk(0, 3),)
+    assert range_chunks(batch, 4, 4) == ()
+    # the ranges of any cut add up to the batch's new tokens, request by request
+    cut = [range_chunks(batch, a, b) for a, b in ((0, 4), (4, 9), (9, 12))]
+    assert sum(ch.new_tokens for part in cut for ch in part) == 12
+
+
+def _brute_force_bounds(chunks, k, model, min_tokens):
+    """Every cut of the batch into k ranges of at least min_tokens: the least slowest range."""
+    import itertools
+
+    total = sum(ch.new_tokens for ch in chunks)
+    best = math.inf
+    for inner in itertools.combinations(range(min_tokens, total - min_tokens + 1), k - 1):
+        bounds = (0, *inner, total)
+        if min(b - a for a, b in zip(bounds, bounds[1:])) < min_tokens:
+            continue
+        best = min(best, max(model.seconds(range_chunks(chunks, a, b))
+                             for a, b in zip(bounds, bounds[1:])))
+    return best
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_balanced_bounds_find_the_least_slowest_range(seed):
+    rng = random.Random(seed)
+    model = ChunkCostModel(rng.uniform(1e-7, 2e-6), rng.uniform(1e-5, 2e-4), rng.uniform(0, 0.02))
+    chunks = [Chunk(rng.choice([0, rng.randrange(1, 64)]), rng.randrange(1, 16))
+              for _ in range(rng.randrange(1, 4))]
+    total = sum(ch.new_tokens for ch in chunks)
+    k = rng.randrange(1, min(4, total) + 1)
+    min_tokens = rng.randrange(1, total // k + 1)
+    bounds = balanced_bounds(chunks, k, model, min_tokens)
+    assert bounds[0] == 0 and bounds[-1] == total and len(bounds) == k + 1
+    assert all(b - a >= min_tokens for a, b in zip(bounds, bounds[1:]))
+    slowest = max(model.seconds(range_chunks(chunks, a, b)) for a, b in zip(bounds, bounds[1:]))
+    optimum = _brute_force_bounds(chunks, k, model, min_tokens)
+    assert optimum <= slowest <= optimum * (1 + 1e-3)
+
+
+def test_balanced_bounds_cut_a_prompt_shorter_where_it_attends_over_more():
+    model = ChunkCostModel(8e-7, 2e-4, 0.01)
+    prompt = [Chunk(0, 384)]
+    bounds = balanced_bounds(prompt, 4, model, 64)
+    sizes = [b - a for a, b in zip(bounds, bounds[1:])]
+    assert sizes == sorted(sizes, reverse=True) and sizes[0] > sizes[-1]
+    costs = [model.seconds(range_chunks(prompt, a, b)) for a, b in zip(bounds, bounds[1:])]
+    equal = [model.seconds(range_chunks(prompt, 96 * j, 96 * (j + 1))) for j in range(4)]
+    assert max(costs) < max(equal) and max(costs) - min(costs) < 0.02 * max(costs)
+    # without attention cost, equal cost is equal tokens
+    assert balanced_bounds(prompt, 4, ChunkCostModel(0.0, 2e-4, 0.01), 64) == [0, 96, 192, 288,
+                                                                                384]
+    with pytest.raises(ValueError, match="do not fit"):
+        balanced_bounds(prompt, 4, model, 100)
+
+
+def test_online_cost_fits_stage_timings_as_they_arrive():
+    truth = ChunkCostModel(6e-7, 1.5e-4, 0.004)
+    online = OnlineChunkCost(window=64, min_timings=12, refit_every=8)
+    rng = random.Random(3)
+    online.observe([Chunk(40, 1)], 0.01)  # a decode row: not kept
+    online.observe([Chunk(0, 64), Chunk(40, 1)], 0.02)  # prefill and decode together: neither
+    for i in range(11):
+        online.observe([Chunk(0, 64)], truth.seconds([Chunk(0, 64)]))
+    assert online.model is None  # 11 timings, and all the same size
+    for i in range(40):
+        chunk = [Chunk(rng.randrange(0, 300), rng.randrange(16, 200))]
+        online.observe(chunk, truth.seconds(chunk))
+    assert online.observed == 51 and len(online.timings) == 51 and online.fits >= 4
+    assert np.allclose(online.model.coefficients, truth.coefficients, rtol=1e-6)
+    with pytest.raises(ValueError):
+        OnlineChunkCost(window=8, min_timings=12)
 
 
 class _Mode:

@@ -1,7 +1,7 @@
 """Scheduling while merged: admission control (``--kunserve-merged-max-running N``) and mixed
 chunked prefill (``--kunserve-merged-chunked-prefill TOKENS``).
 
-One DP 2 server (float32, greedy, CPU) with N = 2 and chunks of 128 tokens. The reference
+One DP 2 server (float32, greedy, CPU) with N = 2 and chunks of 256 tokens. The reference
 outputs are the whole replicas' own, before the drop.
 
 - whole, a replica runs several requests at once (the cap is SGLang's as launched) and
@@ -11,6 +11,8 @@ outputs are the whole replicas' own, before the drop.
 - merged, a long prompt prefills in chunks whose steps carry a running stream's decodes, and
   both finish with the undropped outputs;
 - after the restore the launch cap and chunking are back and requests run together again;
+- merged, a replica fits the chunk cost model on its own micro-batches and cuts its later
+  prefills by it, with the undropped outputs;
 - the flags need ``--enable-kunserve`` and default to SGLang's scheduling (bad values:
   ``test_kunserve_live.py``).
 """
@@ -32,8 +34,9 @@ from test_morph_runtime_server import Stream, corpus_ids, prompt_ids, tokenizer 
 N_NEW = 24
 PROMPT_LENGTHS = (24, 40, 56)
 CAP = 2
-CHUNK_TOKENS = 128
-LONG_PROMPT_TOKENS, LONG_NEW = 400, 8  # four chunks, each cut into two micro-batches
+CHUNK_TOKENS = 256
+LONG_PROMPT_TOKENS, LONG_NEW = 600, 8  # three chunks, each cut into micro-batches
+CUT_PROMPT_TOKENS, CUT_PROMPTS = 200, 5  # not chunked; cut into three micro-batches each
 STREAM_PROMPT_TOKENS, STREAM_NEW = 24, 64
 
 
@@ -173,3 +176,28 @@ def test_merged_replicas_run_at_most_the_cap_and_serve_undropped_outputs(
     assert most_running >= 2
     assert generate_on(capped, long_and_stream[0][0], 0,
                        LONG_NEW) == long_and_stream_undropped[0][0]
+
+
+def test_merged_prefills_are_cut_by_the_cost_model_fitted_on_their_micro_batches(
+        capped, corpus_ids):  # noqa: F811
+    prompts = [prompt_ids(corpus_ids, seed=60 + i, n_tokens=CUT_PROMPT_TOKENS)
+               for i in range(CUT_PROMPTS)]
+    # On replica 1: replica 0's radix cache must not hold them.
+    reference = [generate_on(capped, ids, 1, N_NEW) for ids in prompts]
+    r = post(capped, "drop")
+    assert r.status_code == 200, r.text
+    before = r.json()["replicas"][0]
+    timings = before["micro_batch_timings"]
+    outputs, models = [], []
+    for ids in prompts:
+        outputs.append(generate_on(capped, ids, 0, N_NEW))
+        models.append(status(capped)["replicas"][0]["micro_batch_cost"])
+    assert outputs == reference
+    # Three micro-batches a prompt, each stage timed; twelve timings fit the model, so at
+    # least the last prompt was cut by it.
+    after = status(capped)["replicas"][0]
+    assert after["micro_batch_timings"] - timings == 3 * CUT_PROMPTS
+    assert models[-1] is not None and set(models[-1]) >= {"alpha_s", "beta_s", "gamma_s"}
+    assert all(v >= 0 for v in models[-1].values())
+    r = post(capped, "restore")
+    assert r.status_code == 200, r.text

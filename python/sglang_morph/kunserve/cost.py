@@ -210,6 +210,108 @@ class PhaseCosts:
         return cls.from_json(raw["fit"] if "fit" in raw else raw)
 
 
+def range_chunks(chunks: Sequence[Chunk], start: int, stop: int) -> tuple[Chunk, ...]:
+    """The chunks a contiguous range ``[start, stop)`` of a batch's new tokens runs: ``chunks``
+    in batch order, their new tokens laid end to end; a request cut by the range keeps the
+    tokens before it as cached prefix."""
+    out, at = [], 0
+    for ch in chunks:
+        lo, hi = max(start, at), min(stop, at + ch.new_tokens)
+        if lo < hi:
+            out.append(Chunk(ch.cached_tokens + lo - at, hi - lo))
+        at += ch.new_tokens
+    return tuple(out)
+
+
+def balanced_bounds(chunks: Sequence[Chunk], k: int, model: ChunkCostModel,
+                    min_tokens: int = 1) -> list[int]:
+    """Token bounds ``[0, b_1, ..., total]`` that cut a batch's new tokens (``chunks`` in batch
+    order) into ``k`` contiguous ranges of about equal cost under ``model``: the most
+    expensive range is as cheap as ranges of at least ``min_tokens`` allow. A pipeline of
+    micro-batches waits on its slowest one, and ranges of equal tokens are not equal in cost:
+    a later range of a prompt attends over the earlier ones' KV.
+
+    Bisection on the most expensive range's cost; for each candidate, ranges are taken greedily
+    from the left, each as long as the cost allows (a range's cost grows with its end, every
+    coefficient being >= 0). Raises ValueError when ``k`` ranges of ``min_tokens`` do not fit."""
+    total = sum(ch.new_tokens for ch in chunks)
+    if k < 1 or k * min_tokens > total:
+        raise ValueError(f"{k} ranges of at least {min_tokens} tokens do not fit {total} tokens")
+
+    def cost(a: int, b: int) -> float:
+        return model.seconds(range_chunks(chunks, a, b))
+
+    def greedy(limit_s: float) -> list[int] | None:
+        bounds = [0]
+        for left in range(k - 1, 0, -1):  # ``left`` ranges still to place after this one
+            a = bounds[-1]
+            lo, hi = a + min_tokens, total - left * min_tokens  # this range's end
+            if lo > hi or cost(a, lo) > limit_s:
+                return None
+            while lo < hi:  # the longest end within the limit
+                mid = (lo + hi + 1) // 2
+                lo, hi = (mid, hi) if cost(a, mid) <= limit_s else (lo, mid - 1)
+            bounds.append(lo)
+        if cost(bounds[-1], total) > limit_s:
+            return None
+        return bounds + [total]
+
+    # Equal token ranges (each at least min_tokens, since k * min_tokens <= total) bound the
+    # answer from above.
+    best = [total * j // k for j in range(k + 1)]
+    hi_s, lo_s = max(cost(a, b) for a, b in zip(best, best[1:])), 0.0
+    for _ in range(BALANCE_ITERATIONS):
+        mid_s = (lo_s + hi_s) / 2
+        found = greedy(mid_s)
+        if found is None:
+            lo_s = mid_s
+        else:
+            best, hi_s = found, mid_s
+    return best
+
+
+class OnlineChunkCost:
+    """A chunk cost model fitted as timings arrive (KunServe's terms, ``fit_chunk_cost``) on
+    the last ``window`` prefill timings; refitted every ``refit_every`` new ones once there
+    are ``min_timings``. ``model`` is None until a fit succeeded (too few timings, or
+    features that do not vary yet); a failed refit keeps the last model. Timings of decode
+    chunks, or of prefill and decode together, are not kept: micro-batches are cut from
+    prefills."""
+
+    def __init__(self, window: int = 128, min_timings: int = 12, refit_every: int = 8):
+        if not 3 <= min_timings <= window or refit_every < 1:
+            raise ValueError(f"need 3 <= min_timings <= window and refit_every >= 1, got "
+                             f"{min_timings}, {window}, {refit_every}")
+        import collections
+
+        self.timings: collections.deque[ForwardTiming] = collections.deque(maxlen=window)
+        self.min_timings, self.refit_every = min_timings, refit_every
+        self.model: ChunkCostModel | None = None
+        self.observed = self.fits = 0
+        self._since_fit = 0
+
+    def observe(self, chunks: Sequence[Chunk], seconds: float) -> None:
+        if not chunks or any(ch.phase != "prefill" for ch in chunks) or not (
+                math.isfinite(seconds) and seconds > 0):
+            return
+        self.timings.append(ForwardTiming(tuple(chunks), seconds))
+        self.observed += 1
+        self._since_fit += 1
+        if len(self.timings) >= self.min_timings and (
+                self.model is None or self._since_fit >= self.refit_every):
+            try:
+                self.model = fit_chunk_cost(self.timings, KUNSERVE_TERMS)
+            except ValueError:
+                return  # the features do not vary yet: keep what there is
+            self.fits += 1
+            self._since_fit = 0
+
+
+# Bisection steps of ``balanced_bounds``: the slowest range to within 2^-16 of the equal
+# cuts' slowest (microseconds), below what a forward's timing resolves.
+BALANCE_ITERATIONS = 16
+
+
 def timings_to_json(timings: Sequence[ForwardTiming]) -> list[dict[str, Any]]:
     return [{"chunks": [[ch.cached_tokens, ch.new_tokens] for ch in t.chunks],
              "seconds": t.seconds} for t in timings]

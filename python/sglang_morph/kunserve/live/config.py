@@ -73,6 +73,7 @@ class AutoControlConfig:
 
 
 MAX_MICRO_BATCHES = 16
+MICRO_BATCH_CUTS = ("cost", "tokens")
 # A chunk shorter than this spends more of its step on the fixed per-step work (sampling,
 # the link's two messages a stage) than on the prompt.
 MIN_CHUNK_TOKENS = 16
@@ -90,6 +91,10 @@ class KunServeLiveConfig:
     # A merged replica's prefill of at least 2 x 64 tokens runs as up to this many
     # micro-batches through the pair's two stages (1: never cut).
     micro_batches: int = 4
+    # Where a prefill is cut: "cost", into ranges of equal cost under the chunk cost model
+    # the replica fits on its own micro-batches (equal tokens until it has one); "tokens",
+    # into equal token ranges.
+    micro_batch_cuts: str = "cost"
     # While merged, each replica runs at most this many requests (None: SGLang's own cap);
     # the rest wait in its queue. Checked against the replica's cap when it starts.
     merged_max_running: int | None = None
@@ -102,6 +107,10 @@ class KunServeLiveConfig:
         if not (_is_int(m) and 1 <= m <= MAX_MICRO_BATCHES):
             raise KunServeConfigError(f"--kunserve-micro-batches must be an integer in "
                                       f"[1, {MAX_MICRO_BATCHES}], got {m!r}")
+        if self.micro_batch_cuts not in MICRO_BATCH_CUTS:
+            raise KunServeConfigError(f"--kunserve-micro-batch-cuts must be one of "
+                                      f"{', '.join(MICRO_BATCH_CUTS)}, got "
+                                      f"{self.micro_batch_cuts!r}")
         for flag, value, least in (
                 ("--kunserve-merged-max-running", self.merged_max_running, 1),
                 ("--kunserve-merged-chunked-prefill", self.merged_chunked_prefill,
@@ -115,12 +124,14 @@ class KunServeLiveConfig:
         auto = bool(getattr(args, "kunserve_auto", False))
         auto_json = getattr(args, "kunserve_auto_config", None)
         micro = getattr(args, "kunserve_micro_batches", None)
+        cuts = getattr(args, "kunserve_micro_batch_cuts", None)
         cap = getattr(args, "kunserve_merged_max_running", None)
         chunk = getattr(args, "kunserve_merged_chunked_prefill", None)
         if not getattr(args, "enable_kunserve", False):
             given = [flag for flag, on in (("--kunserve-auto", auto),
                                            ("--kunserve-auto-config", auto_json is not None),
                                            ("--kunserve-micro-batches", micro is not None),
+                                           ("--kunserve-micro-batch-cuts", cuts is not None),
                                            ("--kunserve-merged-max-running", cap is not None),
                                            ("--kunserve-merged-chunked-prefill",
                                             chunk is not None))
@@ -136,6 +147,7 @@ class KunServeLiveConfig:
         return cls(enabled=True, link_port=port if port is not None else free_late_bind_port(),
                    auto=AutoControlConfig.from_json(auto_json) if auto else None,
                    **({} if micro is None else {"micro_batches": micro}),
+                   **({} if cuts is None else {"micro_batch_cuts": cuts}),
                    merged_max_running=cap, merged_chunked_prefill=chunk)
 
 
@@ -164,8 +176,13 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument(
         "--kunserve-micro-batches", type=int, default=None, metavar="K",
         help="While merged, cut a replica's prefill of at least 128 tokens into up to K "
-        "micro-batches of equal tokens (at least 64 each) that flow through the pair's two "
+        "micro-batches (at least 64 tokens each) that flow through the pair's two "
         f"stages at once (default {KunServeLiveConfig.micro_batches}; 1: never cut).")
+    group.add_argument(
+        "--kunserve-micro-batch-cuts", default=None, choices=MICRO_BATCH_CUTS,
+        help="Where a merged prefill is cut: 'cost' (default), into ranges of equal cost "
+        "under the chunk cost model each replica fits on its own micro-batches (equal tokens "
+        "until it has fitted one); 'tokens', into equal token ranges.")
     group.add_argument(
         "--kunserve-merged-max-running", type=int, default=None, metavar="N",
         help="Admission control while merged: each replica runs at most N requests (SGLang's "

@@ -46,6 +46,7 @@ both replicas pause for the whole move (measured in the transitions log, ``durat
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import logging
 import os
@@ -64,6 +65,7 @@ from sglang_morph.elastic.kv_resizer import (
 )
 from sglang_morph.kunserve.live.attention import new_rows_backend
 from sglang_morph.kunserve.live.link import PeerLink
+from sglang_morph.kunserve.cost import Chunk, OnlineChunkCost, balanced_bounds
 from sglang_morph.kunserve.planner import DropPlannerConfig, MemberLayout, make_group
 from sglang_morph.elastic.contract import Outcome, Transition
 from sglang_morph.elastic.control import replica_index
@@ -147,6 +149,9 @@ class KunServeReplica(GroupMember):
         self._early: tuple | None = None
         self.batches_sent_ahead = 0
         self.micro_batches = cfg.micro_batches  # --kunserve-micro-batches
+        # --kunserve-micro-batch-cuts cost: this replica's own micro-batches, timed stage by
+        # stage, fit the chunk cost model its later prefills are cut by.
+        self.cut_costs = OnlineChunkCost() if cfg.micro_batch_cuts == "cost" else None
         # --kunserve-merged-max-running: admission control while merged (None: SGLang's own
         # cap only). Whole, the replica admits up to SGLang's per-batch request cap as launched.
         self.merged_max_running = cfg.merged_max_running
@@ -233,6 +238,12 @@ class KunServeReplica(GroupMember):
             # took the compute lock (send_ahead); the front member's stay 0.
             "batches_sent_ahead": self.batches_sent_ahead,
             "batches_micro": self.batches_micro,
+            # The cost model micro-batches are cut by (None: equal tokens), and how many
+            # micro-batch stage timings it has seen.
+            "micro_batch_cost": (dataclasses.asdict(self.cut_costs.model)
+                                 if self.cut_costs is not None and self.cut_costs.model
+                                 else None),
+            "micro_batch_timings": self.cut_costs.observed if self.cut_costs else 0,
             # Requests SGLang lets this replica run at once now, and the cap while merged.
             "max_running_requests": _running_cap(),
             "merged_max_running_requests": self.merged_max_running,
@@ -661,8 +672,9 @@ class KunServeReplica(GroupMember):
 
     def _micro_batches(self, fb, positions, input_ids) -> list:
         """``[(sub_batch, positions, input_ids)]`` of a plain extend batch of at least
-        ``2 * MICRO_MIN_TOKENS`` tokens, cut into up to ``micro_batches`` equal token ranges;
-        ``[]`` otherwise."""
+        ``2 * MICRO_MIN_TOKENS`` tokens, cut into up to ``micro_batches`` ranges of at least
+        ``MICRO_MIN_TOKENS``: of equal cost under the replica's fitted chunk cost model
+        (``cut_costs``), else of equal tokens; ``[]`` otherwise."""
         from sglang.srt.model_executor.forward_batch_info import ForwardMode
 
         if _model_mode(fb.forward_mode) != ForwardMode.EXTEND or self.micro_batches < 2:
@@ -675,6 +687,10 @@ class KunServeReplica(GroupMember):
         if sum(extend) != total:
             return []
         bounds = [total * j // k for j in range(k + 1)]
+        model = self.cut_costs.model if self.cut_costs is not None else None
+        if model is not None:
+            bounds = balanced_bounds([Chunk(p, e) for p, e in zip(prefix, extend)], k, model,
+                                     self.MICRO_MIN_TOKENS)
         starts = list(itertools.accumulate(extend, initial=0))
         parts = []
         for a, b in zip(bounds, bounds[1:]):
@@ -702,12 +718,14 @@ class KunServeReplica(GroupMember):
 
         model, outs = self.model, []
         for j, (sub, positions, input_ids) in enumerate(parts):
+            start = time.perf_counter()
             with self._micro_context():
                 hidden = model.embed_tokens(input_ids)
                 residual_batch.start(sub)
                 for i in self.member.layers:
                     hidden = model.layers[i](positions, hidden, sub)
                 handoff = residual_batch.to_pp(hidden, sub)
+            self._time_stage(sub, time.perf_counter() - start)
             if j:
                 outs.append(self._answer()["hidden_states"])
             self._send_call(sub, positions, input_ids, handoff.tensors, micro=True)
@@ -731,13 +749,25 @@ class KunServeReplica(GroupMember):
                 nsub, npos, nids = parts[j + 1]
                 self._send_call(nsub, npos, nids, {"hidden_states": model.embed_tokens(nids)},
                                 micro=True)
+            start = time.perf_counter()
             with self._micro_context():
                 hidden = model.layers[kept.start].attn_boundary.from_pp(PPProxyTensors(out),
                                                                         sub)
                 for i in kept:
                     hidden = model.layers[i](pos, hidden, sub)
                 outs.append(residual_batch.final_norm(hidden, sub, model.norm))
+            self._time_stage(sub, time.perf_counter() - start)
         return torch.cat(outs)
+
+    def _time_stage(self, sub, seconds: float) -> None:
+        """One micro-batch's own stage (this replica's layers, under the compute lock, no link
+        wait), a timing for the cuts' cost model. The sub-batch's lengths are host tensors
+        (``_micro_batches`` builds them): reading them waits on no device."""
+        if self.cut_costs is not None:
+            self.cut_costs.observe(
+                [Chunk(int(p), int(n)) for p, n in zip(sub.extend_prefix_lens.tolist(),
+                                                         sub.extend_seq_lens.tolist())],
+                seconds)
 
     def _micro_context(self):
         """The forward context of a micro-batch's own layers; entered and left while this
