@@ -872,12 +872,13 @@ def _model_mode(mode: Any) -> Any:
 
 
 def _carries_decodes(fb: Any) -> bool:
-    """An extend batch that prefills and decodes in one step (SGLang's mixed chunked prefill:
-    its decode rows are one new token after a cached prefix; the runner sees the batch as
-    EXTEND, so the mode does not tell)."""
+    """An extend batch that prefills and decodes in one step (SGLang's mixed chunked prefill;
+    the runner sees the batch as EXTEND, so the mode does not tell): its rows are of both
+    phases as the cost model tells them apart (``Chunk.phase``: a decode row is one new
+    token after a cached prefix)."""
     lens = fb.extend_seq_lens_cpu if fb.forward_mode.is_extend() else None
-    return bool(lens) and max(lens) > 1 and any(
-        n == 1 and p > 0 for n, p in zip(lens, fb.extend_prefix_lens_cpu))
+    return bool(lens) and {Chunk(int(p), int(n)).phase for p, n in zip(
+        fb.extend_prefix_lens_cpu, lens)} == {"prefill", "decode"}
 
 
 def _running_cap() -> int:
