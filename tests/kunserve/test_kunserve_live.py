@@ -67,8 +67,8 @@ def configure_kunserve(server_args, args, morph_enabled: bool) -> bool:
 
 
 @pytest.mark.parametrize("overrides, morph, message", [
-    (dict(dp_size=1), False, "--enable-kunserve needs --dp-size 2 (got 1)"),
-    (dict(dp_size=4), False, "--enable-kunserve needs --dp-size 2 (got 4)"),
+    (dict(dp_size=1), False, "--enable-kunserve needs an even --dp-size of at least 2 (got 1)"),
+    (dict(dp_size=3), False, "--enable-kunserve needs an even --dp-size of at least 2 (got 3)"),
     (dict(tp_size=3), False, "--tp-size"),
     ({}, True, "--enable-kunserve and --enable-morph together"),
     (dict(device="cuda"), False, "--device cpu"),
@@ -111,6 +111,20 @@ def test_micro_batches_need_the_flag_and_default_to_four():
                     ).micro_batches == 4
     assert from_cli(argparse.Namespace(enable_kunserve=True, kunserve_link_port=1,
                                        kunserve_micro_batches=1)).micro_batches == 1
+
+
+def test_each_pair_gets_its_own_link_port():
+    import socket
+
+    from_cli = kunserve_config.KunServeLiveConfig.from_cli_namespace
+    cfg = from_cli(argparse.Namespace(enable_kunserve=True), pairs=3)
+    assert [cfg.pair_port(i) for i in range(3)] == [cfg.link_port + i for i in range(3)]
+    for i in range(3):  # all free now, for the pairs' stores to bind later
+        with socket.socket() as sock:
+            sock.bind(("127.0.0.1", cfg.pair_port(i)))
+    assert from_cli(argparse.Namespace(enable_kunserve=True, kunserve_link_port=4000),
+                    pairs=2).pair_port(1) == 4001
+    assert kunserve_config.pairs(launch_args(dp_size=6)) == 3
 
 
 def test_without_the_flag_nothing_changes():
@@ -219,6 +233,9 @@ def test_bad_input_changes_nothing(dp2):
     before = status(dp2)
     cases = [
         (post(dp2, "drop", json={"replicas": [0, 1]}), 400, "unknown fields ['replicas']"),
+        (post(dp2, "drop", json={"group": [0, 1, 2]}), 400, "'group' must name a pair"),
+        (post(dp2, "drop", json={"group": [1, 2]}), 400, "no pair [1, 2]: the pairs are "
+                                                         "[[0, 1]]"),
         (post(dp2, "drop", data=b"not json",
               headers={**ADMIN, "Content-Type": "application/json"}), 400, "JSON object"),
         (post(dp2, "drop", data=b'{"group": [0, 1]}'), 415, "application/json"),

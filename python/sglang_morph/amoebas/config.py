@@ -11,12 +11,11 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-import socket
 from pathlib import Path
 from typing import Any
 
 from sglang_morph.config import ConfigError
-from sglang_morph.server.ports import free_late_bind_port
+from sglang_morph.server.ports import free_late_bind_ports
 
 SERVER_ARGS_ATTR = "_amoebas_config"
 VARIANTS = ("amoebas", "base")
@@ -170,17 +169,11 @@ class AmoebasConfig:
 
 def _free_ports(count: int) -> int:
     """The first of ``count`` consecutive ports free now on 127.0.0.1 (for later binds)."""
-    for _ in range(_PORT_ATTEMPTS):
-        first = free_late_bind_port()
-        try:
-            for port in range(first + 1, first + count):
-                with socket.socket() as sock:
-                    sock.bind(("127.0.0.1", port))
-        except OSError:
-            continue
-        return first
-    raise AmoebasConfigError(f"--enable-amoebas: no {count} consecutive free ports found; "
-                             f"pass --amoebas-link-port")
+    first = free_late_bind_ports(count, attempts=_PORT_ATTEMPTS)
+    if first is None:
+        raise AmoebasConfigError(f"--enable-amoebas: no {count} consecutive free ports found; "
+                                 f"pass --amoebas-link-port")
+    return first
 
 
 def _parse_degrees(text: str) -> tuple[int, ...]:

@@ -13,33 +13,11 @@ from fastapi import Request
 from fastapi.responses import JSONResponse
 
 from sglang_morph.amoebas.messages import AmoebasMergeReq, AmoebasSplitReq, AmoebasStatusReq
-from sglang_morph.elastic.control import answer_of_every_replica, json_object
+from sglang_morph.elastic.control import answer_of_every_replica, is_int, replica_list
 
 
 async def _forward(req: Any) -> JSONResponse:
     return await answer_of_every_replica(req, "AMOEBAs", "units")
-
-
-def _is_int(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
-
-
-async def _replica_list(request: Request, field: str, optional: tuple[str, ...] = ()
-                        ) -> tuple[list[int] | None, dict, str | None]:
-    """``body[field]``: a list of at least two distinct replica numbers, sorted, and the
-    body; or an error message naming the field. ``optional``: other fields allowed."""
-    body = await json_object(request)
-    if body is None:
-        return None, {}, f"the body must be a JSON object with {field!r}"
-    unknown = sorted(set(body) - {field, *optional})
-    if unknown:
-        allowed = ", ".join(repr(f) for f in (field, *optional))
-        return None, body, f"unknown fields {unknown}; the fields are {allowed}"
-    value = body.get(field)
-    if (not isinstance(value, list) or len(value) < 2 or not all(map(_is_int, value))
-            or len(set(value)) != len(value)):
-        return None, body, f"{field!r} must be a list of at least two distinct replica numbers"
-    return sorted(value), body, None
 
 
 def add_routes(app: Any) -> None:
@@ -77,7 +55,7 @@ def add_routes(app: Any) -> None:
         member refuses (in another group); 500 when the merge failed on a member and was
         undone on all; 503 when AMOEBAs is not running in this server.
         """
-        replicas, _, error = await _replica_list(request, "replicas")
+        replicas, _, error = await replica_list(request, "replicas")
         if error is not None:
             return JSONResponse({"error": error}, status_code=400)
         return await _forward(AmoebasMergeReq(replicas=replicas))
@@ -98,9 +76,9 @@ def add_routes(app: Any) -> None:
         smaller unit can (retry once fewer tokens are held); 500 when the split failed and
         was undone on every member; 503 when AMOEBAs is not running in this server.
         """
-        group, body, error = await _replica_list(request, "group", optional=("degree",))
+        group, body, error = await replica_list(request, "group", optional=("degree",))
         degree = body.get("degree", 1)
-        if error is None and (not _is_int(degree) or degree < 1):
+        if error is None and (not is_int(degree) or degree < 1):
             error = "'degree' must be a positive integer (1: replicas alone)"
         if error is not None:
             return JSONResponse({"error": error}, status_code=400)

@@ -124,6 +124,29 @@ async def json_object(request: Any) -> dict[str, Any] | None:
     return body if isinstance(body, dict) else None
 
 
+def is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+async def replica_list(request: Any, field: str, optional: tuple[str, ...] = ()
+                       ) -> tuple[list[int] | None, dict, str | None]:
+    """``body[field]`` of a group mechanism's transition: a list of at least two distinct
+    replica numbers, sorted, and the body; or an error message naming the field.
+    ``optional``: other fields allowed."""
+    body = await json_object(request)
+    if body is None:
+        return None, {}, f"the body must be a JSON object with {field!r}"
+    unknown = sorted(set(body) - {field, *optional})
+    if unknown:
+        allowed = ", ".join(repr(f) for f in (field, *optional))
+        return None, body, f"unknown fields {unknown}; the fields are {allowed}"
+    value = body.get(field)
+    if (not isinstance(value, list) or len(value) < 2 or not all(map(is_int, value))
+            or len(set(value)) != len(value)):
+        return None, body, f"{field!r} must be a list of at least two distinct replica numbers"
+    return sorted(value), body, None
+
+
 async def answer_of_every_replica(req: Any, what: str, units_key: str) -> Any:
     """A group mechanism's route: ``req`` to every replica, one JSON answer. 200 with
     ``{units_key: [sorted groups], "replicas": [each replica's body]}`` (every body has its
@@ -138,7 +161,9 @@ async def answer_of_every_replica(req: Any, what: str, units_key: str) -> Any:
     bodies = [o.body for o in outs]
     failed = [o for o in outs if o.status_code != 200]
     if failed:
-        return JSONResponse({"error": " / ".join(o.body.get("error", "") for o in failed),
+        # Replicas refusing for the same reason (a bad group, say) say it once.
+        errors = dict.fromkeys(o.body.get("error", "") for o in failed)
+        return JSONResponse({"error": " / ".join(errors),
                              "replicas": bodies}, status_code=failed[0].status_code)
     units = sorted({tuple(b["group"]) for b in bodies})
     return JSONResponse({units_key: [list(u) for u in units], "replicas": bodies})

@@ -45,3 +45,18 @@ def free_late_bind_port(host: str = "127.0.0.1") -> int:
     with socket.socket() as sock:
         sock.bind((host, 0))
         return sock.getsockname()[1]
+
+
+def free_late_bind_ports(count: int, host: str = "127.0.0.1", attempts: int = 16) -> int | None:
+    """The first of ``count`` consecutive ports free now on ``host`` for later binds (one per
+    replica group's link), or None when ``attempts`` tries found no such run."""
+    for _ in range(attempts):
+        first = free_late_bind_port(host)
+        try:
+            for port in range(first + 1, first + count):
+                with socket.socket() as sock:
+                    sock.bind((host, port))
+        except OSError:
+            continue
+        return first
+    return None

@@ -1,4 +1,10 @@
-"""``--kunserve-auto``: the KunServe controller drives the live pair's drop and restore.
+"""``--kunserve-auto``: the KunServe controller drives each live pair's drop and restore.
+
+Each pair of replicas (``2i``, ``2i + 1``; below "replica 0" and "replica 1") has its own
+leader, controller and mailbox: under SGLang's data-parallel dispatch a request stays on its
+replica, so a pair's demand is its own members' and the pairs decide independently, each
+leader running the drop planner over its pair's two replicas (the links fix the groups a
+replica may join: its pair).
 
 Design (leader and follower on the elastic core's ``ElasticLoop``, no new process): every
 ``interval_ms`` replica 1 publishes its view (KV capacity and use, the remaining outputs of its
@@ -187,7 +193,7 @@ class AutoControl:
         except Exception:  # a broken mailbox must not stop serving; the POST routes remain
             self.errors += 1
             logger.exception("sglang-morph: KunServe automatic control failed on replica %d",
-                             self.replica.rank)
+                             self.replica.replica)
 
     def _blocked_now(self) -> bool:
         s = self.replica.scheduler
@@ -224,7 +230,8 @@ class AutoControl:
             return None
         self.views += 1
         self._views = [own, peer]
-        return ClusterView(self.loop.clock(), (snapshot(0, own), snapshot(1, peer)),
+        front, back = self.replica.group.replicas
+        return ClusterView(self.loop.clock(), (snapshot(front, own), snapshot(back, peer)),
                            (self.replica.group,) if self.replica.merged else ())
 
     def decide(self, view: ClusterView | None) -> Any:

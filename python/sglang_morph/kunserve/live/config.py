@@ -2,8 +2,8 @@
 
 The config is resolved in the launcher (``ServerArgs.from_cli_args``), before anything is
 spawned, and rides the ``ServerArgs`` record into every scheduler process, like the morph
-config. The rendezvous port of the replicas' gloo link is picked there too (a free port on
-127.0.0.1), so every replica reads the same one.
+config. The rendezvous ports of the pairs' gloo links are picked there too (consecutive free
+ports on 127.0.0.1, one per pair), so every replica reads the same ones.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from typing import Any
 
 from sglang_morph.config import ConfigError
 from sglang_morph.kunserve.controller import ControllerConfig
-from sglang_morph.server.ports import free_late_bind_port
+from sglang_morph.server.ports import free_late_bind_ports
 
 SERVER_ARGS_ATTR = "_kunserve_live_config"
 
@@ -86,7 +86,9 @@ def _is_int(value: Any) -> bool:
 @dataclasses.dataclass(frozen=True)
 class KunServeLiveConfig:
     enabled: bool = False
-    link_port: int | None = None  # TCPStore port of the replicas' gloo link
+    # TCPStore port of the first pair's gloo link; pair i (replicas 2i and 2i + 1) uses
+    # link_port + i.
+    link_port: int | None = None
     auto: AutoControlConfig | None = None  # None: operator-driven only
     # A merged replica's prefill of at least 2 x 64 tokens runs as up to this many
     # micro-batches through the pair's two stages (1: never cut).
@@ -119,8 +121,14 @@ class KunServeLiveConfig:
                 raise KunServeConfigError(f"{flag} must be an integer >= {least}, "
                                           f"got {value!r}")
 
+    def pair_port(self, pair: int) -> int:
+        """The link rendezvous port of pair ``pair`` (replicas ``2 * pair`` and ``2 * pair + 1``)."""
+        return int(self.link_port) + pair
+
     @classmethod
-    def from_cli_namespace(cls, args: argparse.Namespace) -> "KunServeLiveConfig":
+    def from_cli_namespace(cls, args: argparse.Namespace, pairs: int = 1) -> "KunServeLiveConfig":
+        """``pairs``: the pairs of replicas the launch makes (``--dp-size / 2``), one link port
+        each."""
         auto = bool(getattr(args, "kunserve_auto", False))
         auto_json = getattr(args, "kunserve_auto_config", None)
         micro = getattr(args, "kunserve_micro_batches", None)
@@ -144,7 +152,13 @@ class KunServeLiveConfig:
         if auto_json is not None and not auto:
             raise KunServeConfigError("--kunserve-auto-config needs --kunserve-auto")
         port = getattr(args, "kunserve_link_port", None)
-        return cls(enabled=True, link_port=port if port is not None else free_late_bind_port(),
+        if port is None:
+            port = free_late_bind_ports(pairs)
+            if port is None:
+                raise KunServeConfigError(f"--enable-kunserve: no {pairs} consecutive free ports "
+                                          f"found for the pairs' links; pass "
+                                          f"--kunserve-link-port")
+        return cls(enabled=True, link_port=port,
                    auto=AutoControlConfig.from_json(auto_json) if auto else None,
                    **({} if micro is None else {"micro_batches": micro}),
                    **({} if cuts is None else {"micro_batch_cuts": cuts}),
@@ -157,16 +171,17 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
         "KV overload and serve the pair as a pipeline (POST /kunserve/drop, /kunserve/restore).")
     group.add_argument(
         "--enable-kunserve", action="store_true",
-        help="Enable KunServe on --dp-size 2 (CPU, torch_native attention): the /kunserve "
-        "routes; replica 0 can keep layers [0, k) and replica 1 layers [k, L).")
+        help="Enable KunServe on an even --dp-size (CPU, torch_native attention): the "
+        "/kunserve routes; replicas 2i and 2i + 1 form a pair, which can drop to layers "
+        "[0, k) on replica 2i and [k, L) on replica 2i + 1.")
     group.add_argument(
         "--kunserve-link-port", type=int, default=None, metavar="PORT",
-        help="TCP port of the replicas' gloo link rendezvous on 127.0.0.1 (default: a free "
-        "port picked at launch).")
+        help="TCP port of the first pair's gloo link rendezvous on 127.0.0.1; pair i uses "
+        "PORT + i (default: consecutive free ports picked at launch).")
     group.add_argument(
         "--kunserve-auto", action="store_true",
-        help="Drop and restore automatically: replica 0 runs the KunServe controller on both "
-        "replicas' KV use and queues (the POST routes keep working).")
+        help="Drop and restore automatically: the first replica of each pair runs the KunServe "
+        "controller on both replicas' KV use and queues (the POST routes keep working).")
     group.add_argument(
         "--kunserve-auto-config", default=None, metavar="JSON",
         help="The controller's thresholds as a JSON object, e.g. '{\"interval_ms\": 250, "
@@ -199,10 +214,10 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
 def check_launch(server_args: Any, morph_enabled: bool) -> None:
     """Raise KunServeConfigError (one line, naming the flag) for what is not built yet."""
     dp = getattr(server_args, "dp_size", 1) or 1
-    if dp != 2:
+    if dp < 2 or dp % 2:
         raise KunServeConfigError(
-            f"--enable-kunserve needs --dp-size 2 (got {dp}): groups of two replicas are the "
-            f"only ones served live yet")
+            f"--enable-kunserve needs an even --dp-size of at least 2 (got {dp}): replicas "
+            f"serve in pairs, groups of two being the only ones served live yet")
     for name in ("tp_size", "pp_size"):
         if (getattr(server_args, name, 1) or 1) > 1:
             raise KunServeConfigError(f"--enable-kunserve does not support "
@@ -222,6 +237,11 @@ def check_launch(server_args: Any, morph_enabled: bool) -> None:
                                   "works on SGLang's device radix cache)")
     if getattr(server_args, "speculative_algorithm", None) is not None:
         raise KunServeConfigError("--enable-kunserve does not support --speculative-algorithm")
+
+
+def pairs(server_args: Any) -> int:
+    """The pairs of replicas of a launch (``--dp-size / 2``; at least one)."""
+    return max(1, (getattr(server_args, "dp_size", 1) or 1) // 2)
 
 
 def attach(server_args: Any, cfg: KunServeLiveConfig) -> None:

@@ -1,5 +1,6 @@
-"""``/kunserve/*`` routes in SGLang's HTTP server. Both replicas answer every request through
-the elastic core's control client (``elastic/control.py``), which waits for both.
+"""``/kunserve/*`` routes in SGLang's HTTP server. Every replica answers every request through
+the elastic core's control client (``elastic/control.py``), which waits for all of them; a
+transition runs on the pair it names, the other replicas answer with their status.
 
 Auth as ``/morph``: ``GET /kunserve/status`` is a normal endpoint (``--api-key``), the
 transitions are ``ADMIN_OPTIONAL`` (``--admin-api-key`` when set)."""
@@ -16,32 +17,36 @@ from sglang_morph.kunserve.live.messages import (
     KunServeRestoreReq,
     KunServeStatusReq,
 )
-from sglang_morph.elastic.control import answer_of_every_replica, json_object
+from sglang_morph.elastic.control import answer_of_every_replica, json_object, replica_list
 
 
 async def _forward(req: Any) -> JSONResponse:
     return await answer_of_every_replica(req, "KunServe", "groups")
 
 
-async def _empty_body(request: Request) -> str | None:
-    """The transitions take no parameters: no body, or an empty JSON object. A message when
-    the body is anything else."""
+async def _pair(request: Request) -> tuple[list[int] | None, str | None]:
+    """The pair a transition names: ``{"group": [a, b]}``, or None for no body or an empty
+    JSON object (the only pair of a --dp-size 2 launch; the replicas refuse it on a larger
+    one). A message when the body is anything else; whether the pair is one of the launch's,
+    the replicas check."""
     if not (await request.body()).strip():
-        return None
+        return None, None
     body = await json_object(request)
     if body is None:
-        return "the body must be empty or a JSON object"
-    if body:
-        return (f"unknown fields {sorted(body)}: the group is replicas 0 and 1, split as the "
-                f"drop planner says, and takes no parameters")
-    return None
+        return None, "the body must be empty or a JSON object"
+    if not body:
+        return None, None
+    group, _, error = await replica_list(request, "group")
+    if error is None and len(group) != 2:
+        error = f"'group' must name a pair of replicas, got {group}"
+    return group, error
 
 
-async def _transition(request: Request, req: Any) -> JSONResponse:
-    error = await _empty_body(request)
+async def _transition(request: Request, req_type: Any) -> JSONResponse:
+    group, error = await _pair(request)
     if error is not None:
         return JSONResponse({"error": error}, status_code=400)
-    return await _forward(req)
+    return await _forward(req_type(group=group))
 
 
 def add_routes(app: Any) -> None:
@@ -52,42 +57,46 @@ def add_routes(app: Any) -> None:
         """Groups, layers held per replica, KV capacity per replica, transitions.
 
         Answers: 200 with ``{"groups": [[0, 1]], "replicas": [...]}`` (``[[0], [1]]`` while
-        the replicas serve apart), one status per replica; 503 when KunServe is not running
-        in this server.
+        the replicas serve apart; on --dp-size 4, e.g. ``[[0, 1], [2], [3]]``), one status per
+        replica; 503 when KunServe is not running in this server.
         """
         return await _forward(KunServeStatusReq())
 
     @auth_level(AuthLevel.ADMIN_OPTIONAL)
     async def kunserve_drop(request: Request):
-        """Merge replicas 0 and 1 into one group: replica 0 keeps decoder layers [0, k) and
-        replica 1 layers [k, L) (k from the drop planner), the dropped weights' memory becomes
-        KV capacity, and each batch runs through the pair as a two-stage pipeline. Requests in
-        flight keep running; their KV moves with the layers.
+        """Merge a pair of replicas into one group: its first replica keeps decoder layers
+        [0, k) and its second layers [k, L) (k from the drop planner), the dropped weights'
+        memory becomes KV capacity, and each batch runs through the pair as a two-stage
+        pipeline. Requests in flight keep running; their KV moves with the layers. The other
+        pairs do not change.
 
-        Body: none, or an empty JSON object (the transition takes no parameters).
+        Body: ``{"group": [2, 3]}``, the pair (replicas 2i and 2i + 1); none, or an empty JSON
+        object, on a --dp-size 2 launch (its one pair).
 
         Answers: 200 with the new status (as ``GET /kunserve/status``); 400 with
-        ``{"error": ...}`` for any other body; 409 when a replica refuses (already merged);
+        ``{"error": ...}`` for any other body, a group that is not a pair of the launch, or
+        no group on a launch of several pairs; 409 when a replica refuses (already merged);
         500 when the drop failed on a replica and was undone on both; 503 when KunServe is not
         running in this server. A 409 or 500 carries ``{"error": ..., "replicas": [...]}``.
         """
-        return await _transition(request, KunServeDropReq())
+        return await _transition(request, KunServeDropReq)
 
     @auth_level(AuthLevel.ADMIN_OPTIONAL)
     async def kunserve_restore(request: Request):
-        """Split the group: each replica takes back every layer and its own KV, and serves on
-        its own again. Requests in flight keep running.
+        """Split a pair's group: each replica takes back every layer and its own KV, and
+        serves on its own again. Requests in flight keep running.
 
-        Body: none, or an empty JSON object (the transition takes no parameters).
+        Body: ``{"group": [2, 3]}``, the pair (replicas 2i and 2i + 1); none, or an empty JSON
+        object, on a --dp-size 2 launch (its one pair).
 
         Answers: 200 with the new status (as ``GET /kunserve/status``); 400 with
-        ``{"error": ...}`` for any other body; 409 when a replica refuses (not merged, or it
+        ``{"error": ...}`` as for the drop; 409 when a replica refuses (not merged, or it
         holds more KV tokens in flight than a whole replica's pool: retry once fewer are held);
         500 when the restore failed (undone on both replicas when moving the KV back failed);
         503 when KunServe is not running in this server. A 409 or 500 carries
         ``{"error": ..., "replicas": [...]}``.
         """
-        return await _transition(request, KunServeRestoreReq())
+        return await _transition(request, KunServeRestoreReq)
 
     app.add_api_route("/kunserve/status", kunserve_status, methods=["GET"])
     app.add_api_route("/kunserve/drop", kunserve_drop, methods=["POST"])

@@ -15,7 +15,8 @@ from sglang_morph.surface import Hook, PluginError
 def configure(server_args: Any, args: Any, enabled_before: frozenset[str]) -> bool:
     """In the launcher: parse, check and attach the KunServe config. Raises
     KunServeConfigError (one line) having attached nothing."""
-    cfg = kunserve_config.KunServeLiveConfig.from_cli_namespace(args)
+    cfg = kunserve_config.KunServeLiveConfig.from_cli_namespace(
+        args, pairs=kunserve_config.pairs(server_args))
     if cfg.enabled:
         kunserve_config.check_launch(server_args, morph_enabled="morph" in enabled_before)
     kunserve_config.attach(server_args, cfg)

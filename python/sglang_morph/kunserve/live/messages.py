@@ -16,11 +16,17 @@ class KunServeStatusReq(BaseReq, kw_only=True):
 
 
 class KunServeDropReq(BaseReq, kw_only=True):
-    """``POST /kunserve/drop``: replicas 0 and 1 merge into one pipeline group."""
+    """``POST /kunserve/drop``: a pair of replicas merges into one pipeline group. ``group``:
+    the pair's replicas (None: the only pair of a ``--dp-size 2`` launch)."""
+
+    group: list[int] | None = None
 
 
 class KunServeRestoreReq(BaseReq, kw_only=True):
-    """``POST /kunserve/restore``: the group splits back into two whole replicas."""
+    """``POST /kunserve/restore``: a pair's group splits back into two whole replicas
+    (``group`` as for the drop)."""
+
+    group: list[int] | None = None
 
 
 KUNSERVE_REQUESTS = (KunServeStatusReq, KunServeDropReq, KunServeRestoreReq)

@@ -1,4 +1,6 @@
-"""One data-parallel replica's side of a live KunServe group (``--enable-kunserve --dp-size 2``).
+"""One data-parallel replica's side of a live KunServe pair (``--enable-kunserve --dp-size N``,
+N even: replicas ``2i`` and ``2i + 1`` form pair ``i``, each pair with its own link, drops and
+restores; below, "replica 0" and "replica 1" are a pair's first and second member).
 
 Design (symmetric group): SGLang has no way to move a request between schedulers, so each
 replica keeps its scheduler, its requests and its own KV slot numbers. After a drop, replica 0
@@ -74,14 +76,17 @@ from sglang_morph.groups.transition import LastStep, Phase, VotedTransition
 
 logger = logging.getLogger("sglang_morph.kunserve")
 
-_OK, _REFUSED, _FAILED = 200, 409, 500
+_OK, _BAD, _REFUSED, _FAILED = 200, 400, 409, 500
 # Tests only: the replica whose KV resizes the morph fault points (SGLANG_MORPH_FAULT) fail, so
 # that one replica of the pair fails a transition the other completed.
 FAULT_REPLICA_ENV = "SGLANG_KUNSERVE_FAULT_REPLICA"
 
 
 class KunServeReplica(GroupMember):
-    """Invariants (``check_integrity``): whole, the replica holds every layer's weights and a
+    """``rank``: this replica's place in its pair (0: the front member, 1: the back);
+    ``replica``: its data-parallel index.
+
+    Invariants (``check_integrity``): whole, the replica holds every layer's weights and a
     pool of all ``L`` layers with ``kv_capacity_tokens_whole`` tokens, and no mirror; merged,
     it holds the weights of ``member.layers`` only, a pool of exactly those layers with
     ``kv_capacity_tokens_merged`` tokens, and a mirror pool of the same layers sized to the
@@ -105,7 +110,11 @@ class KunServeReplica(GroupMember):
             # counts on the back member only; a tied head is the embedding both keep.
             raise NotImplementedError("KunServe live needs tied word embeddings")
         self.scheduler, self.runner, self.model = scheduler, runner, model.model
-        self.rank = replica_index()
+        replica = replica_index()
+        # Pairs are consecutive replicas: the even one is the front member and the leader.
+        self.rank = replica % 2
+        pair = (replica - self.rank, replica - self.rank + 1)
+        self.pairs = max(1, int(getattr(scheduler.server_args, "dp_size", 2) or 2) // 2)
         self.allocator = scheduler.token_to_kv_pool_allocator
         self.pool = self.allocator.get_kvcache()
         self.page_size = self.allocator.page_size
@@ -127,7 +136,7 @@ class KunServeReplica(GroupMember):
             raise NotImplementedError("the planner's whole-replica capacity "
                                       f"{self.planner.full_replica().kv_capacity_tokens} is not "
                                       f"the pool's {self.pool.size} tokens")
-        self.group = make_group(self.planner, (0, 1))
+        self.group = make_group(self.planner, pair)
         self.member: MemberLayout = self.group.members[self.rank]
         # Each replica owns half the group's tokens (its own requests), whole pages.
         half = self.group.capacity_tokens // 2
@@ -172,12 +181,13 @@ class KunServeReplica(GroupMember):
         self._micro_backend = new_rows_backend(runner.device, scheduler.req_to_token_pool,
                                                self.pool)
         self.faults = FaultInjector()
-        if os.environ.get(FAULT_REPLICA_ENV) == str(self.rank):
+        if os.environ.get(FAULT_REPLICA_ENV) == str(replica):
             self.faults.arm_from_env()
-        self._metrics = _Metrics(self.rank) if MemberMetrics.enabled(scheduler) else None
+        self._metrics = _Metrics(replica) if MemberMetrics.enabled(scheduler) else None
         self._publish_metrics()
-        super().__init__(scheduler, PeerLink(self.rank, cfg.link_port), "kunserve",
-                         lambda: int(self.pool.size))
+        super().__init__(scheduler, PeerLink(self.rank, cfg.pair_port(pair[0] // 2),
+                                             replicas=pair),
+                         "kunserve", lambda: int(self.pool.size))
         self.auto = None  # --kunserve-auto: the controller's side (auto.py)
         if cfg.auto is not None:
             from sglang_morph.kunserve.live.auto import AutoControl
@@ -302,11 +312,27 @@ class KunServeReplica(GroupMember):
         from sglang_morph.kunserve.live.messages import KunServeDropReq, KunServeRestoreReq
         from sglang_morph.elastic.control import ControlOutput
 
+        code, body = _OK, None
         if isinstance(req, (KunServeDropReq, KunServeRestoreReq)):
-            code, body = self.transition(merge=isinstance(req, KunServeDropReq))
-        else:
-            code, body = _OK, self.status()
-        return ControlOutput(rid=req.rid, status_code=code, body=body, replica=self.rank)
+            error = self._group_error(req.group)
+            if error is not None:
+                code, body = _BAD, {"error": error, "replica": self.replica}
+            elif req.group is None or tuple(req.group) == self.link.replicas:
+                code, body = self.transition(merge=isinstance(req, KunServeDropReq))
+            # else: another pair's transition; this one answers its status
+        return ControlOutput(rid=req.rid, status_code=code,
+                             body=self.status() if body is None else body, replica=self.replica)
+
+    def _group_error(self, group: list[int] | None) -> str | None:
+        """Why a transition request cannot name ``group`` (None: it names a pair of this
+        launch, or none on a launch of one pair). Every replica finds the same."""
+        pairs = [[2 * i, 2 * i + 1] for i in range(self.pairs)]
+        if group is None:
+            return None if self.pairs == 1 else (
+                f"name the pair to change, e.g. {{\"group\": [0, 1]}}: the pairs are {pairs}")
+        if list(group) not in pairs:
+            return f"no pair {list(group)}: the pairs are {pairs}"
+        return None
 
     def transition(self, merge: bool, trigger: str = "operator",
                    reason: str | None = None) -> tuple[int, dict[str, Any]]:
@@ -336,7 +362,7 @@ class KunServeReplica(GroupMember):
         if record.outcome is Outcome.APPLIED:
             return _OK, self.status()
         code = _REFUSED if record.outcome is Outcome.REFUSED else _FAILED
-        return code, {"error": record.error, "replica": self.rank}
+        return code, {"error": record.error, "replica": self.replica}
 
     def _applied(self, action: str, trigger: str, reason: str | None, before: int,
                  seconds: float) -> dict[str, Any]:
@@ -353,7 +379,7 @@ class KunServeReplica(GroupMember):
             "kv_moved_bytes": self._moved_bytes,
             "requests_in_flight": self._in_flight,
             "dropped_weight_bytes": self.dropped_weight_bytes})
-        logger.info("sglang-morph: KunServe %s on replica %d: %s", action, self.rank,
+        logger.info("sglang-morph: KunServe %s on replica %d: %s", action, self.replica,
                     self.transitions[-1])
         self._publish_metrics(action)
         return self.transitions[-1]
@@ -368,18 +394,19 @@ class KunServeReplica(GroupMember):
 
     def _refusal(self, merge: bool) -> str | None:
         if merge == self.merged:
-            return (f"replica {self.rank} is already merged with replica {self.link.peer}"
-                    if merge else f"replica {self.rank} is not merged")
+            return (f"replica {self.replica} is already merged with replica "
+                    f"{self.link.replicas[self.link.peer]}"
+                    if merge else f"replica {self.replica} is not merged")
         if not merge:
             resizer = KVResizer(self.scheduler)
             if not resizer.can_shrink(self.pool.size - self.kv_capacity_tokens_whole):
-                return (f"replica {self.rank} holds {resizer.held_tokens} KV tokens in flight, "
+                return (f"replica {self.replica} holds {resizer.held_tokens} KV tokens in flight, "
                         f"more than a whole replica's {self.kv_capacity_tokens_whole}: the "
                         f"restore waits until fewer are held")
         return None
 
     def _in_turn(self, send, recv) -> None:
-        """The lower replica sends first, so two large sends never wait on each other."""
+        """The front member sends first, so two large sends never wait on each other."""
         for step in ((send, recv) if self.rank == 0 else (recv, send)):
             step()
 
@@ -654,8 +681,8 @@ class KunServeReplica(GroupMember):
             self._answer()  # keep the link in step, then refuse: the peer ran another batch
             fields = ("mode", "positions", "input_ids", "out_cache_loc", "seq_lens")
             raise RuntimeError(
-                f"replica {self.rank}: the batch sent ahead of the forward is not the batch the "
-                f"forward runs (differing: "
+                f"replica {self.replica}: the batch sent ahead of the forward is not the batch "
+                f"the forward runs (differing: "
                 f"{', '.join(f for f, a, b in zip(fields, key, now) if a != b)}; "
                 f"{[(a, b) for a, b in zip(key, now) if a != b]})"[:2000])
         return parts
