@@ -36,19 +36,23 @@ GOALS = {"p99_ttft_ratio": ">= 5", "p50_tpot_change": "<= +0.30", "e2e_p95_chang
 
 
 def merged_windows(arm: dict[str, Any]) -> list[tuple[float, float]]:
-    """KunServe's merged windows (unix seconds) from replica 0's transitions: from the start of
-    a drop to the end of the restore after it (the end of the replay when none came)."""
-    windows, begun = [], None
-    for t in sorted((t for t in arm.get("kunserve_transitions", []) if t["replica"] == 0),
-                    key=lambda t: t["at_unix_s"]):
-        if t["action"] == "drop" and begun is None:
-            begun = t["at_unix_s"] - t["duration_s"]
-        elif t["action"] == "restore" and begun is not None:
-            windows.append((begun, t["at_unix_s"]))
-            begun = None
-    if begun is not None:
-        windows.append((begun, float("inf")))
-    return windows
+    """KunServe's merged windows (unix seconds) from each pair's first replica's transitions:
+    from the start of a drop to the end of the restore after it (the end of the replay when
+    none came). With several pairs, every pair's windows, by start."""
+    windows = []
+    transitions = arm.get("kunserve_transitions", [])
+    for leader in sorted({t["replica"] for t in transitions if t["replica"] % 2 == 0}):
+        begun = None
+        for t in sorted((t for t in transitions if t["replica"] == leader),
+                        key=lambda t: t["at_unix_s"]):
+            if t["action"] == "drop" and begun is None:
+                begun = t["at_unix_s"] - t["duration_s"]
+            elif t["action"] == "restore" and begun is not None:
+                windows.append((begun, t["at_unix_s"]))
+                begun = None
+        if begun is not None:
+            windows.append((begun, float("inf")))
+    return sorted(windows)
 
 
 def overlapping(arm: dict[str, Any], windows: Sequence[tuple[float, float]]) -> set[int]:
@@ -95,6 +99,7 @@ def one_round(report: dict[str, Any]) -> dict[str, Any]:
     touched = overlapping(arms["kunserve"], windows)
     out: dict[str, Any] = {
         "commit": report["settings"]["git"]["commit"],
+        "dp_size": report["dp2"].get("dp_size", 2),
         "merged_windows_s": [round(min(end, arms["kunserve"]["end_unix_s"]) - begin, 2)
                              for begin, end in windows],
         "arms": {a: {"all": distribution(arms[a]), "merged": distribution(arms[a], touched)}
@@ -139,7 +144,8 @@ def _cell(s: dict[str, Any], digits: int, signed: bool = False) -> str:
 
 def markdown(report: dict[str, Any]) -> str:
     meta, agg = report["meta"], report["aggregate"]
-    rows = [f"# KunServe vs plain DP 2, {agg['rounds']} replay rounds ({report['point']})", "",
+    dp = f"DP {report['per_round'][0].get('dp_size', 2)}"
+    rows = [f"# KunServe vs plain {dp}, {agg['rounds']} replay rounds ({report['point']})", "",
             f"commit {meta['git']['commit']}{' (dirty)' if meta['git']['dirty'] else ''} "
             f"(the rounds' own commits: {sorted({r['commit'] for r in report['per_round']})}); "
             f"{meta['machine'].get('cpu_model')}, {meta['machine'].get('cpu_cores')} cores; "
@@ -157,8 +163,8 @@ def markdown(report: dict[str, Any]) -> str:
             rows.append(f"| {a} ({part}) | {_cell(s['requests'], 0)} | " + " | ".join(cells)
                         + " |")
     v = agg["vs_dp2"]
-    rows += ["", "KunServe against plain DP 2 (per round, then median and min to max):", "",
-             f"- P99 TTFT ratio (DP 2 / KunServe): {_cell(v['p99_ttft_ratio'], 2)} "
+    rows += ["", f"KunServe against plain {dp} (per round, then median and min to max):", "",
+             f"- P99 TTFT ratio ({dp} / KunServe): {_cell(v['p99_ttft_ratio'], 2)} "
              f"(goal {GOALS['p99_ttft_ratio']})",
              f"- P50 TPOT change: {_cell(v['p50_tpot_change'], 3, True)} "
              f"(goal {GOALS['p50_tpot_change']})",
@@ -169,7 +175,7 @@ def markdown(report: dict[str, Any]) -> str:
              f"- P99 TTFT ratio counted from each request's send instead of its trace time: "
              f"{_cell(v['p99_ttft_ratio_from_send'], 2)}. The replay client sent late "
              f"(over {LATE_SEND_S} s after the trace time; its process shares the cores with "
-             f"the servers), per round, DP 2 / KunServe: "
+             f"the servers), per round, {dp} / KunServe: "
              + ", ".join(f"{r['client']['dp2']['late_sends']} / "
                          f"{r['client']['kunserve']['late_sends']}"
                          for r in report["per_round"])
@@ -220,7 +226,8 @@ def plot_cdfs(reports: Sequence[dict[str, Any]], path: Path) -> None:
         ax.set_ylabel("fraction of requests")
         ax.grid(alpha=0.3)
     axes[0].legend(fontsize=8)
-    fig.suptitle(f"KunServe vs plain DP 2, {len(reports)} rounds pooled")
+    fig.suptitle(f"KunServe vs plain DP {reports[0]['dp2'].get('dp_size', 2)}, "
+                 f"{len(reports)} rounds pooled")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)

@@ -312,7 +312,7 @@ def run_sweep(profile: Profile, multipliers: Sequence[float]) -> dict[str, Any]:
 
 
 def run_dp2_arms(profile: Profile, replica_budget: str | None,
-                 kunserve: "dp2.KunServeArm | None" = None) -> dict[str, Any]:
+                 kunserve: "dp2.KunServeArm | None" = None, dp_size: int = 2) -> dict[str, Any]:
     from benchmark.replay import dp2
 
     kunserve = kunserve or dp2.KunServeArm()
@@ -339,7 +339,7 @@ def run_dp2_arms(profile: Profile, replica_budget: str | None,
     dp2.run_dp2(profile.configs, requests, prompts, budget=budget, slo=profile.slo,
                 drain_timeout_s=profile.drain_timeout_s, engines=engines,
                 swap_order=SWAP_ORDER, out_dir=profile.out_dir, kunserve=kunserve,
-                checkpoint=checkpoint)
+                dp_size=dp_size, checkpoint=checkpoint)
     return report
 
 
@@ -369,6 +369,9 @@ def parse_args(argv: Sequence[str] | None) -> tuple[argparse.Namespace, Profile]
     p.add_argument("--dp2", action="store_true",
                    help="the two-replica arms instead (benchmark/replay/dp2.py): --configs from "
                    "dp2,kunserve,morph_dp2,w4_dp2 (default all), float32")
+    p.add_argument("--dp-size", type=int, default=None, metavar="N",
+                   help="--dp2: replicas of every arm, even (default 2; 4: plain DP 4 against "
+                   "two KunServe pairs)")
     p.add_argument("--replica-budget", default=None,
                    help="--dp2: weights + KV budget of each replica (default 580MB)")
     p.add_argument("--kunserve-auto-config", default=None, metavar="JSON",
@@ -406,6 +409,7 @@ def parse_args(argv: Sequence[str] | None) -> tuple[argparse.Namespace, Profile]
         p.error(f"unknown configs {sorted(unknown)}; choose from {', '.join(names)}"
                 f"{' (with --dp2)' if a.dp2 else ''}")
     dp2_only = [flag for flag, value in (
+        ("--dp-size", a.dp_size),
         ("--replica-budget", a.replica_budget),
         ("--kunserve-auto-config", a.kunserve_auto_config),
         ("--kunserve-merged-max-running", a.kunserve_merged_max_running),
@@ -413,6 +417,8 @@ def parse_args(argv: Sequence[str] | None) -> tuple[argparse.Namespace, Profile]
         if value is not None]
     if not a.dp2 and dp2_only:
         p.error(f"{', '.join(dp2_only)} {'goes' if len(dp2_only) == 1 else 'go'} with --dp2")
+    if a.dp_size is not None and (a.dp_size < 2 or a.dp_size % 2):
+        p.error(f"--dp-size must be even and at least 2 (KunServe serves pairs), got {a.dp_size}")
     out = a.out or (RESULTS / "raw" / "replay_quick" if a.quick else RESULTS / "replay")
     profile = Profile(w, a.budget, M.Slo(a.ttft_slo, a.tpot_slo), configs,
                       a.mixed_layers, 512 if a.quick else 3072, 120.0 if a.quick else 300.0, out)
@@ -438,7 +444,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
         run_dp2_arms(profile, a.replica_budget, KunServeArm(
             a.kunserve_auto_config, a.kunserve_merged_max_running,
-            a.kunserve_merged_chunked_prefill))
+            a.kunserve_merged_chunked_prefill), dp_size=a.dp_size or 2)
         return 0
     report = run_driver(profile)
     write_report(report, profile.out_dir, profile.configs)

@@ -3,6 +3,7 @@ replica and static W4, under the same memory budget.
 
     python -m benchmark.replay --dp2                     # the four arms (see benchmark/README.md)
     python -m benchmark.replay --dp2 --configs dp2,kunserve
+    python -m benchmark.replay --dp2 --configs dp2,kunserve --dp-size 4   # two KunServe pairs
 
 Every arm is one fresh server with ``--dp-size 2`` and ``--dtype float32`` (greedy float32
 outputs do not depend on the batch they run in, so KunServe's can be compared with plain DP's
@@ -19,6 +20,10 @@ default model are 538 MB, which leaves KV for 910 tokens per replica, the bf16 p
 | ``w4_dp2`` | ``--enable-morph --morph-memory-budget B`` + engines, ``--morph-precision-map '*:4'``, controller off |
 
 Exact match is against ``dp2`` (full precision, the same dtype), request by request.
+
+``--dp-size 4`` (or any even count) runs every arm with that many replicas instead: ``dp2`` is
+then plain DP 4 and ``kunserve`` two pairs, each dropping and restoring on its own; the
+results name the size (``dp_size``), the arms keep their names.
 
 Every arm's schedulers log their forwards (``SGLANG_MORPH_FORWARD_TIMINGS``, tens of
 microseconds a forward) to ``raw/<arm>_forwards.jsonl``; the arm's results carry the cost
@@ -90,8 +95,9 @@ def kv_tokens_for(budget: str) -> int:
 
 
 def server_args(name: str, budget: str, kv_tokens: int, engines: Path | None, log: Path,
-                swap_order: Path, kunserve: KunServeArm = KunServeArm()) -> tuple[str, ...]:
-    base = ("--dp-size", "2", "--dtype", DTYPE, "--enable-metrics")
+                swap_order: Path, kunserve: KunServeArm = KunServeArm(),
+                dp_size: int = 2) -> tuple[str, ...]:
+    base = ("--dp-size", str(dp_size), "--dtype", DTYPE, "--enable-metrics")
     if name == "dp2":
         return base + ("--max-total-tokens", str(kv_tokens))
     if name == "kunserve":
@@ -106,9 +112,15 @@ def server_args(name: str, budget: str, kv_tokens: int, engines: Path | None, lo
     raise ValueError(f"unknown DP-2 arm {name!r}")
 
 
+def leaders(s: dict[str, Any]) -> list[dict[str, Any]]:
+    """The first replica of each pair in a ``GET /kunserve/status``: each logs its pair's
+    transitions once."""
+    return [r for r in s["replicas"] if r["replica"] % 2 == 0]
+
+
 def kunserve_sample(s: dict[str, Any]) -> dict[str, Any]:
-    """A timeline sample of ``GET /kunserve/status``: the pair's KV (own pools: merged, each
-    holds half the group's tokens), each replica's pool and layers, the group."""
+    """A timeline sample of ``GET /kunserve/status``: the pairs' KV (own pools: merged, each
+    holds half the group's tokens), each replica's pool and layers, the largest group."""
     reps = s["replicas"]
     return {
         "kv_capacity_tokens": sum(r["kv_capacity_tokens"] for r in reps),
@@ -120,7 +132,7 @@ def kunserve_sample(s: dict[str, Any]) -> dict[str, Any]:
         "num_waiting_reqs": sum(r["load"]["waiting_reqs"] for r in reps),
         "num_running_reqs": sum(r["load"]["running_reqs"] for r in reps),
         "retractions_total": 0,
-        "transitions_total": len(reps[0]["transitions"]),
+        "transitions_total": sum(len(r["transitions"]) for r in leaders(s)),
     }
 
 
@@ -161,14 +173,14 @@ def run_arm(url: str, name: str, requests, prompts, slo: M.Slo, drain_timeout_s:
         while True:
             final = httpx.get(f"{url}/kunserve/status", timeout=60).json()
             out["status_samples"].append({"t": time.time(), **kunserve_sample(final)})
-            if final["groups"] == [[0], [1]] or time.time() > deadline:
+            if all(len(g) == 1 for g in final["groups"]) or time.time() > deadline:
                 break
             time.sleep(0.25)
         out["kunserve_transitions"] = [
             {**t, "replica": rep["replica"]} for rep in final["replicas"]
             for t in rep["transitions"]]
         out["kunserve_auto"] = [rep["auto"] for rep in final["replicas"]]
-        out["metrics"]["transitions"] = len(final["replicas"][0]["transitions"])
+        out["metrics"]["transitions"] = sum(len(r["transitions"]) for r in leaders(final))
         out["metrics"]["max_group_size"] = max(
             (s["group_size"] for s in result.status_samples), default=None)
     elif path is not None:
@@ -179,7 +191,7 @@ def run_arm(url: str, name: str, requests, prompts, slo: M.Slo, drain_timeout_s:
 
 def run_dp2(configs, requests, prompts, *, budget: str, slo: M.Slo, drain_timeout_s: float,
             engines: Path | None, swap_order: Path, out_dir: Path,
-            kunserve: KunServeArm = KunServeArm(),
+            kunserve: KunServeArm = KunServeArm(), dp_size: int = 2,
             checkpoint: Callable[[dict[str, Any]], None] | None = None) -> dict[str, Any]:
     """Each arm in turn; an arm whose server fails records the error and the next one runs.
     ``checkpoint`` gets the results so far after each arm (a long run keeps what it measured)."""
@@ -188,13 +200,14 @@ def run_dp2(configs, requests, prompts, *, budget: str, slo: M.Slo, drain_timeou
     raw.mkdir(parents=True, exist_ok=True)
     out: dict[str, Any] = {
         "kv_capacity_tokens_per_replica": kv_tokens, "replica_budget": budget,
-        "total_budget": f"2 x {budget}", "dtype": DTYPE, "reference": REFERENCE,
+        "dp_size": dp_size, "total_budget": f"{dp_size} x {budget}", "dtype": DTYPE,
+        "reference": REFERENCE,
         "server_env": SERVER_ENV, "configs": {}}
     arms = out["configs"]
     for name in configs:
         log = raw / f"{name}_transitions.jsonl"
         log.unlink(missing_ok=True)
-        args = server_args(name, budget, kv_tokens, engines, log, swap_order, kunserve)
+        args = server_args(name, budget, kv_tokens, engines, log, swap_order, kunserve, dp_size)
         forwards_log = raw / f"{name}_forwards.jsonl"
         forwards_log.unlink(missing_ok=True)
         env = {**SERVER_ENV, TIMINGS_ENV: str(forwards_log.resolve())}
@@ -273,7 +286,8 @@ def targets(arms: dict[str, Any]) -> dict[str, Any]:
 def markdown(report: dict[str, Any]) -> str:
     st, dp = report["settings"], report["dp2"]
     rows = [
-        f"# Bursty-load replay, two replicas ({st['trace']['path'].split('/')[-1]})", "",
+        f"# Bursty-load replay, {dp.get('dp_size', 2)} replicas "
+        f"({st['trace']['path'].split('/')[-1]})", "",
         f"commit {st['git']['commit']}{' (dirty)' if st['git']['dirty'] else ''}, "
         f"{st['machine']['cpu_model']}, {st['machine']['cpu_cores']} cores; load average "
         f"before {st['load_average']}, after {report.get('load_average_after')}; "
@@ -308,15 +322,17 @@ def markdown(report: dict[str, Any]) -> str:
             f"| {pct(q.get('exact_match_rate'))} | {fmt(q.get('rouge_l_f1'), 3)} |")
     t = report.get("targets") or {}
     if t:
-        rows += ["", "Targets (KunServe vs plain DP 2): " + json.dumps(
+        rows += ["", f"Targets (KunServe vs plain DP {dp.get('dp_size', 2)}): " + json.dumps(
             {k: (round(v, 3) if isinstance(v, float) else v) for k, v in t.items()
              if k != "goals"}) + "; goals " + json.dumps(t["goals"])]
     ks = dp["configs"].get("kunserve")
     if ks:
-        rows += ["", "KunServe transitions (replica 0; seconds since the replay started):", ""]
-        for tr in ks["kunserve_transitions"]:
-            if tr["replica"] == 0:
-                rows.append(f"- {tr['at_unix_s'] - ks['start_unix_s']:.1f} s {tr['action']} "
+        rows += ["", "KunServe transitions (each pair's first replica; seconds since the replay "
+                 "started):", ""]
+        for tr in sorted(ks["kunserve_transitions"], key=lambda tr: tr["at_unix_s"]):
+            if tr["replica"] % 2 == 0:
+                rows.append(f"- {tr['at_unix_s'] - ks['start_unix_s']:.1f} s pair "
+                            f"[{tr['replica']}, {tr['replica'] + 1}] {tr['action']} "
                             f"({tr['trigger']}, {tr['duration_s']:.2f} s, "
                             f"{tr['requests_in_flight']} in flight, KV "
                             f"{tr['kv_capacity_tokens'][0]} -> {tr['kv_capacity_tokens'][1]} "
@@ -327,13 +343,16 @@ def markdown(report: dict[str, Any]) -> str:
 def plot_kunserve_timeline(config: dict[str, Any], reference: dict[str, Any] | None,
                            path: Path, ttft_slo_s: float) -> None:
     """Arrivals and queue, each replica's KV capacity and use, layers held per replica (the
-    group), TTFT by arrival (plain DP 2's beside it when it ran)."""
+    group), TTFT by arrival (plain DP's beside it when it ran)."""
     import numpy as np
 
     plt = R.pyplot()
     start = config["start_unix_s"]
     recs, samples = config["records"], config["status_samples"]
     ts = [s["t"] - start for s in samples]
+    colors = ("tab:green", "tab:purple", "tab:olive", "tab:cyan", "tab:brown", "tab:pink")
+    replicas = range(min(len(colors), len(samples[0]["kv_capacity_per_replica"]) if samples
+                         else 2))
     fig, axes = plt.subplots(4, 1, figsize=(9, 10), sharex=True)
     arrivals = np.array([r["scheduled_unix_s"] - start for r in recs])
     ax = axes[0]
@@ -341,10 +360,10 @@ def plot_kunserve_timeline(config: dict[str, Any], reference: dict[str, Any] | N
             color="tab:gray", alpha=0.6, label="arrivals / s")
     ax.plot(ts, [s["num_waiting_reqs"] for s in samples], color="tab:red", label="waiting")
     ax.plot(ts, [s["num_running_reqs"] for s in samples], color="tab:blue", label="running")
-    ax.set_ylabel("requests (pair)")
+    ax.set_ylabel("requests (all replicas)")
     ax.legend(loc="upper right", fontsize=8)
     ax = axes[1]
-    for i, color in enumerate(("tab:green", "tab:purple")):
+    for i, color in zip(replicas, colors):
         ax.step(ts, [s["kv_capacity_per_replica"][i] for s in samples], where="post",
                 color=color, label=f"replica {i} KV capacity")
         ax.plot(ts, [s["kv_used_per_replica"][i] for s in samples], color=color, ls=":",
@@ -352,7 +371,7 @@ def plot_kunserve_timeline(config: dict[str, Any], reference: dict[str, Any] | N
     ax.set_ylabel("KV tokens (own pool)")
     ax.legend(loc="upper right", fontsize=8)
     ax = axes[2]
-    for i, color in enumerate(("tab:green", "tab:purple")):
+    for i, color in zip(replicas, colors):
         ax.step(ts, [s["layers_per_replica"][i] + 0.3 * i for s in samples], where="post",
                 color=color, label=f"replica {i} layers held")
     ax.step(ts, [10 * s["group_size"] for s in samples], where="post", color="k", lw=0.8,
@@ -372,11 +391,11 @@ def plot_kunserve_timeline(config: dict[str, Any], reference: dict[str, Any] | N
     ax.set_xlabel("seconds since replay start")
     ax.legend(loc="upper right", fontsize=8)
     for tr in config.get("kunserve_transitions", []):
-        if tr["replica"] == 0:
+        if tr["replica"] % 2 == 0:  # each pair's first replica
             for a in axes:
                 a.axvline(tr["at_unix_s"] - start, color="tab:red" if tr["action"] == "drop"
                           else "tab:green", lw=0.8, alpha=0.6)
-    fig.suptitle("KunServe (auto) on two replicas: capacity and groups")
+    fig.suptitle(f"KunServe (auto) on {len(replicas)} replicas: capacity and groups")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)

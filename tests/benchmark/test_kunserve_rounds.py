@@ -50,6 +50,16 @@ def test_merged_windows_and_the_requests_they_touch():
     assert KR.overlapping(arm, KR.merged_windows(arm)) == {7, 8, 9}
 
 
+def test_merged_windows_of_two_pairs_are_each_pairs_own():
+    arm = report(1.0, windows=((10.0, 0.5, 12.0),))["dp2"]["configs"]["kunserve"]
+    # Pair [2, 3] drops while pair [0, 1] is merged and restores after it: its own window.
+    arm["kunserve_transitions"] += [
+        {"replica": r, "action": action, "at_unix_s": T0 + at, "duration_s": 0.4}
+        for r, action, at in ((2, "drop", 11.0), (3, "drop", 11.0), (2, "restore", 15.0),
+                              (3, "restore", 15.0))]
+    assert KR.merged_windows(arm) == [(T0 + 9.5, T0 + 12.0), (T0 + 10.6, T0 + 15.0)]
+
+
 def test_one_round_against_numpy_and_the_comparison():
     r = KR.one_round(report(1.5))
     # KunServe's lives overlapping [9.8, 20.0] (request 6 lives to 6 + 1.5 * 3.2 = 10.8 there,

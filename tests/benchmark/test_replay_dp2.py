@@ -21,6 +21,20 @@ def test_every_arm_gets_the_same_budget_per_replica(tmp_path):
     assert args["w4_dp2"][-2:] == ("--morph-precision-map", "*:4")
     with pytest.raises(ValueError, match="unknown DP-2 arm"):
         dp2.server_args("dp4", "580MB", tokens, None, tmp_path, tmp_path)
+    # --dp-size 4: every arm with four replicas, the same budget per replica.
+    assert dp2.server_args("kunserve", "580MB", tokens, None, tmp_path, tmp_path,
+                           dp_size=4)[:2] == ("--dp-size", "4")
+
+
+def test_the_replays_dp_size_is_even_and_goes_with_the_dp2_arms(capsys):
+    from benchmark.replay.__main__ import parse_args
+
+    assert parse_args(["--dp2", "--dp-size", "4"])[0].dp_size == 4
+    for argv, message in ((["--dp2", "--dp-size", "3"], "--dp-size must be even"),
+                          (["--dp-size", "4"], "--dp-size goes with --dp2")):
+        with pytest.raises(SystemExit):
+            parse_args(argv)
+        assert message in capsys.readouterr().err
 
 
 def test_the_kunserve_arms_flags_are_the_servers_own():
@@ -45,11 +59,19 @@ def test_the_kunserve_arms_flags_are_the_servers_own():
 
 
 def test_kunserve_sample_and_targets():
-    rep = {"kv_capacity_tokens": 5120, "kv_used_tokens": 300, "layers": [0, 15],
+    rep = {"replica": 0, "kv_capacity_tokens": 5120, "kv_used_tokens": 300, "layers": [0, 15],
            "group": [0, 1], "transitions": [{}], "load": {"waiting_reqs": 2, "running_reqs": 3}}
-    s = dp2.kunserve_sample({"replicas": [rep, {**rep, "layers": [15, 30]}]})
+    back = {**rep, "replica": 1, "layers": [15, 30]}
+    s = dp2.kunserve_sample({"replicas": [rep, back]})
     assert (s["kv_capacity_tokens"], s["layers_per_replica"], s["group_size"],
             s["num_waiting_reqs"], s["transitions_total"]) == (10240, [15, 15], 2, 4, 1)
+    # Two pairs: each pair's transitions count once (its first replica's log), the second
+    # pair whole after a drop and a restore.
+    whole = {**rep, "kv_capacity_tokens": 910, "layers": [0, 30], "transitions": [{}, {}]}
+    s = dp2.kunserve_sample({"replicas": [rep, back, {**whole, "replica": 2, "group": [2]},
+                                          {**whole, "replica": 3, "group": [3]}]})
+    assert (s["layers_per_replica"], s["group_size"], s["transitions_total"]) == (
+        [15, 15, 30, 30], 2, 3)
 
     def arm(p99, tpot, outputs):
         return {"metrics": {"ttft_s": {"p99": p99}, "tpot_s": {"p50": tpot}},
