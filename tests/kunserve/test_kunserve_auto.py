@@ -1,39 +1,24 @@
-"""KunServe's automatic control on live SGLang DP 2 replicas (``--kunserve-auto``).
-
-- bad ``--kunserve-auto`` / ``--kunserve-auto-config`` values are a CLI error naming the flag
-  and the problem, and attach nothing;
-- one DP 2 server (float32, greedy, CPU, a small pool) with the controller on: a burst on both
-  replicas whose predicted KV demand exceeds their pools makes replica 0's controller drop
-  (the transitions log says "auto" and the controller's reason) while requests are in flight;
-  every request of the burst equals its output on the undropped replicas, served one at a
-  time before the burst, token for token; when the burst is over the group restores by
-  itself (usage under 50%), the startup layout comes back exactly, and later requests equal
-  the undropped outputs.
+"""KunServe's automatic control (``--kunserve-auto``) without a server: bad
+``--kunserve-auto`` / ``--kunserve-auto-config`` values are a CLI error naming the flag and the
+problem and attach nothing; a replica's view and the leader's and follower's steps on stand-ins.
+Live, on four replicas (two pairs): ``test_kunserve_pairs_server.py``.
 """
 
 from __future__ import annotations
 
 import argparse
-import concurrent.futures
 import dataclasses
 import json
-import time
 
 import pytest
 
 from sglang_morph.kunserve.live import config as kunserve_config
 from sglang_morph.surface import PluginError
-# (corpus_ids and tokenizer are that module's fixtures)
-from test_morph_runtime_server import corpus_ids, prompt_ids, tokenizer  # noqa: F401
 from test_kunserve import planner, spec  # noqa: F401  (fixtures)
-from test_kunserve_live import configure_kunserve, generate_on as generate_on_live, launch_args, status
+from test_kunserve_live import configure_kunserve, launch_args
 
-N_NEW = 16
-WHOLE_TOKENS = 256
-PROMPT_TOKENS = 104  # + N_NEW: two fit a whole replica's pool, three do not
-PER_REPLICA = 3
+# The live servers' controller (test_kunserve_pairs_server.py): fast enough for a test.
 AUTO = {"interval_ms": 100, "drop_persist": 2, "restore_persist": 3, "min_dwell_s": 1.0}
-
 
 
 def _replica(waiting: int, running: int, batch_is_full: bool, max_running: int = 8):
@@ -273,69 +258,3 @@ def test_a_queue_sglang_refuses_drops_without_waiting_for_the_interval(planner, 
     # Still refused at the next step: no second early observation (only the rising edge).
     pair.step(0.02)
     assert (follower.views, leader.views) == (2, 2)
-
-
-# ---- the live server ----
-
-@pytest.fixture(scope="module")
-def auto_dp2(server_factory):
-    return server_factory(
-        "--dtype", "float32", "--dp-size", "2", "--enable-kunserve", "--kunserve-auto",
-        "--kunserve-auto-config", json.dumps(AUTO), "--max-total-tokens", str(WHOLE_TOKENS),
-        "--api-key", "test-api-key")
-
-
-def generate_on(server, ids, replica: int) -> list[int]:
-    return generate_on_live(server, ids, replica, n_new=N_NEW)
-
-
-def wait_for(server, predicate, timeout_s: float) -> dict:
-    deadline = time.monotonic() + timeout_s
-    while True:
-        s = status(server)
-        if predicate(s) or time.monotonic() > deadline:
-            return s
-        time.sleep(0.2)
-
-
-def test_a_burst_drops_automatically_and_the_group_restores_when_it_ends(auto_dp2, corpus_ids):
-    prompts = [[prompt_ids(corpus_ids, seed=40 + PER_REPLICA * r + i, n_tokens=PROMPT_TOKENS)
-                for i in range(PER_REPLICA)] for r in (0, 1)]
-    # The undropped outputs: one request at a time (its demand fits a whole replica).
-    undropped = [[generate_on(auto_dp2, ids, r) for ids in prompts[r]] for r in (0, 1)]
-    s = status(auto_dp2)
-    assert s["groups"] == [[0], [1]]
-    assert all(rep["transitions"] == [] for rep in s["replicas"])
-    leader, follower = (rep["auto"] for rep in s["replicas"])
-    assert (leader["role"], follower["role"]) == ("leader", "follower")
-    assert leader["config"] == follower["config"] == {
-        **leader["config"], **AUTO} and leader["views"] > 0 and follower["views"] > 0
-
-    # The burst: three requests per replica at once, 360 tokens of demand on 256-token pools.
-    jobs = [(ids, r) for r in (0, 1) for ids in prompts[r]]
-    with concurrent.futures.ThreadPoolExecutor(len(jobs)) as pool:
-        outs = list(pool.map(lambda job: generate_on(auto_dp2, *job), jobs))
-    assert [outs[:PER_REPLICA], outs[PER_REPLICA:]] == undropped
-
-    # Idle now: the controller restores the group (usage under 50%, demand fits).
-    s = wait_for(auto_dp2, lambda s: s["groups"] == [[0], [1]] and all(
-        len(rep["transitions"]) == 2 for rep in s["replicas"]), timeout_s=30)
-    assert s["groups"] == [[0], [1]], json.dumps(s)
-    for rep in s["replicas"]:
-        drop, restore = rep["transitions"]
-        assert (drop["action"], drop["trigger"], restore["action"], restore["trigger"]) == (
-            "drop", "auto", "restore", "auto")
-        assert drop["reason"].startswith("predicted KV demand") and "over replica" in (
-            drop["reason"])
-        assert "under 50%" in restore["reason"]
-        assert drop["kv_capacity_tokens"] == [WHOLE_TOKENS, rep["kv_capacity_tokens_merged"]]
-        assert restore["kv_capacity_tokens"] == [rep["kv_capacity_tokens_merged"], WHOLE_TOKENS]
-        assert restore["at_unix_s"] - drop["at_unix_s"] >= AUTO["min_dwell_s"]
-        assert rep["layers"] == [0, 30] and rep["kv_capacity_tokens"] == WHOLE_TOKENS
-        assert rep["dropped_weight_bytes"] == 0 and rep["peer_kv_capacity_tokens"] == 0
-    # The drop came while the burst ran: requests in flight on the replicas.
-    assert sum(rep["transitions"][0]["requests_in_flight"] for rep in s["replicas"]) >= 1
-    assert s["replicas"][0]["auto"]["proposals"] == s["replicas"][1]["auto"]["proposals"] == 2
-    # Whole again: the same outputs.
-    assert [generate_on(auto_dp2, prompts[r][0], r) for r in (0, 1)] == [
-        undropped[0][0], undropped[1][0]]

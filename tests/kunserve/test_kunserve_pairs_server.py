@@ -1,11 +1,15 @@
-"""KunServe on four live SGLang data-parallel replicas (``--dp-size 4``): two pairs, each with
-its own link, drops and restores, its own leader and controller (``--kunserve-auto``).
+"""KunServe's automatic control on four live SGLang data-parallel replicas (``--dp-size 4
+--kunserve-auto``): two pairs, each with its own link, drops and restores, its own leader and
+controller.
 
-One server (float32, greedy, CPU, 256-token pools), against the same replicas undropped (each
-prompt served alone first, one at a time, on the replica that later serves it in a burst):
+One server (float32, greedy, CPU, 256-token pools, interval 100 ms, dwell 1 s), against the
+same replicas undropped (each prompt served alone first, one at a time, on the replica that
+later serves it in a burst):
 
-- a burst on replicas 2 and 3 only: pair [2, 3] drops by itself while pair [0, 1] stays whole
-  and untouched; every output equals its undropped one; the pair restores by itself after;
+- a burst on replicas 2 and 3 only: pair [2, 3] drops by itself with requests in flight (the
+  log says "auto" and the controller's reason) while pair [0, 1] stays whole and untouched;
+  every output equals its undropped one token for token; the pair restores by itself once
+  idle, to exactly the startup layout;
 - a burst on all four: both pairs drop, each by its own controller, and restore; outputs equal;
 - the operator's routes name a pair: a drop without a body, of a group that is not a pair, or
   of three replicas is a 400 and changes nothing; ``{"group": [0, 1]}`` drops that pair only,
@@ -16,23 +20,20 @@ from __future__ import annotations
 
 import concurrent.futures
 import json
+import time
 
 import pytest
 import requests
 
 # (corpus_ids and tokenizer are that module's fixtures)
 from test_morph_runtime_server import ADMIN, Stream, corpus_ids, prompt_ids, tokenizer  # noqa: F401
-from test_kunserve_auto import (
-    AUTO,
-    N_NEW,
-    PER_REPLICA,
-    PROMPT_TOKENS,
-    WHOLE_TOKENS,
-    generate_on,
-    wait_for,
-)
+from test_kunserve_auto import AUTO
 from test_kunserve_live import generate_on as generate_long, status
 
+N_NEW = 16
+WHOLE_TOKENS = 256
+PROMPT_TOKENS = 104  # + N_NEW: two fit a whole replica's pool, three do not
+PER_REPLICA = 3
 STREAM_NEW = 40  # long enough that the streams still run when the drop lands
 
 REPLICAS = range(4)
@@ -45,6 +46,20 @@ def dp4(server_factory):
         "--dtype", "float32", "--dp-size", "4", "--enable-kunserve", "--kunserve-auto",
         "--kunserve-auto-config", json.dumps(AUTO), "--max-total-tokens", str(WHOLE_TOKENS),
         "--api-key", "test-api-key", "--admin-api-key", "test-admin-key")
+
+
+def generate_on(server, ids, replica: int) -> list[int]:
+    return generate_long(server, ids, replica, n_new=N_NEW)
+
+
+def wait_for(server, predicate, timeout_s: float) -> dict:
+    """The status once ``predicate`` holds, or the last one after ``timeout_s``."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        s = status(server)
+        if predicate(s) or time.monotonic() > deadline:
+            return s
+        time.sleep(0.2)
 
 
 @pytest.fixture(scope="module")
@@ -85,6 +100,9 @@ def test_the_pairs_start_apart_each_with_its_own_leader(dp4, undropped):
 
 
 def test_a_burst_on_one_pair_drops_that_pair_only(dp4, prompts, undropped):
+    # Three requests on each replica of pair [2, 3] at once: 360 tokens of demand on each
+    # 256-token pool. The pair drops with requests in flight and restores once idle (usage
+    # under 50%, demand fits), back to exactly the startup layout.
     assert burst(dp4, prompts, (2, 3)) == undropped[2:]
     s = wait_for(dp4, lambda s: all(len(rep["transitions"]) == 2 for rep in s["replicas"][2:]),
                  timeout_s=30)
@@ -92,10 +110,18 @@ def test_a_burst_on_one_pair_drops_that_pair_only(dp4, prompts, undropped):
                           [("drop", "auto"), ("restore", "auto")]], json.dumps(s)
     assert s["groups"] == ALONE
     for rep in s["replicas"][2:]:
-        drop = rep["transitions"][0]
-        assert "over replica" in drop["reason"]
+        drop, restore = rep["transitions"]
+        assert drop["reason"].startswith("predicted KV demand") and "over replica" in (
+            drop["reason"])
+        assert "under 50%" in restore["reason"]
         assert drop["layers"] == ([0, 15] if rep["replica"] == 2 else [15, 30])
         assert drop["kv_capacity_tokens"] == [WHOLE_TOKENS, rep["kv_capacity_tokens_merged"]]
+        assert restore["kv_capacity_tokens"] == [rep["kv_capacity_tokens_merged"], WHOLE_TOKENS]
+        assert restore["at_unix_s"] - drop["at_unix_s"] >= AUTO["min_dwell_s"]
+        assert rep["layers"] == [0, 30] and rep["kv_capacity_tokens"] == WHOLE_TOKENS
+        assert rep["dropped_weight_bytes"] == 0 and rep["peer_kv_capacity_tokens"] == 0
+        assert rep["auto"]["config"] == {**rep["auto"]["config"], **AUTO}
+    assert sum(rep["transitions"][0]["requests_in_flight"] for rep in s["replicas"][2:]) >= 1
     # The other pair was never asked: whole layers, whole pools, no proposal.
     for rep in s["replicas"][:2]:
         assert rep["layers"] == [0, 30] and rep["kv_capacity_tokens"] == WHOLE_TOKENS
