@@ -25,6 +25,7 @@ from typing import Any, Sequence
 import numpy as np
 
 from benchmark.harness import load_average, run_meta, spread, write_results
+from benchmark.replay.client import STALL_S
 from benchmark.replay.report import pyplot
 
 ARMS = ("dp2", "kunserve")
@@ -86,7 +87,21 @@ def client_lateness(arm: dict[str, Any]) -> dict[str, Any]:
     late = [r["sent_unix_s"] - r["scheduled_unix_s"] for r in recs]
     return {"max_s": max(late, default=0.0), "late_sends": sum(x > LATE_SEND_S for x in late),
             "ttft_s_p99_from_send": float(np.percentile(
-                [r["ttft_s"] - x for r, x in zip(recs, late)], 99)) if recs else None}
+                [r["ttft_s"] - x for r, x in zip(recs, late)], 99)) if recs else None,
+            **loop_stalls(arm)}
+
+
+def loop_stalls(arm: dict[str, Any]) -> dict[str, Any]:
+    """The client's event-loop stalls in the arm (none recorded by replays before the client
+    watched its loop): how many, the longest, their total, and the share of it the client
+    spent waiting for a CPU (runnable while the cores ran the servers)."""
+    stalls = arm.get("client_stalls")
+    if stalls is None:
+        return {}
+    total = sum(x["late_s"] for x in stalls)
+    waited = sum(x.get("runqueue_s", 0.0) for x in stalls)
+    return {"stalls": len(stalls), "stall_max_s": max((x["late_s"] for x in stalls), default=0.0),
+            "stall_total_s": total, "stall_runqueue_share": waited / total if total else None}
 
 
 def one_round(report: dict[str, Any]) -> dict[str, Any]:
@@ -142,6 +157,20 @@ def _cell(s: dict[str, Any], digits: int, signed: bool = False) -> str:
     return f"{f.format(s['median'])} ({f.format(s['min'])} to {f.format(s['max'])})"
 
 
+def _stall_sentence(per_round: Sequence[dict[str, Any]]) -> str:
+    """The client's loop stalls over the rounds (empty when the rounds did not record them)."""
+    arms = [r["client"][a] for r in per_round for a in ARMS if "stalls" in r["client"][a]]
+    if not arms:
+        return ""
+    total = sum(c["stall_total_s"] for c in arms)
+    waited = sum(c["stall_total_s"] * (c["stall_runqueue_share"] or 0.0) for c in arms)
+    return (f" The client's event loop stalled over {STALL_S} s "
+            f"{sum(c['stalls'] for c in arms)} times in all arms and rounds, "
+            f"{total:.1f} s in all (longest {max(c['stall_max_s'] for c in arms):.2f} s); "
+            f"{waited / total if total else 0:.0%} of that time it was runnable, waiting for "
+            f"a core.")
+
+
 def markdown(report: dict[str, Any]) -> str:
     meta, agg = report["meta"], report["aggregate"]
     dp = f"DP {report['per_round'][0].get('dp_size', 2)}"
@@ -180,7 +209,8 @@ def markdown(report: dict[str, Any]) -> str:
                          f"{r['client']['kunserve']['late_sends']}"
                          for r in report["per_round"])
              + " requests, at most "
-             + f"{max(r['client'][a]['max_s'] for r in report['per_round'] for a in ARMS):.2f} s.",
+             + f"{max(r['client'][a]['max_s'] for r in report['per_round'] for a in ARMS):.2f} s."
+             + _stall_sentence(report["per_round"]),
              "",
              "CDFs, every round's requests pooled: [rounds_cdf.png](rounds_cdf.png)", "",
              "Per round:", ""]

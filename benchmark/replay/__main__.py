@@ -117,7 +117,7 @@ def run_one(url: str, name: str, requests, prompts, profile: Profile,
     out = {
         "metrics": M.summarize(result, profile.slo, steps) | {"transitions": len(during)},
         "records": [r.to_json() for r in result.records],
-        "status_samples": result.status_samples,
+        "status_samples": result.status_samples, "client_stalls": result.client_stalls,
         "start_unix_s": result.start_unix_s,
         "transitions": during,
     }

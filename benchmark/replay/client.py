@@ -22,6 +22,10 @@ from benchmark.replay.trace import TraceRequest
 
 STATUS_POLL_INTERVAL_S = 0.25
 KEEPALIVE_EXPIRY_S = 1.0
+# The client's event loop is watched at this interval; a wake-up later than STALL_S is a
+# stall (every send and every chunk read waits for it), recorded with where its time went.
+LOOP_WATCH_INTERVAL_S = 0.05
+STALL_S = 0.1
 
 
 @dataclasses.dataclass
@@ -78,6 +82,39 @@ class ReplayResult:
     end_unix_s: float
     records: list[RequestRecord]
     status_samples: list[dict[str, Any]]  # {"t": unix s, status fields ...}
+    # The client's own event-loop stalls (``_watch_loop``): a late send or a late chunk is
+    # the client's when one covers it.
+    client_stalls: list[dict[str, float]] = dataclasses.field(default_factory=list)
+
+
+def _schedstat() -> tuple[float, float] | None:
+    """(seconds on a CPU, seconds runnable but waiting for one) of this process's main
+    thread so far (Linux ``/proc/self/schedstat``; None elsewhere)."""
+    try:
+        with open("/proc/thread-self/schedstat") as f:
+            on_cpu_ns, wait_ns, _ = f.read().split()
+    except (OSError, ValueError):
+        return None
+    return int(on_cpu_ns) / 1e9, int(wait_ns) / 1e9
+
+
+async def _watch_loop(out: list[dict[str, float]], stop: asyncio.Event) -> None:
+    """Record every wake-up of the event loop later than ``STALL_S``: when, how late, and
+    how much of the stall the process spent waiting for a CPU (``runqueue_s``: the cores
+    were busy with other processes) or running (``on_cpu_s``: the client's own work). What
+    is left is time blocked elsewhere (a system call, the machine paused)."""
+    before, stat = time.time(), _schedstat()
+    while not stop.is_set():
+        await asyncio.sleep(LOOP_WATCH_INTERVAL_S)
+        now, now_stat = time.time(), _schedstat()
+        late = now - before - LOOP_WATCH_INTERVAL_S
+        if late > STALL_S:
+            stall = {"t": round(before + LOOP_WATCH_INTERVAL_S, 3), "late_s": round(late, 3)}
+            if stat is not None and now_stat is not None:
+                stall.update(on_cpu_s=round(now_stat[0] - stat[0], 3),
+                             runqueue_s=round(now_stat[1] - stat[1], 3))
+            out.append(stall)
+        before, stat = now, now_stat
 
 
 async def _one(client: httpx.AsyncClient, url: str, req: TraceRequest, ids: list[int],
@@ -162,9 +199,11 @@ async def _replay(url: str, requests: list[TraceRequest], prompts: list[list[int
                                  max_new_tokens=r.output_tokens)
                    for r, p in zip(requests, prompts)]
         samples: list[dict[str, Any]] = []
+        stalls: list[dict[str, float]] = []
         stop = asyncio.Event()
         poller = (asyncio.create_task(_poll_status(client, url, samples, stop, status_path,
                                                    sample)) if status_path else None)
+        watcher = asyncio.create_task(_watch_loop(stalls, stop))
         last_arrival = max(r.arrival_s for r in requests)
         # Every request gets until the end of the trace plus the drain time to finish.
         timeout_s = last_arrival + drain_timeout_s
@@ -177,7 +216,8 @@ async def _replay(url: str, requests: list[TraceRequest], prompts: list[list[int
         stop.set()
         if poller is not None:
             await poller
-    return ReplayResult(url, start, end, records, samples)
+        await watcher
+    return ReplayResult(url, start, end, records, samples, stalls)
 
 
 def replay(url: str, requests: list[TraceRequest], prompts: list[list[int]],

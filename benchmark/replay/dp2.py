@@ -164,7 +164,8 @@ def run_arm(url: str, name: str, requests, prompts, slo: M.Slo, drain_timeout_s:
     steps = [(0.0, (16,) * num_layers)]
     out = {"metrics": M.summarize(result, slo, steps),
            "records": [r.to_json() for r in result.records],
-           "status_samples": result.status_samples, "start_unix_s": result.start_unix_s,
+           "status_samples": result.status_samples, "client_stalls": result.client_stalls,
+           "start_unix_s": result.start_unix_s,
            "end_unix_s": result.end_unix_s}
     if name == "kunserve":
         # The restore comes after the load ends (usage under 50% for a few views, the dwell):

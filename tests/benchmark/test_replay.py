@@ -154,6 +154,37 @@ def test_quantized_share_comes_from_provenance_and_is_checked_against_the_log():
     assert s["provenance_disagreements"] is None
 
 
+def test_the_clients_loop_stalls_say_where_their_time_went():
+    """A coroutine that blocks the loop in a system call (sleep) stalls it off the CPU; one
+    that computes stalls it on the CPU. Both are recorded, nothing else is."""
+    import asyncio
+    import time
+
+    from benchmark.replay import client
+
+    async def run() -> list[dict]:
+        stalls: list[dict] = []
+        stop = asyncio.Event()
+        watcher = asyncio.create_task(client._watch_loop(stalls, stop))
+        await asyncio.sleep(0.2)
+        time.sleep(0.4)  # blocked, not running
+        await asyncio.sleep(0.2)
+        deadline = time.perf_counter() + 0.4
+        while time.perf_counter() < deadline:  # running
+            pass
+        await asyncio.sleep(0.2)
+        stop.set()
+        await watcher
+        return stalls
+
+    stalls = asyncio.run(run())
+    assert len(stalls) == 2, stalls
+    blocked, busy = stalls
+    assert 0.3 < blocked["late_s"] < 0.6 and 0.3 < busy["late_s"] < 0.6
+    if "on_cpu_s" in blocked:  # Linux: the process's own schedstat
+        assert blocked["on_cpu_s"] < 0.1 and busy["on_cpu_s"] > 0.25
+
+
 def test_agreement_exact_and_rouge_on_token_ids():
     ref = {0: [1, 2, 3, 4], 1: [5, 6, 7, 8], 2: [9, 10]}
     assert M.agreement(dict(ref), ref) == {"compared": 3, "exact_match_rate": 1.0,
