@@ -23,8 +23,8 @@ from typing import Any, Sequence
 
 import httpx
 
-from benchmark.harness import (REPO_ROOT, build_engines, git_state, load_average, machine_info,
-                               running_server)
+from benchmark.harness import (REPO_ROOT, SERVER_NICE, behind_the_client, build_engines,
+                               git_state, load_average, machine_info, running_server)
 from benchmark.replay import metrics as M
 from benchmark.replay import report as R
 from benchmark.replay.client import replay
@@ -179,6 +179,7 @@ def run_driver(profile: Profile) -> dict[str, Any]:
             "swap_order": repo_path(SWAP_ORDER),
             "prompt_corpus": str(CORPUS.name),
             "sampling": "greedy, ignore_eos, max_new_tokens = the request's output length",
+            "server_nice": SERVER_NICE,
         } | git_and_machine(),
         "configs": {},
     }
@@ -189,6 +190,7 @@ def run_driver(profile: Profile) -> dict[str, Any]:
         args = server_args(name, profile.budget, engines, profile.mixed_layers, log_path)
         t0 = time.time()
         with running_server(args, raw / f"{name}_server.log") as server:
+            behind_the_client(server)
             url = server.url
             startup_s = time.time() - t0
             status0 = httpx.get(f"{url}/morph/status", timeout=60).json()
@@ -294,6 +296,7 @@ def run_sweep(profile: Profile, multipliers: Sequence[float]) -> dict[str, Any]:
                            raw / f"sweep_{name}_transitions.jsonl")
         points = []
         with running_server(args, raw / f"sweep_{name}_server.log") as server:
+            behind_the_client(server)
             url = server.url
             for k in multipliers:
                 scaled = [dataclasses.replace(r, arrival_s=r.arrival_s / k) for r in requests]

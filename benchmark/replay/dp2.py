@@ -41,7 +41,7 @@ from typing import Any, Callable
 
 import httpx
 
-from benchmark.harness import running_server
+from benchmark.harness import SERVER_NICE, behind_the_client, running_server
 from benchmark.kunserve.rounds import merged_windows
 from benchmark.replay import forwards
 from benchmark.replay import metrics as M
@@ -203,7 +203,7 @@ def run_dp2(configs, requests, prompts, *, budget: str, slo: M.Slo, drain_timeou
         "kv_capacity_tokens_per_replica": kv_tokens, "replica_budget": budget,
         "dp_size": dp_size, "total_budget": f"{dp_size} x {budget}", "dtype": DTYPE,
         "reference": REFERENCE,
-        "server_env": SERVER_ENV, "configs": {}}
+        "server_env": SERVER_ENV, "server_nice": SERVER_NICE, "configs": {}}
     arms = out["configs"]
     for name in configs:
         log = raw / f"{name}_transitions.jsonl"
@@ -215,6 +215,7 @@ def run_dp2(configs, requests, prompts, *, budget: str, slo: M.Slo, drain_timeou
         t0 = time.time()
         try:
             with running_server(args, raw / f"{name}_server.log", env=env) as server:
+                behind_the_client(server)
                 startup_s = time.time() - t0
                 res = run_arm(server.url, name, requests, prompts, slo, drain_timeout_s, 30)
         except Exception as e:  # e.g. SGLang's watchdog killed a scheduler mid-forward
@@ -295,7 +296,8 @@ def markdown(report: dict[str, Any]) -> str:
         f"{st['requests']} requests over {st['replay_duration_s']:.0f} s; {dp['dtype']}, "
         f"budget {dp['replica_budget']} per replica (weights + KV; KV for "
         f"{dp['kv_capacity_tokens_per_replica']} tokens per replica at full precision), "
-        f"{dp['total_budget']} per arm; server env {dp.get('server_env')}; wall "
+        f"{dp['total_budget']} per arm; server env {dp.get('server_env')}, nice "
+        f"{dp.get('server_nice', 0)} below the client; wall "
         f"{report.get('wall_s', 0):.0f} s; arms done {report.get('arms_done')} of "
         f"{report.get('arms_planned')}", "", f"Command: `{st.get('command')}`", "",
         f"TTFT SLO {st['slo']['ttft_s']} s; exact match and ROUGE-L against `{dp['reference']}`",
