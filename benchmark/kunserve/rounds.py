@@ -93,15 +93,14 @@ def client_lateness(arm: dict[str, Any]) -> dict[str, Any]:
 
 def loop_stalls(arm: dict[str, Any]) -> dict[str, Any]:
     """The client's event-loop stalls in the arm (none recorded by replays before the client
-    watched its loop): how many, the longest, their total, and the share of it the client
+    watched its loop): how many, the longest, their total, and how much of it the client
     spent waiting for a CPU (runnable while the cores ran the servers)."""
     stalls = arm.get("client_stalls")
     if stalls is None:
         return {}
-    total = sum(x["late_s"] for x in stalls)
-    waited = sum(x.get("runqueue_s", 0.0) for x in stalls)
     return {"stalls": len(stalls), "stall_max_s": max((x["late_s"] for x in stalls), default=0.0),
-            "stall_total_s": total, "stall_runqueue_share": waited / total if total else None}
+            "stall_total_s": sum(x["late_s"] for x in stalls),
+            "stall_runqueue_s": sum(x.get("runqueue_s", 0.0) for x in stalls)}
 
 
 def one_round(report: dict[str, Any]) -> dict[str, Any]:
@@ -163,7 +162,7 @@ def _stall_sentence(per_round: Sequence[dict[str, Any]]) -> str:
     if not arms:
         return ""
     total = sum(c["stall_total_s"] for c in arms)
-    waited = sum(c["stall_total_s"] * (c["stall_runqueue_share"] or 0.0) for c in arms)
+    waited = sum(c["stall_runqueue_s"] for c in arms)
     return (f" The client's event loop stalled over {STALL_S} s "
             f"{sum(c['stalls'] for c in arms)} times in all arms and rounds, "
             f"{total:.1f} s in all (longest {max(c['stall_max_s'] for c in arms):.2f} s); "

@@ -16,6 +16,11 @@ _BYTE_UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "m": 10**6, "mb": 10**6, 
                "gb": 10**9, "kib": 2**10, "mib": 2**20, "gib": 2**30}
 
 
+def is_int(value: object) -> bool:
+    """An integer given as one (a JSON or CLI value), not a bool."""
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
 class ConfigError(ValueError):
     """A flag is malformed or inconsistent; the message names the flag."""
 

@@ -13,7 +13,8 @@ from fastapi import Request
 from fastapi.responses import JSONResponse
 
 from sglang_morph.amoebas.messages import AmoebasMergeReq, AmoebasSplitReq, AmoebasStatusReq
-from sglang_morph.elastic.control import answer_of_every_replica, is_int, replica_list
+from sglang_morph.config import is_int
+from sglang_morph.elastic.control import answer_of_every_replica, replica_list
 
 
 async def _forward(req: Any) -> JSONResponse:

@@ -17,6 +17,8 @@ from typing import Any
 
 from sglang.srt.managers.io_struct import BaseReq, hook_custom_types
 
+from sglang_morph.config import is_int
+
 # The status code of a replica's answer to a request addressed to another replica; the HTTP
 # side drops these (never sent to a client).
 SKIPPED = 204
@@ -122,10 +124,6 @@ async def json_object(request: Any) -> dict[str, Any] | None:
     except (ValueError, UnicodeDecodeError):
         return None
     return body if isinstance(body, dict) else None
-
-
-def is_int(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
 
 
 async def replica_list(request: Any, field: str, optional: tuple[str, ...] = ()

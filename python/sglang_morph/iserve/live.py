@@ -29,7 +29,7 @@ from fastapi import Request
 from sglang.srt.managers.io_struct import BaseReq, hook_custom_types
 
 from sglang_morph import surface as sym
-from sglang_morph.config import ConfigError
+from sglang_morph.config import ConfigError, is_int
 from sglang_morph.elastic.kv_resizer import evict_cached_prefixes
 from sglang_morph.elastic.registry import Mechanism, routes_in_launcher
 from sglang_morph.iserve.space import stage_layers
@@ -164,10 +164,6 @@ def configure(server_args: Any, args: Any, enabled_before: frozenset[str]) -> bo
     return enabled
 
 
-def _is_int(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
-
-
 def add_routes(app: Any) -> None:
     from fastapi.responses import JSONResponse
     from sglang.srt.utils.auth import AuthLevel, auth_level
@@ -206,7 +202,7 @@ def add_routes(app: Any) -> None:
         """
         body = await json_object(request)
         if body is None or set(body) != {"layers"} or not (
-                body["layers"] is None or _is_int(body["layers"])):
+                body["layers"] is None or is_int(body["layers"])):
             return JSONResponse({"error": "the body must be {\"layers\": n} with n an integer "
                                  "number of decoder layers (null: every layer)"},
                                 status_code=_BAD)

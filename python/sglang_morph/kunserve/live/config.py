@@ -13,7 +13,7 @@ import dataclasses
 import json
 from typing import Any
 
-from sglang_morph.config import ConfigError
+from sglang_morph.config import ConfigError, is_int
 from sglang_morph.kunserve.controller import ControllerConfig
 from sglang_morph.server.ports import free_late_bind_ports
 
@@ -79,10 +79,6 @@ MICRO_BATCH_CUTS = ("cost", "tokens")
 MIN_CHUNK_TOKENS = 16
 
 
-def _is_int(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
-
-
 @dataclasses.dataclass(frozen=True)
 class KunServeLiveConfig:
     enabled: bool = False
@@ -106,7 +102,7 @@ class KunServeLiveConfig:
 
     def __post_init__(self) -> None:
         m = self.micro_batches
-        if not (_is_int(m) and 1 <= m <= MAX_MICRO_BATCHES):
+        if not (is_int(m) and 1 <= m <= MAX_MICRO_BATCHES):
             raise KunServeConfigError(f"--kunserve-micro-batches must be an integer in "
                                       f"[1, {MAX_MICRO_BATCHES}], got {m!r}")
         if self.micro_batch_cuts not in MICRO_BATCH_CUTS:
@@ -117,7 +113,7 @@ class KunServeLiveConfig:
                 ("--kunserve-merged-max-running", self.merged_max_running, 1),
                 ("--kunserve-merged-chunked-prefill", self.merged_chunked_prefill,
                  MIN_CHUNK_TOKENS)):
-            if value is not None and not (_is_int(value) and value >= least):
+            if value is not None and not (is_int(value) and value >= least):
                 raise KunServeConfigError(f"{flag} must be an integer >= {least}, "
                                           f"got {value!r}")
 

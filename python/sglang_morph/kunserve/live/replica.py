@@ -66,6 +66,7 @@ from sglang_morph.elastic.kv_resizer import (
     set_pool_buffers,
 )
 from sglang_morph.kunserve.live.attention import new_rows_backend
+from sglang_morph.kunserve.live.config import pairs as pairs_of_launch
 from sglang_morph.kunserve.live.link import PeerLink
 from sglang_morph.kunserve.cost import Chunk, OnlineChunkCost, balanced_bounds
 from sglang_morph.kunserve.planner import DropPlannerConfig, MemberLayout, make_group
@@ -114,7 +115,7 @@ class KunServeReplica(GroupMember):
         # Pairs are consecutive replicas: the even one is the front member and the leader.
         self.rank = replica % 2
         pair = (replica - self.rank, replica - self.rank + 1)
-        self.pairs = max(1, int(getattr(scheduler.server_args, "dp_size", 2) or 2) // 2)
+        self.pairs = pairs_of_launch(scheduler.server_args)
         self.allocator = scheduler.token_to_kv_pool_allocator
         self.pool = self.allocator.get_kvcache()
         self.page_size = self.allocator.page_size
