@@ -2,8 +2,8 @@
 
     python -m benchmark.gpu.w4_variants      # on the device machine; results: w4_variants.{json,md}
 
-The served W4A16 kernel (``morph_kernels.triton_gpu``) moves half the bytes of W8 but takes
-about as long at decode. Each variant changes one suspect, at Llama-3-8B decode shapes (1 and
+The W4A16 kernel served until the nibble-plane GEMM (``benchmark.gpu.w4_previous``; "served"
+below) moves half the bytes of W8 but takes about as long at decode. Each variant changes one suspect, at Llama-3-8B decode shapes (1 and
 16 tokens, W4 group 128 with an AWQ input scale, random weights), each timed over its best
 configuration in a grid (BLOCK_N x BLOCK_K x split-K x stages) inside CUDA graphs with a cold
 L2, as ``benchmark.gpu.kernels`` times the served kernel:
@@ -22,7 +22,6 @@ Not used by the server; kept as the measurement behind the W4 roofline note in d
 """
 import math
 
-import morph_kernels
 import torch
 import torch.nn.functional as F
 import triton
@@ -31,6 +30,7 @@ from morph_kernels import triton_gpu
 from morph_kernels.triton_gpu import _k_range, _store_output
 from sglang_morph.engines import formats
 
+from benchmark.gpu import w4_previous
 from benchmark.gpu.kernels import LLAMA3_8B_LINEARS, copies_for_cold_l2, graph_ms, make_stored
 from benchmark.gpu.common import (device_info, measured_copy_bytes_per_s, table,
                                   write_results)
@@ -198,9 +198,9 @@ def run() -> dict:
     rows = []
     for name, (k, n) in LLAMA3_8B_LINEARS.items():
         stored = make_stored(4, 128, True, k, n, gen)
-        w = morph_kernels.prepare(4, stored, device="cuda", act_dtype=torch.bfloat16)
-        t = w.tensors
-        copies = copies_for_cold_l2(w.device_bytes)
+        t = w4_previous.prepare(stored, torch.bfloat16)
+        weight_bytes = sum(v.numel() * v.element_size() for v in t.values())
+        copies = copies_for_cold_l2(weight_bytes)
 
         def with_copies(q):
             return [q] + [q.clone() for _ in range(copies - 1)]
@@ -212,17 +212,15 @@ def run() -> dict:
             layouts[f"tiled{bn}x{bk}"] = (_tiled, with_copies(retile(t["qweight"], bn, bk)),
                                           [c for c in CONFIGS if (c[1], c[2]) == (bn, bk)])
         ref_w = formats.get_format(4).dequantize(stored).float()
-        served_copies = [w] + [morph_kernels.PreparedWeight(
-            w.bits, w.out_features, w.in_features, w.group_size,
-            {key: (v.clone() if key == "qweight" else v) for key, v in t.items()}, w.act_dtype)
-            for _ in range(copies - 1)]
+        served_copies = [t] + [{key: (v.clone() if key == "qweight" else v) for key, v in t.items()}
+                               for _ in range(copies - 1)]
         for tokens in (1, 16):
             x = torch.randn(tokens, k, generator=gen, device="cuda").to(torch.bfloat16)
             ref = F.linear(x.float(), ref_w)
             ws = torch.empty((8, tokens, n), dtype=torch.float32, device="cuda")
-            morph_kernels.linear(x, w)  # autotunes the served kernel for this bucket
-            moved = w.device_bytes + 2 * tokens * (k + n)
-            served_ms = graph_ms([lambda c=c: morph_kernels.linear(x, c) for c in served_copies])
+            w4_previous.linear(x, t, 128)  # autotunes the served kernel for this bucket
+            moved = weight_bytes + 2 * tokens * (k + n)
+            served_ms = graph_ms([lambda c=c: w4_previous.linear(x, c, 128) for c in served_copies])
             row = {"linear": name, "in": k, "out": n, "tokens": tokens, "bytes_moved": moved,
                    "served_ms": served_ms,
                    "served_roofline_fraction": moved / (served_ms * 1e-3) / copy_bps,

@@ -348,6 +348,18 @@ def _widen_bf16_dot(interpreter) -> None:
     builder.create_dot = dot
 
 
+def _one_hot_exact(linear, stored: dict, act_dtype: torch.dtype) -> bool:
+    """Row i of ``linear(x)`` for x = e_{c_i} is input column c_i of the weight the kernel
+    used: it must equal ``formats.dequantize(stored)`` rounded once to ``act_dtype``, bit for
+    bit (a one-hot dot adds only zeros to the one product)."""
+    w_eff = formats.get_format(4).dequantize(stored).to(act_dtype)
+    in_features = w_eff.shape[1]
+    cols = torch.randperm(in_features)[:16]
+    x = torch.zeros(16, in_features, dtype=act_dtype, device=w_eff.device)
+    x[torch.arange(16), cols] = 1.0
+    return bool(torch.equal(linear(x), w_eff[:, cols].t()))
+
+
 def _interpreter_main() -> None:
     """Child process: each case with every candidate configuration; one JSON line per case.
 
@@ -389,6 +401,17 @@ def _interpreter_main() -> None:
                 for config in configs
             )
             result["configs"] = len(configs)
+            if bits == 4:
+                result["dequant_ratio"] = assert_within_bound(
+                    triton_gpu.linear(x, w, bias, backend="dequant_cublas"), x, stored, bits, bias)
+                if not input_scale:
+                    result["one_hot_exact"] = [
+                        _one_hot_exact(lambda v, c=config: triton_gpu.linear(v, w, None, c),
+                                       stored, act_dtype)
+                        for config in configs
+                    ] + [_one_hot_exact(
+                        lambda v: triton_gpu.linear(v, w, None, backend="dequant_cublas"),
+                        stored, act_dtype)]
             # Same bytes as stored: the GPU layout only transposes W4 scales/zeros, and
             # input_scale_inv has input_scale's 2-byte dtype.
             result["device_bytes_equal_stored"] = w.device_bytes == formats.device_bytes(stored)
@@ -425,16 +448,25 @@ def test_triton_kernel_under_interpreter_matches_reference(interpreter_run, case
     assert result["configs"] >= 1
     assert result["max_ratio"] <= 1.0
     assert result["device_bytes_equal_stored"]
+    if case[0] == 4:
+        assert result["dequant_ratio"] <= 1.0
+    if "one_hot_exact" in result:
+        # The W4 cases without an input scale are the fp16 ones, which is as well: the
+        # interpreter rounds fp32 -> bf16 toward zero (a GPU rounds to nearest), so bf16
+        # weights are checked bit for bit on the device machine.
+        assert all(result["one_hot_exact"]), result["one_hot_exact"]
 
 
 # ---- Triton kernels lowered to a GPU binary (no GPU needed) ----------------------------------
 
 # Per-block shared memory every NVIDIA GPU since Ampere can give a kernel (sm_86/sm_89: 99 KiB).
 MAX_SHARED_BYTES = 99 * 1024
+# Hopper's per-block limit (sm_90: 227 KiB).
+HOPPER_SHARED_BYTES = 227 * 1024
 
 
 @pytest.mark.parametrize("bits", [8, 4])
-@pytest.mark.parametrize("config_index", [0, -2, -1], ids=["smallest", "most_smem", "largest"])
+@pytest.mark.parametrize("config_index", [0, -2, -1], ids=["decode", "prefill", "largest"])
 def test_triton_kernels_compile_to_sm90_cubins(bits, config_index):
     # The interpreter checks what the kernels compute, not that they lower: this runs Triton's
     # NVIDIA backend and ptxas for an H100 on the decode tile and the two biggest prefill tiles.
@@ -445,11 +477,39 @@ def test_triton_kernels_compile_to_sm90_cubins(bits, config_index):
         pytest.skip("this Triton has no NVIDIA backend")
     from morph_kernels import triton_aot, triton_gpu
 
-    config = triton_gpu._CONFIGS[config_index]
+    config = triton_gpu.configs_for(bits)[config_index]
     kernel = triton_aot.compile_kernel(bits, config, input_scale=bits == 4, capability=90)
     assert kernel.asm["cubin"]
     assert "cp.async" in kernel.asm["ptx"], "the K loop was not software-pipelined"
-    assert kernel.metadata.shared <= MAX_SHARED_BYTES
+    # W4's prefill tiles stage BLOCK_M x 128 activations per step: Hopper-sized (an Ampere
+    # consumer GPU's autotuner skips what does not fit there and keeps the smaller tiles).
+    assert kernel.metadata.shared <= (MAX_SHARED_BYTES if bits == 8 else HOPPER_SHARED_BYTES)
+    if bits == 4 and config.kwargs["SWAP"]:
+        # The point of SWAP: the dequantized weight is wgmma's register operand, so the weight
+        # tile goes global -> shared -> registers and is never stored back to shared memory.
+        assert "wgmma.mma_async" in kernel.asm["ptx"]
+        assert "dot_op<{opIdx = 0" in kernel.asm["ttgir"]
+
+
+def test_w4_decode_tile_dequantizes_in_the_mma_operand_layout():
+    # The decode tile's packed words are loaded from shared memory straight into wgmma's
+    # register-operand layout and the nibbles are converted there: no layout conversion of
+    # the weight (which would round-trip it through shared memory) and no int -> float cvt.
+    pytest.importorskip("triton")
+    from triton.backends import backends
+
+    if "nvidia" not in backends:
+        pytest.skip("this Triton has no NVIDIA backend")
+    from morph_kernels import triton_aot, triton_gpu
+
+    config = triton_gpu.candidate_configs(1, 128)[0]
+    kernel = triton_aot.compile_kernel(4, config, input_scale=True, capability=90)
+    ttgir = kernel.asm["ttgir"]
+    assert "-> tensor<64x16xi32, #ttg.dot_op<{opIdx = 0" in ttgir
+    weight_conversions = [line for line in ttgir.splitlines()
+                          if "ttg.convert_layout" in line and "xi32" in line]
+    assert weight_conversions == []
+    assert "cvt.rn.f32.s32" not in kernel.asm["ptx"] and "cvt.rn.f32.u32" not in kernel.asm["ptx"]
 
 
 # ---- Triton kernels on a real GPU ----------------------------------------------------------
@@ -498,17 +558,18 @@ def test_gpu_llama3_8b_shapes_match_reference(layer, variant):
         assert_within_bound(morph_kernels.linear(x, w), x, stored, bits, None)
 
 
-def _compiled_and_tuned() -> tuple[int, int]:
-    """(compiled kernel binaries, autotuned keys) of both GPU kernels, from Triton's caches."""
+def _compiled_and_tuned() -> tuple[int, int, int]:
+    """(compiled kernel binaries, autotuned keys, chosen W4 backends) of the GPU kernels."""
     from morph_kernels import triton_gpu
 
     compiled = sum(
         len(cache[0])
-        for kernel in (triton_gpu._w8a16_kernel, triton_gpu._w4a16_kernel)
+        for kernel in (triton_gpu._w8a16_kernel, triton_gpu._w4a16_kernel,
+                       triton_gpu._w4_dequant_kernel)
         for cache in kernel.device_caches.values()
     )
     tuned = len(triton_gpu._w8a16_tuned.cache) + len(triton_gpu._w4a16_tuned.cache)
-    return compiled, tuned
+    return compiled, tuned, len(triton_gpu.w4_choices())
 
 
 @needs_cuda
@@ -523,6 +584,88 @@ def test_gpu_warmup_leaves_nothing_to_compile_or_tune():
             morph_kernels.linear(torch.randn(tokens, 4096, device="cuda", dtype=torch.bfloat16), w)
     torch.cuda.synchronize()
     assert _compiled_and_tuned() == before
+
+
+# Listed here rather than read from triton_gpu, whose import would import Triton at collection.
+W4_GPU_BACKENDS = ("triton", "dequant_cublas", "gemlite")
+
+
+def test_every_w4_backend_is_tested_on_the_gpu():
+    pytest.importorskip("triton")
+    from morph_kernels import triton_gpu
+
+    assert triton_gpu.W4_BACKENDS == W4_GPU_BACKENDS
+
+
+def _skip_unless_available(backend: str) -> None:
+    from morph_kernels import triton_gpu
+
+    if backend == "gemlite" and not triton_gpu.gemlite_available():
+        pytest.skip("GemLite is not installed (scripts/setup.sh installs it on GPU machines)")
+
+
+@needs_cuda
+@pytest.mark.parametrize("backend", W4_GPU_BACKENDS)
+@pytest.mark.parametrize("layer", ["o_proj", "down_proj", "gate_up_proj"])
+def test_gpu_w4_backend_matches_reference_and_dequantizes_exactly(layer, backend):
+    _skip_unless_available(backend)
+    from morph_kernels import triton_gpu
+
+    for input_scale in (False, True):
+        stored, w = _gpu_weight(4, 128, input_scale, torch.bfloat16, LLAMA3_8B_IN_OUT[layer], 1)
+        for tokens in (1, 16, 512):
+            x = torch.randn(tokens, w.in_features, device="cuda").to(torch.bfloat16)
+            assert_within_bound(triton_gpu.linear(x, w, backend=backend), x, stored, 4, None)
+        if not input_scale:
+            assert _one_hot_exact(lambda v: triton_gpu.linear(v, w, backend=backend), stored,
+                                  torch.bfloat16)
+
+
+@needs_cuda
+@pytest.mark.parametrize("backend", W4_GPU_BACKENDS)
+def test_gpu_w4_backend_replays_in_a_cuda_graph(backend):
+    _skip_unless_available(backend)
+    from morph_kernels import triton_gpu
+
+    stored, w = _gpu_weight(4, 128, True, torch.bfloat16, (4096, 6144), 1)
+    x = torch.randn(16, 4096, device="cuda").to(torch.bfloat16)
+    triton_gpu.linear(x, w, backend=backend)  # compiles and tunes outside the capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        y = triton_gpu.linear(x, w, backend=backend)
+    x.copy_(torch.randn_like(x))
+    graph.replay()
+    torch.cuda.synchronize()
+    assert_within_bound(y, x, stored, 4, None)
+
+
+@needs_cuda
+def test_gpu_warmup_chooses_an_agreeing_backend_per_bucket():
+    from morph_kernels import triton_gpu
+
+    _, w = _gpu_weight(4, 64, True, torch.bfloat16, (4096, 4096), 64)
+    chosen = {key[-1]: value for key, value in triton_gpu.w4_choices().items()
+              if key[1:5] == (4096, 4096, 64, torch.bfloat16)}
+    assert {1, 2, 4, 8, 16, 32, 64} <= set(chosen)
+    for choice, timings in chosen.values():
+        assert "triton" in timings and choice == min(timings, key=timings.get)
+
+
+@needs_cuda
+def test_gpu_gemlite_packs_our_integers_into_our_layout():
+    _skip_unless_available("gemlite")
+    import gemlite
+    from morph_kernels import triton_gpu
+
+    stored, w = _gpu_weight(4, 128, False, torch.bfloat16, (4096, 6144), 1)
+    module = gemlite.GemLiteLinear(4, group_size=128, in_features=4096, out_features=6144,
+                                   input_dtype=gemlite.DType.BF16, output_dtype=gemlite.DType.BF16)
+    module.pack(formats.unpack_w4(stored["qweight"]), stored["scales"], stored["zeros"],
+                fma_mode=False)
+    assert torch.equal(module.W_q, w.tensors["qweight_t"])
+    assert torch.equal(module.scales, w.tensors["scales_t"])
+    assert torch.equal(module.zeros, w.tensors["zeros_t"])
+    assert triton_gpu._gemlite_meta_args(w) == [int(v) for v in module.get_meta_args()]
 
 
 @needs_cuda

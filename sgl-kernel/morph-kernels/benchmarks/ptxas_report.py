@@ -37,18 +37,18 @@ def main() -> None:
     parser.add_argument("--capability", type=int, default=90, help="80: A100, 90: H100/H200")
     args = parser.parse_args()
     print(f"sm_{args.capability}; shared memory per program in KiB")
-    for config in triton_gpu._CONFIGS:
-        cells = []
-        for bits in (8, 4):
+    for bits in (8, 4):
+        for config in triton_gpu.configs_for(bits):
             kernel = triton_aot.compile_kernel(
                 bits, config, input_scale=bits == 4, capability=args.capability
             )
             usage = ptxas_usage(kernel.asm["ptx"], args.capability)
-            cells.append(f"W{bits}: {usage}, {kernel.metadata.shared / 1024:5.1f} KiB")
-        shape = "x".join(str(config.kwargs[k]) for k in ("BLOCK_M", "BLOCK_N", "BLOCK_K"))
-        launch = f"warps {config.num_warps} stages {config.num_stages}"
-        print(f"{shape:>11} {launch} | " + " | ".join(cells))
-
+            shape = "x".join(str(config.kwargs[k]) for k in ("BLOCK_M", "BLOCK_N", "BLOCK_K"))
+            extra = f" split {config.kwargs['SPLIT_K']}" + (
+                f" swap {int(config.kwargs['SWAP'])}" if "SWAP" in config.kwargs else "")
+            launch = f"warps {config.num_warps} stages {config.num_stages}{extra}"
+            print(f"W{bits} {shape:>11} {launch} | {usage}, "
+                  f"{kernel.metadata.shared / 1024:5.1f} KiB")
 
 if __name__ == "__main__":
     main()

@@ -41,7 +41,7 @@ def compile_kernel(
         types["q_ptr"] = "*i8"
     else:
         fn = triton_gpu._w4a16_kernel
-        types.update(q_ptr="*u8", z_ptr="*u8")
+        types.update(q_ptr="*i32", z_ptr="*u8")
         constexprs["GROUP_SIZE"] = group_size
         if input_scale:
             types["inv_ptr"] = f"*{act}"

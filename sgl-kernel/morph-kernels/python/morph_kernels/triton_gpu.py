@@ -6,23 +6,28 @@ weight tile, dequantizes it in registers and feeds ``tl.dot`` (one fp32 accumula
 - W8 feeds ``q`` itself (int8 is exact in fp16/bf16) and applies the per-output-channel scale
   once, to the accumulator: no weight rounding at all.
 - W4 feeds ``(q - zero) * scale`` rounded to the activation dtype (one rounding per weight,
-  like a bf16 checkpoint). Scaling the fp32 partial product per K step instead would be exact,
-  but needs a second ``[BLOCK_M, BLOCK_N]`` accumulator: measured with ptxas for sm_90, the
-  128x256 prefill tile then spills 328 B of registers and 64x128 needs 230 registers vs 179.
+  like a bf16 checkpoint, the same bits as ``formats.dequantize(stored).to(dtype)``).
 
 Layouts (``PreparedWeight.tensors``), the same bytes as the stored format:
 
 - W8: ``qweight`` int8 ``[out, in]``, ``scales`` bf16 ``[out]`` (both as stored).
-- W4: ``qweight`` uint8 ``[out, in // 2]`` as stored (column ``2j`` in the low nibble): a
-  ``[BLOCK_N, BLOCK_K // 2]`` byte tile is a contiguous row segment per output channel, and
-  ``tl.join`` + ``tl.reshape`` interleaves the two nibbles back into K order in registers.
-  ``scales_t`` bf16 and ``zeros_t`` uint8 ``[in // g, out]``: transposed from the stored
-  ``[out, in // g]`` so one K step reads each group's ``BLOCK_N`` values contiguously.
-  Optionally ``input_scale_inv`` ``[in]`` in the activation dtype: the kernel multiplies the
-  activation tile by it in fp32 and rounds once to the activation dtype.
+- W4: ``qweight_t`` int32 ``[in // 8, out]``: the stored bytes read as little-endian words and
+  transposed, so word ``(j, n)`` holds input columns ``8j .. 8j + 7`` of output ``n``, column
+  ``8j + p`` in nibble ``p`` (GemLite's 32-bit packing). ``scales_t`` bf16 and ``zeros_t``
+  uint8 ``[in // g, out]``. Optionally ``input_scale_inv`` ``[in]`` in the activation dtype:
+  the activation is multiplied by it in fp32 and rounded once to the activation dtype.
 
-A W4 tile never straddles a quantization group (``BLOCK_K`` divides the group size), so each
-K step loads one contiguous ``BLOCK_N`` vector of scales and one of zeros.
+The W4 GEMM loads ``BLOCK_K / 8`` word rows per K step and runs one dot per nibble plane ``p``
+against the activation columns ``8j + p`` (split out of one contiguous activation load in
+registers), so no nibbles are interleaved in registers. A nibble becomes a float without an
+int -> float conversion (the 2^23 magic below). With ``SWAP`` the dot is transposed so the
+weight is the MMA's first operand, which Hopper's wgmma takes from registers: the weight tile
+goes global -> shared (cp.async, pipelined) -> registers, is dequantized there in the MMA's
+operand layout, and never returns to shared memory.
+
+W4 also has two other backends on the same tensors (see ``W4_BACKENDS``): the weight
+dequantized for cuBLAS (prefill), and GemLite's kernels when installed. ``warmup`` times them
+per bucket and weight shape and ``linear`` runs the fastest that agrees with the GEMM.
 
 Decode (at most ``SPLIT_K_MAX_TOKENS`` tokens) may split K across ``SPLIT_K`` programs per
 output tile: a decode launch otherwise has one program per ``BLOCK_N`` outputs (4096 / 32 = 128
@@ -41,6 +46,7 @@ leaves nothing to compile or tune while serving.
 
 from __future__ import annotations
 
+import importlib
 from typing import TYPE_CHECKING
 
 import torch
@@ -64,13 +70,13 @@ SPLIT_K_MAX = 8
 _LOCK_SLOTS = 4096
 
 
-def _config(block_m, block_n, block_k, warps, stages, split_k=1):
+def _config(block_m, block_n, block_k, warps, stages, split_k=1, **extra):
     return triton.Config({"BLOCK_M": block_m, "BLOCK_N": block_n, "BLOCK_K": block_k,
-                          "SPLIT_K": split_k}, num_warps=warps, num_stages=stages)
+                          "SPLIT_K": split_k, **extra}, num_warps=warps, num_stages=stages)
 
 
 # Small on purpose: every entry is compiled and timed once per bucket and weight shape.
-_CONFIGS = [
+_W8_CONFIGS = [
     # Decode (<= 16 tokens): weight-streaming bound; trade N width against K depth, and split K
     # so that enough programs (and loads) are in flight to saturate HBM.
     _config(16, 32, 128, 4, 4),
@@ -89,31 +95,43 @@ _CONFIGS = [
     _config(128, 128, 64, 8, 3),
     _config(128, 256, 32, 8, 3),
 ]
-_MIN_SPLIT_BLOCK_N = min(c.kwargs["BLOCK_N"] for c in _CONFIGS if c.kwargs["SPLIT_K"] > 1)
+# W4: BLOCK_K is 128 or 256 (16 or 32 words per nibble plane, the dot's K >= 16) whatever the
+# group size. SWAP puts the weight in the MMA's register operand (decode: the tokens are its
+# N = 16); prefill tiles try both.
+_W4_CONFIGS = [
+    _config(16, 64, 128, 4, 4, SWAP=True),
+    _config(16, 128, 128, 4, 4, SWAP=True),
+    _config(16, 64, 128, 4, 4, split_k=2, SWAP=True),
+    _config(16, 64, 128, 4, 4, split_k=4, SWAP=True),
+    _config(16, 128, 128, 4, 4, split_k=4, SWAP=True),
+    _config(16, 64, 128, 4, 4, split_k=8, SWAP=True),
+    _config(16, 64, 256, 4, 3, split_k=4, SWAP=True),
+    _config(32, 128, 128, 4, 4, SWAP=True),
+    _config(64, 128, 128, 4, 4, SWAP=True),
+    _config(128, 128, 128, 8, 3, SWAP=True),
+    _config(128, 128, 128, 8, 3, SWAP=False),
+    _config(128, 256, 128, 8, 3, SWAP=False),
+]
+_MIN_SPLIT_BLOCK_N = min(c.kwargs["BLOCK_N"] for c in _W8_CONFIGS + _W4_CONFIGS
+                         if c.kwargs["SPLIT_K"] > 1)
 
 
 def m_bucket(tokens: int) -> int:
     return min(triton.next_power_of_2(tokens), MAX_M_BUCKET)
 
 
+def configs_for(bits: int) -> list[triton.Config]:
+    return _W8_CONFIGS if bits == 8 else _W4_CONFIGS
+
+
 def candidate_configs(bucket: int, group_size: int | None) -> list[triton.Config]:
-    """The configurations timed for one bucket: no tile taller than the bucket needs, and for
-    W4 ``BLOCK_K`` clamped to the group size (the kernel needs one group per K step)."""
-    out: list[triton.Config] = []
-    for config in _CONFIGS:
-        if config.kwargs["BLOCK_M"] > max(MIN_BLOCK_M, bucket):
-            continue
-        if config.kwargs["SPLIT_K"] > 1 and bucket > SPLIT_K_MAX_TOKENS:
-            continue
-        if group_size is not None and config.kwargs["BLOCK_K"] > group_size:
-            config = triton.Config(
-                {**config.kwargs, "BLOCK_K": group_size},
-                num_warps=config.num_warps,
-                num_stages=config.num_stages,
-            )
-        if config not in out:
-            out.append(config)
-    return out
+    """The configurations timed for one bucket (``group_size`` None: W8, else W4): no tile
+    taller than the bucket needs, split-K only for decode."""
+    return [
+        config for config in configs_for(8 if group_size is None else 4)
+        if config.kwargs["BLOCK_M"] <= max(MIN_BLOCK_M, bucket)
+        and (config.kwargs["SPLIT_K"] == 1 or bucket <= SPLIT_K_MAX_TOKENS)
+    ]
 
 
 def _prune(configs, named_args, **kwargs) -> list[triton.Config]:
@@ -127,7 +145,6 @@ def _bench(kernel_call, quantiles):
 
 
 _AUTOTUNE = dict(
-    configs=_CONFIGS,
     # Key names a kernel lacks are skipped (GROUP_SIZE: W4 only); Triton adds the tensor dtypes.
     key=["M_BUCKET", "N", "K", "GROUP_SIZE"],
     prune_configs_by={"early_config_prune": _prune},
@@ -206,47 +223,157 @@ def _w8a16_kernel(
                   M, N, SPLIT_K)
 
 
+# 2^23 as fp32 bits: OR-ing a nibble q (0..15) into the low mantissa bits gives the float
+# 2^23 + q exactly, so q - zero costs one OR and one subtraction instead of an int -> float
+# conversion (16 per clock per SM on Hopper: it held the earlier W4 kernel near 30% of the
+# memory roofline at decode).
+_MAGIC_F32 = tl.constexpr(0x4B000000)
+_MAGIC_VALUE = tl.constexpr(8388608.0)
+
+
+@triton.jit
+def _dequant_plane(words, p: tl.constexpr, zeros, scales, dtype: tl.constexpr):
+    """Nibble ``p`` of every int32 word as ``(q - zero) * scale``, rounded once to ``dtype``.
+
+    ``q - zero`` is exact (small integers in fp32) and so is the product (4 + 8 significant
+    bits), so the one rounding is the one ``formats.dequantize(...).to(dtype)`` does."""
+    q = (words >> (4 * p)) & 0xF
+    v = (q | _MAGIC_F32).to(tl.float32, bitcast=True)
+    return ((v - (_MAGIC_VALUE + zeros)) * scales).to(dtype)
+
+
+@triton.jit
+def _x_planes(x, BLOCK_M: tl.constexpr, WORDS: tl.constexpr):
+    """The columns ``8j + p`` of an ``[BLOCK_M, 8 * WORDS]`` tile, as eight ``[BLOCK_M, WORDS]``
+    tiles in ``p`` order: register splits of one contiguous load (``k = 8j + 4a + 2b + c``)."""
+    x = tl.reshape(x, (BLOCK_M, WORDS, 2, 2, 2))
+    c0, c1 = tl.split(x)
+    c0b0, c0b1 = tl.split(c0)
+    c1b0, c1b1 = tl.split(c1)
+    p0, p4 = tl.split(c0b0)
+    p2, p6 = tl.split(c0b1)
+    p1, p5 = tl.split(c1b0)
+    p3, p7 = tl.split(c1b1)
+    return p0, p1, p2, p3, p4, p5, p6, p7
+
+
+@triton.jit
+def _plane_dot(acc, words, p: tl.constexpr, x_p, zeros, scales, SWAP: tl.constexpr):
+    """``acc += x_p @ plane_p``, or with ``SWAP`` its transpose ``plane_p^T @ x_p^T``: the
+    weight is then the MMA's first operand, which Hopper's wgmma reads from registers, so the
+    dequantized weights never go through shared memory."""
+    w = _dequant_plane(words, p, zeros, scales, x_p.dtype)
+    if SWAP:
+        acc = tl.dot(w, tl.trans(x_p), acc)
+    else:
+        acc = tl.dot(x_p, w, acc)
+    return acc
+
+
+@triton.jit
+def _group_meta(ptr, k0, offs_j, offs_n, mask_j, mask_n, N, GROUP_SIZE: tl.constexpr,
+                BLOCK_K: tl.constexpr, SWAP: tl.constexpr):
+    """This K step's scales or zeros (``[in/g, out]``) in fp32, shaped to broadcast over the
+    word tile: one ``BLOCK_N`` vector when the step lies in one group, else one per word row."""
+    if GROUP_SIZE >= BLOCK_K:
+        v = tl.load(ptr + (k0 // GROUP_SIZE) * N + offs_n, mask=mask_n, other=0).to(tl.float32)
+        if SWAP:
+            meta = v[:, None]
+        else:
+            meta = v[None, :]
+    else:
+        groups = (k0 + 8 * offs_j) // GROUP_SIZE
+        if SWAP:
+            meta = tl.load(ptr + groups[None, :] * N + offs_n[:, None],
+                           mask=mask_n[:, None] & mask_j[None, :], other=0).to(tl.float32)
+        else:
+            meta = tl.load(ptr + groups[:, None] * N + offs_n[None, :],
+                           mask=mask_j[:, None] & mask_n[None, :], other=0).to(tl.float32)
+    return meta
+
+
 @triton.jit(do_not_specialize=["M", "M_BUCKET"])
 def _w4a16_kernel(
     x_ptr, q_ptr, s_ptr, z_ptr, inv_ptr, y_ptr, ws_ptr, lock_ptr, M, N, K, M_BUCKET,
     GROUP_SIZE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
+    SWAP: tl.constexpr,
 ):
-    tl.static_assert(GROUP_SIZE % BLOCK_K == 0, "a K step must stay inside one group")
+    # Word (j, n) of q holds input columns 8j..8j+7 of output n, column 8j + p in nibble p.
+    # Each K step loads BLOCK_K/8 word rows once and runs one dot per nibble plane p, against
+    # the activation columns 8j + p: no nibble interleaving in registers.
+    WORDS: tl.constexpr = BLOCK_K // 8
+    tl.static_assert(WORDS >= 16, "each nibble plane feeds a dot with K >= 16")
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_k = tl.arange(0, BLOCK_K)
-    offs_kb = tl.arange(0, BLOCK_K // 2)
+    offs_j = tl.arange(0, WORDS)
     mask_m = offs_m < M
     mask_n = offs_n < N
-    # K is a multiple of GROUP_SIZE, hence of BLOCK_K, and so is every split: no K masks.
     k_start, k_end = _k_range(K, BLOCK_K, SPLIT_K)
     x_ptrs = x_ptr + offs_m.to(tl.int64)[:, None] * K + (k_start + offs_k)[None, :]
-    q_ptrs = q_ptr + offs_n.to(tl.int64)[:, None] * (K // 2) + (k_start // 2 + offs_kb)[None, :]
-    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    if SWAP:
+        acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+    else:
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k0 in range(k_start, k_end, BLOCK_K):
-        x = tl.load(x_ptrs, mask=mask_m[:, None], other=0.0)
+        # K is a multiple of the group size (>= 32), not of BLOCK_K: the last step may be short.
+        mask_k = offs_k < k_end - k0
+        mask_j = offs_j < (k_end - k0) // 8
+        rows = (k0 // 8 + offs_j).to(tl.int64)
+        if SWAP:
+            words = tl.load(q_ptr + rows[None, :] * N + offs_n[:, None],
+                            mask=mask_n[:, None] & mask_j[None, :], other=0)
+        else:
+            words = tl.load(q_ptr + rows[:, None] * N + offs_n[None, :],
+                            mask=mask_j[:, None] & mask_n[None, :], other=0)
+        zeros = _group_meta(z_ptr, k0, offs_j, offs_n, mask_j, mask_n, N, GROUP_SIZE, BLOCK_K,
+                            SWAP)
+        scales = _group_meta(s_ptr, k0, offs_j, offs_n, mask_j, mask_n, N, GROUP_SIZE, BLOCK_K,
+                             SWAP)
+        x = tl.load(x_ptrs, mask=mask_m[:, None] & mask_k[None, :], other=0.0)
         if inv_ptr is not None:
-            inv = tl.load(inv_ptr + k0 + offs_k).to(tl.float32)
+            inv = tl.load(inv_ptr + k0 + offs_k, mask=mask_k, other=0.0).to(tl.float32)
             x = (x.to(tl.float32) * inv[None, :]).to(x_ptr.dtype.element_ty)
-        packed = tl.load(q_ptrs, mask=mask_n[:, None], other=0)
-        # Byte j holds column 2j (low nibble) and 2j + 1 (high): join + reshape restores K order.
-        q = tl.reshape(tl.join(packed & 0xF, packed >> 4), (BLOCK_N, BLOCK_K))
-        group = k0 // GROUP_SIZE
-        zeros = tl.load(z_ptr + group * N + offs_n, mask=mask_n, other=0)
-        scales = tl.load(s_ptr + group * N + offs_n, mask=mask_n, other=0.0).to(tl.float32)
-        # Through fp32 (see the W8 kernel); rounded once, after the scale.
-        w = (q.to(tl.int32) - zeros.to(tl.int32)[:, None]).to(tl.float32) * scales[:, None]
-        acc = tl.dot(x, tl.trans(w.to(x_ptr.dtype.element_ty)), acc)
+        x0, x1, x2, x3, x4, x5, x6, x7 = _x_planes(x, BLOCK_M, WORDS)
+        acc = _plane_dot(acc, words, 0, x0, zeros, scales, SWAP)
+        acc = _plane_dot(acc, words, 1, x1, zeros, scales, SWAP)
+        acc = _plane_dot(acc, words, 2, x2, zeros, scales, SWAP)
+        acc = _plane_dot(acc, words, 3, x3, zeros, scales, SWAP)
+        acc = _plane_dot(acc, words, 4, x4, zeros, scales, SWAP)
+        acc = _plane_dot(acc, words, 5, x5, zeros, scales, SWAP)
+        acc = _plane_dot(acc, words, 6, x6, zeros, scales, SWAP)
+        acc = _plane_dot(acc, words, 7, x7, zeros, scales, SWAP)
         x_ptrs += BLOCK_K
-        q_ptrs += BLOCK_K // 2
-    _store_output(acc, y_ptr, ws_ptr, lock_ptr, offs_m, offs_n, mask_m, mask_n, M, N, SPLIT_K)
+    if SWAP:
+        out = tl.trans(acc)
+    else:
+        out = acc
+    _store_output(out, y_ptr, ws_ptr, lock_ptr, offs_m, offs_n, mask_m, mask_n, M, N, SPLIT_K)
 
 
-_w8a16_tuned = triton.autotune(**_AUTOTUNE)(_w8a16_kernel)
-_w4a16_tuned = triton.autotune(**_AUTOTUNE)(_w4a16_kernel)
+@triton.jit
+def _w4_dequant_kernel(q_ptr, s_ptr, z_ptr, w_ptr, N, K, n0, n_cols,
+                       GROUP_SIZE: tl.constexpr, BLOCK_J: tl.constexpr, BLOCK_N: tl.constexpr):
+    """``W_eff^T`` columns ``[n0, n0 + n_cols)`` (without the input scale) into ``w_ptr``
+    ``[K, n_cols]``, each weight rounded once to its dtype as the GEMM kernel rounds it."""
+    offs_j = tl.program_id(0) * BLOCK_J + tl.arange(0, BLOCK_J)
+    offs_c = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    mask = (offs_j < K // 8)[:, None] & (offs_c < n_cols)[None, :]
+    cols = n0 + offs_c
+    words = tl.load(q_ptr + offs_j.to(tl.int64)[:, None] * N + cols[None, :], mask=mask, other=0)
+    meta = ((offs_j * 8) // GROUP_SIZE)[:, None] * N + cols[None, :]
+    zeros = tl.load(z_ptr + meta, mask=mask, other=0).to(tl.float32)
+    scales = tl.load(s_ptr + meta, mask=mask, other=0.0).to(tl.float32)
+    out = w_ptr + (offs_j.to(tl.int64) * 8)[:, None] * n_cols + offs_c[None, :]
+    for p in tl.static_range(8):
+        tl.store(out + p * n_cols, _dequant_plane(words, p, zeros, scales, w_ptr.dtype.element_ty),
+                 mask=mask)
+
+_w8a16_tuned = triton.autotune(configs=_W8_CONFIGS, **_AUTOTUNE)(_w8a16_kernel)
+_w4a16_tuned = triton.autotune(configs=_W4_CONFIGS, **_AUTOTUNE)(_w4a16_kernel)
 
 
 _locks_by_device: dict[torch.device, torch.Tensor] = {}
@@ -272,8 +399,10 @@ def prepare_tensors(
     _split_k_locks(stored["qweight"].device)
     if bits == 8:
         return {"qweight": stored["qweight"].contiguous(), "scales": stored["scales"].contiguous()}
+    # The stored bytes read as little-endian int32 hold columns 8j..8j+7 of a row, column
+    # 8j + p in nibble p: transposed, the [in/8, out] layout GemLite's 32-bit packing uses.
     tensors = {
-        "qweight": stored["qweight"].contiguous(),
+        "qweight_t": stored["qweight"].contiguous().view(torch.int32).t().contiguous(),
         "scales_t": stored["scales"].t().contiguous(),
         "zeros_t": stored["zeros"].t().contiguous(),
     }
@@ -282,19 +411,10 @@ def prepare_tensors(
     return tensors
 
 
-def linear(
-    x2d: torch.Tensor,
-    w: PreparedWeight,
-    bias: torch.Tensor | None = None,
-    config: triton.Config | None = None,
-) -> torch.Tensor:
-    """``x2d @ W_eff.T + bias``. ``config`` runs that one configuration without autotuning
-    (tests; Triton's interpreter cannot time candidates); ``None`` autotunes."""
+def _launch(x2d: torch.Tensor, w: PreparedWeight, config: triton.Config | None) -> torch.Tensor:
+    """The Triton GEMM (autotuned when ``config`` is None)."""
     tokens = x2d.shape[0]
     y = torch.empty((tokens, w.out_features), dtype=x2d.dtype, device=x2d.device)
-    if tokens == 0:
-        return y
-    x2d = x2d.contiguous()
     t = w.tensors
     locks = _split_k_locks(x2d.device)
     if tokens <= SPLIT_K_MAX_TOKENS:
@@ -310,7 +430,7 @@ def linear(
         constexprs = {}
     else:
         tuned, plain = _w4a16_tuned, _w4a16_kernel
-        weight_args = (t["qweight"], t["scales_t"], t["zeros_t"], t.get("input_scale_inv"))
+        weight_args = (t["qweight_t"], t["scales_t"], t["zeros_t"], t.get("input_scale_inv"))
         constexprs = {"GROUP_SIZE": w.group_size}
     args = (x2d, *weight_args, y, workspace, locks, tokens, w.out_features, w.in_features,
             m_bucket(tokens))
@@ -323,7 +443,167 @@ def linear(
         tuned[grid](*args, **constexprs)
     else:
         plain[grid](*args, **constexprs, **config.all_kwargs())
-    # Added outside the kernel so a weight has one compiled variant, which warmup covers
+    return y
+
+
+# ---- W4 backends ---------------------------------------------------------------------------
+#
+# Every W4 backend reads the same prepared tensors (no second copy of the weight):
+# - "triton": the GEMM above;
+# - "dequant_cublas": the weight dequantized to the activation dtype in column chunks of at
+#   most DEQUANT_CHUNK_BYTES, then cuBLAS (prefill: a bf16 GEMM at the tensor cores' rate);
+# - "gemlite": GemLite's A16W4 kernels (``pip install gemlite``; bf16 activations), whose
+#   asymmetric mode computes (q - zero) * scale on exactly this layout.
+# ``warmup`` times the backends per token-count bucket and weight shape, checks each against
+# the Triton GEMM, and ``linear`` then runs the fastest; unwarmed buckets run "triton".
+
+W4_BACKENDS = ("triton", "dequant_cublas", "gemlite")
+# Transient bf16 workspace of the dequantize path; wider weights are done in column chunks.
+DEQUANT_CHUNK_BYTES = 64 << 20
+# A backend is used only if its output is this close (relative Frobenius norm) to the Triton
+# GEMM's on random activations: both differ from the fp32 reference by about 3e-3.
+AGREEMENT_TOLERANCE = 2e-2
+
+_w4_choice: dict[tuple, str] = {}
+_w4_timings: dict[tuple, dict[str, float]] = {}
+
+
+def _w4_key(w: PreparedWeight, tokens: int) -> tuple:
+    return (w.device, w.out_features, w.in_features, w.group_size, w.act_dtype,
+            "input_scale_inv" in w.tensors, m_bucket(tokens))
+
+
+def _scaled_input(x2d: torch.Tensor, w: PreparedWeight) -> torch.Tensor:
+    """``x * input_scale_inv`` in fp32 rounded once to x's dtype, as the GEMM does per tile."""
+    inv = w.tensors.get("input_scale_inv")
+    return x2d if inv is None else (x2d.float() * inv.float()).to(x2d.dtype)
+
+
+def _linear_dequant_cublas(x2d: torch.Tensor, w: PreparedWeight) -> torch.Tensor:
+    t = w.tensors
+    x = _scaled_input(x2d, w)
+    k, n = w.in_features, w.out_features
+    y = torch.empty((x.shape[0], n), dtype=x.dtype, device=x.device)
+    chunk = max(128, DEQUANT_CHUNK_BYTES // (k * x.element_size()) // 128 * 128)
+    buffer = torch.empty(k * min(chunk, n), dtype=x.dtype, device=x.device)
+    for n0 in range(0, n, chunk):
+        cols = min(chunk, n - n0)
+        w_t = buffer[: k * cols].view(k, cols)
+        grid = (triton.cdiv(k // 8, 16), triton.cdiv(cols, 128))
+        _w4_dequant_kernel[grid](t["qweight_t"], t["scales_t"], t["zeros_t"], w_t, n, k, n0, cols,
+                                 GROUP_SIZE=w.group_size, BLOCK_J=16, BLOCK_N=128, num_warps=4)
+        # Into the column slice of y (row stride n).
+        torch.mm(x, w_t, out=y[:, n0:n0 + cols])
+    return y
+
+
+_gemlite_meta: dict[tuple, list[int]] = {}
+
+
+def gemlite_available() -> bool:
+    try:
+        importlib.import_module("gemlite")
+    except Exception:  # not installed, or no GPU to import it on
+        return False
+    return True
+
+
+def _gemlite_meta_args(w: PreparedWeight) -> list[int]:
+    """GemLite's meta arguments for this layout: read off a GemLite module packed the same way
+    (4 bits, (q - zero) * scale with uint8 zeros and bf16 scales), so they follow its enums."""
+    key = (w.group_size, w.act_dtype, w.device)
+    if key not in _gemlite_meta:
+        import gemlite
+
+        dtype = {torch.bfloat16: gemlite.DType.BF16}[w.act_dtype]
+        # Two groups per row: with one, GemLite would take the scales for per-channel ones.
+        probe = gemlite.GemLiteLinear(4, group_size=w.group_size, in_features=2 * w.group_size,
+                                      out_features=32, input_dtype=dtype, output_dtype=dtype)
+        probe.pack(torch.zeros(32, 2 * w.group_size, dtype=torch.uint8, device=w.device),
+                   torch.ones(32, 2, dtype=w.tensors["scales_t"].dtype, device=w.device),
+                   torch.zeros(32, 2, dtype=torch.uint8, device=w.device), fma_mode=False)
+        _gemlite_meta[key] = [int(v) for v in probe.get_meta_args()]
+    return _gemlite_meta[key]
+
+
+def _linear_gemlite(x2d: torch.Tensor, w: PreparedWeight) -> torch.Tensor:
+    from gemlite.core import forward_functional
+
+    t = w.tensors
+    meta_scale = torch.zeros((), dtype=torch.float32, device=x2d.device)
+    return forward_functional(_scaled_input(x2d, w), None,
+                              [t["qweight_t"], t["scales_t"], t["zeros_t"], meta_scale],
+                              _gemlite_meta_args(w))
+
+
+def _w4_backends(w: PreparedWeight) -> list[str]:
+    names = ["triton", "dequant_cublas"]
+    if w.act_dtype == torch.bfloat16 and gemlite_available():
+        names.append("gemlite")
+    return names
+
+
+def _run_w4(backend: str, x2d: torch.Tensor, w: PreparedWeight) -> torch.Tensor:
+    if backend == "triton":
+        return _launch(x2d, w, None)
+    if backend == "dequant_cublas":
+        return _linear_dequant_cublas(x2d, w)
+    if backend == "gemlite":
+        return _linear_gemlite(x2d, w)
+    raise ValueError(f"unknown W4 backend {backend!r}; expected one of {W4_BACKENDS}")
+
+
+def choose_w4_backend(w: PreparedWeight, tokens: int) -> str:
+    """Time every available backend at ``tokens`` (cold L2, median) and keep the fastest whose
+    output agrees with the Triton GEMM's; the choice holds for the whole bucket and every
+    weight of this shape."""
+    key = _w4_key(w, tokens)
+    if key in _w4_choice:
+        return _w4_choice[key]
+    x = torch.randn(tokens, w.in_features, device=w.device).to(w.act_dtype)
+    reference = _run_w4("triton", x, w).float()
+    timings = {}
+    for backend in _w4_backends(w):
+        try:
+            y = _run_w4(backend, x, w).float()
+        except Exception:  # a library that cannot run this shape is not a candidate
+            continue
+        error = torch.linalg.vector_norm(y - reference) / torch.linalg.vector_norm(reference)
+        if not torch.isfinite(y).all() or error > AGREEMENT_TOLERANCE:
+            continue
+        timings[backend] = triton.testing.do_bench(lambda b=backend: _run_w4(b, x, w), warmup=5,
+                                                   rep=20, return_mode="median")
+    _w4_timings[key] = timings
+    _w4_choice[key] = min(timings, key=timings.get)
+    return _w4_choice[key]
+
+
+def w4_choices() -> dict[tuple, tuple[str, dict[str, float]]]:
+    """What ``warmup`` chose per (device, out, in, group, dtype, input scale, bucket), with the
+    median milliseconds of every candidate it timed."""
+    return {key: (choice, _w4_timings.get(key, {})) for key, choice in _w4_choice.items()}
+
+
+def linear(
+    x2d: torch.Tensor,
+    w: PreparedWeight,
+    bias: torch.Tensor | None = None,
+    config: triton.Config | None = None,
+    backend: str | None = None,
+) -> torch.Tensor:
+    """``x2d @ W_eff.T + bias``. ``config`` runs that one configuration of the Triton GEMM
+    without autotuning (tests; Triton's interpreter cannot time candidates); ``backend``
+    forces a W4 backend; otherwise W4 runs the backend ``warmup`` chose for the bucket."""
+    tokens = x2d.shape[0]
+    if tokens == 0:
+        return torch.empty((0, w.out_features), dtype=x2d.dtype, device=x2d.device)
+    x2d = x2d.contiguous()
+    if w.bits == 4 and config is None:
+        backend = backend or _w4_choice.get(_w4_key(w, tokens), "triton")
+        y = _run_w4(backend, x2d, w)
+    else:
+        y = _launch(x2d, w, config)
+    # Added outside the kernels so a weight has one compiled variant, which warmup covers
     # whether or not the layer has a bias.
     if bias is not None:
         y += bias
@@ -332,12 +612,17 @@ def linear(
 
 def warmup(w: PreparedWeight, max_tokens: int) -> None:
     """Tune and compile every bucket up to ``max_tokens``'s, each with its smallest token count
-    (the kernels do not specialize on it, so that covers the whole bucket in the least memory)."""
+    (the kernels do not specialize on it, so that covers the whole bucket in the least memory);
+    for W4 also choose the bucket's backend."""
     last = m_bucket(max_tokens)
     bucket = 1
     while bucket <= last:
         tokens = bucket // 2 + 1
-        x = torch.zeros(tokens, w.in_features, dtype=w.act_dtype, device=w.device)
-        linear(x, w)
+        if w.bits == 4:
+            linear(torch.zeros(tokens, w.in_features, dtype=w.act_dtype, device=w.device), w,
+                   backend=choose_w4_backend(w, tokens))
+        else:
+            linear(torch.zeros(tokens, w.in_features, dtype=w.act_dtype, device=w.device), w)
         bucket *= 2
-    torch.cuda.synchronize(w.device)
+    if w.device.type == "cuda":  # CPU tensors: Triton's interpreter (tests)
+        torch.cuda.synchronize(w.device)
