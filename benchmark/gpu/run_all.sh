@@ -24,7 +24,7 @@ for s in "${steps[@]}"; do
              -rs --durations=15 tests/kernels/test_kv_vmm_gpu.py tests/kernels/test_morph_kernels.py \
              -k "${TESTS_K:-gpu or Gpu or vmm}" ;;
     w4) timeout "${W4_TIMEOUT_S:-480}" python3 -m benchmark.gpu.w4_side_by_side \
-          --timeout-s "${W4_LINEAR_TIMEOUT_S:-240}" --only gate_up_proj down_proj qkv_proj o_proj ;;
+          --timeout-s "${W4_LINEAR_TIMEOUT_S:-240}" --only o_proj gate_up_proj down_proj qkv_proj ;;
     kernels) timeout 400 python3 -m benchmark.gpu.kernels ;;
     w4_variants) timeout 400 python3 -m benchmark.gpu.w4_variants ;;
     kv_vmm) timeout 120 python3 -m benchmark.gpu.kv_vmm ;;
