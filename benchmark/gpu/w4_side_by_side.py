@@ -20,10 +20,10 @@ decode (1, 8, 16 tokens) and prefill (512, 2048 tokens), every implementation is
 
 Implementations: ``bf16_cublas`` (``F.linear`` on the dequantized bf16 weight); ``previous``
 (the W4 kernel served before, ``benchmark.gpu.w4_previous``); our backends on the served layout
-(``triton``: the nibble-plane GEMM, ``dequant_cublas``, ``gemlite``: GemLite's kernels on our
-tensors); ``served``: ``morph_kernels.linear`` after ``warmup``, i.e. the backend the server
-would pick for the bucket; ``gemlite_module``: GemLite's own ``GemLiteLinear`` packed from the
-same integers (its layout from its own packer, which must equal ours bit for bit);
+(``triton``: the nibble-plane GEMM, ``dequant_cublas``); ``served``: ``morph_kernels.linear``
+after ``warmup``, i.e. the backend the server picks for the bucket; ``gemlite_module``:
+GemLite's own ``GemLiteLinear`` packed from the same integers (its packer must give our layout
+bit for bit, recorded as ``gemlite_packer_equals_our_layout``);
 ``tinygemm``: ``torch.ops.aten._weight_int4pack_mm``, the kernel of torchao's int4 weight-only
 tile layout; ``torchao``: torchao's ``Int4WeightOnlyConfig`` applied to an ``nn.Linear`` (its
 own quantization of the same weight). A second pass with an AWQ input scale (as our variants
@@ -67,7 +67,7 @@ DECODE_TOKENS = (1, 8, 16)
 PREFILL_TOKENS = (512, 2048) if DEVICE == "cuda" else (40,)
 
 GROUP_SIZE = 128
-OURS = ("triton", "dequant_cublas", "gemlite")
+OURS = triton_gpu.W4_BACKENDS
 # tinygemm's int4 packing has the even column in the high nibble; its zero is a bf16 offset
 # with w = (q - 8) * scale + zero.
 TINYGEMM_MIDPOINT = 8
@@ -75,16 +75,13 @@ TINYGEMM_INNER_K_TILES = 8
 
 
 if DEVICE != "cuda":
-    import triton.testing
-
-    def _one_call_ms(fn, warmup=0, rep=0, grad_to_none=None, quantiles=None,
-                     return_mode="mean"):
+    def _one_call_ms(fn, quantiles=None):
         start = time.perf_counter()
         fn()
         ms = (time.perf_counter() - start) * 1e3
         return [ms] * len(quantiles) if quantiles else ms
 
-    triton.testing.do_bench = _one_call_ms  # Triton's autotuner times with CUDA events
+    triton_gpu.graph_time_ms = _one_call_ms  # the autotuner's and the backend choice's timer
 
 
 def prepare(stored: dict, k: int, n: int) -> morph_kernels.PreparedWeight:
@@ -167,6 +164,14 @@ def gemlite_module(stored: dict, k: int, n: int):
     return mod
 
 
+def gemlite_importable() -> bool:
+    try:
+        __import__("gemlite")
+    except Exception:  # noqa: BLE001 (not installed, or no GPU to import it on)
+        return False
+    return True
+
+
 def load_gemlite_config(path: str | None) -> str | None:
     """The config file loaded for GemLite, if one had to be (see the module docstring)."""
     try:
@@ -186,7 +191,8 @@ def weight_bytes(tensors) -> int:
     return sum(t.numel() * t.element_size() for t in tensors)
 
 
-def implementations(stored, w, w_bf16, k, n, awq, packer_layout) -> dict[str, tuple]:
+def implementations(stored, w, w_bf16, k, n, awq, packer_layout,
+                    ours_only=False) -> dict[str, tuple]:
     """name -> (call(x, copy), copies, weight bytes, checked for bit-exact weights).
     ``packer_layout[0]`` is set to whether GemLite's packer gives our tensors bit for bit."""
     impls = {}
@@ -203,12 +209,10 @@ def implementations(stored, w, w_bf16, k, n, awq, packer_layout) -> dict[str, tu
                                 copies_for(w_bf16.numel() * 2) - 1)],
                             w_bf16.numel() * 2, False)
     for backend in OURS:
-        if backend == "gemlite" and not triton_gpu.gemlite_available():
-            continue
         impls[backend] = (lambda x, c, b=backend: triton_gpu.linear(x, c, backend=b), ours,
                           w.device_bytes, True)
     impls["served"] = (served, ours, w.device_bytes, True)
-    if awq:
+    if awq or ours_only:
         return impls
     prev = w4_previous.prepare(stored, torch.bfloat16)
     prev_bytes = weight_bytes(prev.values())
@@ -245,7 +249,7 @@ def implementations(stored, w, w_bf16, k, n, awq, packer_layout) -> dict[str, tu
         return (lambda x, c: c(x), [first] + [
             torchao_linear(w_bf16) for _ in range(copies_for(nbytes) - 1)], nbytes, False)
 
-    if triton_gpu.gemlite_available():
+    if gemlite_importable():
         library("gemlite_module", gemlite_modules)
     library("tinygemm", tinygemm)
     library("torchao", torchao)
@@ -303,8 +307,8 @@ def run(args) -> dict:
                 print("warmup failed:", warmup_error, flush=True)
             packer_layout = [None]
             impls = implementations(stored, w, w_ref.to(torch.bfloat16), k, n, awq,
-                                    packer_layout)
-            for tokens in DECODE_TOKENS + PREFILL_TOKENS:
+                                    packer_layout, args.ours_only)
+            for tokens in args.tokens or DECODE_TOKENS + PREFILL_TOKENS:
                 x = torch.randn(tokens, k, generator=gen, device=DEVICE).to(torch.bfloat16)
                 ref = F.linear(x.float(), w_ref)
                 row = {"linear": name, "in": k, "out": n, "tokens": tokens,
@@ -351,7 +355,7 @@ def _cell(r: dict | None, bf16_ms: float | None, decode: bool) -> str:
 def markdown(result: dict) -> str:
     d = result["device"]
     copy = result["copy_bytes_per_s"]
-    labels = ["bf16_cublas", "previous", "triton", "dequant_cublas", "gemlite", "served",
+    labels = ["bf16_cublas", "previous", "triton", "dequant_cublas", "served", "gemlite",
               "gemlite_module", "tinygemm", "torchao"]
     out = ["# W4A16 at Llama-3-8B shapes, side by side\n\n",
            f"{d['gpu']} ({d['sm_count']} SMs), torch {d['torch']} (CUDA {d['cuda']}), Triton "
@@ -371,7 +375,7 @@ def markdown(result: dict) -> str:
         body = []
         for r in rows:
             bf16 = r["impls"].get("bf16_cublas", {}).get("ms")
-            decode = r["tokens"] in DECODE_TOKENS
+            decode = r["tokens"] <= DECODE_TOKENS[-1]
             body.append([r["linear"], r["tokens"], r.get("served_backend") or ""]
                         + [_cell(r["impls"].get(lb), None if lb == "bf16_cublas" else bf16,
                                  decode) for lb in present])
@@ -393,6 +397,9 @@ def markdown(result: dict) -> str:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--gemlite-config", help="GemLite autotune cache file to load")
+    ap.add_argument("--ours-only", action="store_true",
+                    help="skip the libraries (GemLite, tinygemm, torchao) and the previous kernel")
+    ap.add_argument("--tokens", type=int, nargs="*", help="token counts (default: 1 8 16 512 2048)")
     ap.add_argument("--only", nargs="*", default=list(LINEARS),
                     help="linears to run (default: all four)")
     ap.add_argument("--timeout-s", type=float, default=240,
@@ -415,6 +422,10 @@ def main() -> None:
                    "--child-out", str(part), "--copy-bytes-per-s", str(copy_bps)]
             if args.gemlite_config:
                 cmd += ["--gemlite-config", args.gemlite_config]
+            if args.ours_only:
+                cmd += ["--ours-only"]
+            if args.tokens:
+                cmd += ["--tokens", *map(str, args.tokens)]
             try:
                 proc = subprocess.run(cmd, timeout=args.timeout_s)
                 status = f"exit {proc.returncode}"
