@@ -7,7 +7,8 @@
 # here, `python -m benchmark.gpu.render DIR` turns the JSON into benchmark/results/gpu/*.md.
 # Set MORPH_COMMIT to the commit being measured (the device's copy of the tree has no .git);
 # TESTS_K / TESTS_TIMEOUT_S narrow the tests step (pytest -k; seconds); W4_TIMEOUT_S and
-# W4_LINEAR_TIMEOUT_S bound the w4 step and each of its per-linear processes (seconds).
+# W4_LINEAR_TIMEOUT_S bound the w4 step and each of its per-linear processes (seconds); W4_ARGS
+# adds arguments to it (e.g. --ours-only --tokens 1 16 512).
 set -uo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)"
 cd "$ROOT"
@@ -24,7 +25,8 @@ for s in "${steps[@]}"; do
              -rs --durations=15 tests/kernels/test_kv_vmm_gpu.py tests/kernels/test_morph_kernels.py \
              -k "${TESTS_K:-gpu or Gpu or vmm}" ;;
     w4) timeout "${W4_TIMEOUT_S:-480}" python3 -m benchmark.gpu.w4_side_by_side \
-          --timeout-s "${W4_LINEAR_TIMEOUT_S:-240}" --only o_proj gate_up_proj down_proj qkv_proj ;;
+          --timeout-s "${W4_LINEAR_TIMEOUT_S:-240}" --only o_proj gate_up_proj down_proj qkv_proj \
+          ${W4_ARGS:-} ;;
     kernels) timeout 400 python3 -m benchmark.gpu.kernels ;;
     w4_variants) timeout 400 python3 -m benchmark.gpu.w4_variants ;;
     kv_vmm) timeout 120 python3 -m benchmark.gpu.kv_vmm ;;
