@@ -69,3 +69,22 @@ def test_choices_and_markdown_are_reported(dry_run):
     assert {(awq, b) for awq in (False, True) for b in (1, 2, 4, 8, 16, 32, 64)} <= buckets
     assert "# W4A16 at Llama-3-8B shapes, side by side" in stdout
     assert "## With an AWQ input scale (as served)" in stdout
+
+
+def test_report_takes_medians_over_the_committed_runs():
+    import statistics
+
+    from benchmark.gpu import w4_report
+
+    directory = REPO / "benchmark" / "results" / "gpu" / "h200_c5a33ab"
+    runs = [json.loads(p.read_text()) for p in sorted(directory.glob("w4_ours_r*.json"))]
+    assert len(runs) == 3
+    _, medians = w4_report.served_runs(runs)
+    key = ("gate_up_proj", False, 1)
+    ratios = []
+    for run in runs:
+        row = next(r for r in run["rows"] if w4_report._key(r) == key)
+        ratios.append(row["impls"]["bf16_cublas"]["ms"] / row["impls"]["served"]["ms"])
+    assert medians[key]["ratio"] == statistics.median(ratios)
+    text = w4_report.markdown(directory)
+    assert "## Against the W4 targets" in text and "| gate_up_proj |" in text

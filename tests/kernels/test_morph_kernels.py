@@ -590,6 +590,21 @@ def test_gpu_warmup_leaves_nothing_to_compile_or_tune():
 W4_GPU_BACKENDS = ("triton", "dequant_cublas")
 
 
+@pytest.mark.parametrize("act_dtype", [torch.bfloat16, torch.float16], ids=str)
+def test_w4_input_scale_is_one_rounding_of_the_fp32_product(act_dtype):
+    # dequant_cublas scales the activation with one multiply in the act dtype; the GEMM does
+    # it in fp32 and rounds once. Both must give the same bits.
+    pytest.importorskip("triton")
+    from morph_kernels import triton_gpu
+
+    stored = make_stored(4, OUT_FEATURES, W4_IN_FEATURES, group_size=64, input_scale=True)
+    tensors = triton_gpu.prepare_tensors(4, stored, act_dtype)
+    w = morph_kernels.PreparedWeight(4, OUT_FEATURES, W4_IN_FEATURES, 64, tensors, act_dtype)
+    x = torch.randn(33, W4_IN_FEATURES).to(act_dtype)
+    inv = tensors["input_scale_inv"]
+    assert torch.equal(triton_gpu._scaled_input(x, w), (x.float() * inv.float()).to(act_dtype))
+
+
 def test_every_w4_backend_is_tested_on_the_gpu():
     pytest.importorskip("triton")
     from morph_kernels import triton_gpu

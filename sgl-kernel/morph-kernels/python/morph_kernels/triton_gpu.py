@@ -586,9 +586,10 @@ def _w4_key(w: PreparedWeight, tokens: int) -> tuple:
 
 
 def _scaled_input(x2d: torch.Tensor, w: PreparedWeight) -> torch.Tensor:
-    """``x * input_scale_inv`` in fp32 rounded once to x's dtype, as the GEMM does per tile."""
+    """``x * input_scale_inv`` rounded once to x's dtype, as the GEMM does per tile (torch's
+    bf16/fp16 multiply computes in fp32 and rounds once: one pass, no fp32 copies of x)."""
     inv = w.tensors.get("input_scale_inv")
-    return x2d if inv is None else (x2d.float() * inv.float()).to(x2d.dtype)
+    return x2d if inv is None else x2d * inv
 
 
 def _linear_dequant_cublas(x2d: torch.Tensor, w: PreparedWeight) -> torch.Tensor:
