@@ -69,6 +69,10 @@ from sglang_morph.repo_data import TRACES_DIR
 RESULTS = Path("benchmark/results/kunserve")
 MAX_PREFILL_TOKENS = 8192  # one prefill forward at most (SGLang's --max-prefill-tokens)
 ROUTERS = ("round_robin", "least_outstanding")
+# A merged group's scheduling: "pair", one queue and one batch for the group (the paper's
+# design); "member", each member keeps its own queue, KV share and batches and feeds the
+# group's pipeline beside the others (the live pair: each replica keeps its SGLang scheduler).
+MERGED_QUEUES = ("pair", "member")
 LENGTH_KEYS = ("prompt_scale", "output_scale", "min_prompt_tokens", "max_prompt_tokens",
                "min_output_tokens", "max_output_tokens")
 
@@ -130,24 +134,46 @@ class Request:
         return self.generated >= self.output_tokens
 
 
-class Unit:
-    """A replica or a merged group serving as one pipeline, with its queue and its batch."""
+class SharedPipeline:
+    """The stages of one merged group, which its members' schedulers feed in turn."""
 
-    def __init__(self, sim: "ClusterSim", group: ReplicaGroup):
+    def __init__(self) -> None:
+        self.state: PipelineState | None = None
+
+
+class Unit:
+    """A scheduler: a replica, or a merged group as one pipeline, with its queue and batch.
+
+    ``member`` set: one member of a merged group with the requests routed to that replica, its
+    own share of the group's KV and its own batches, feeding the group's pipeline (``shared``)
+    beside the other members' schedulers, as the live pair runs (each replica keeps its
+    SGLang scheduler). Unset: the group is one scheduler with one queue (the paper's design).
+    """
+
+    def __init__(self, sim: "ClusterSim", group: ReplicaGroup, member: int | None = None,
+                 shared: SharedPipeline | None = None):
         self.sim = sim
         self.group = group
-        self.capacity_tokens = group.capacity_tokens
+        self.member = member
+        self.shared = shared or SharedPipeline()
+        self.capacity_tokens = (group.capacity_tokens if member is None
+                                else group.capacity_tokens // group.size)
         self.layer_shares = [len(m.layers) / sim.planner.num_layers for m in group.members]
         self.waiting: list[Request] = []
         self.running: list[Request] = []
         self.wakeup = sim.env.event()
         self.retiring: simpy.Event | None = None  # set: hand over at the next boundary
-        self.pipeline: PipelineState | None = None
         self.iteration = 0
         self.process = sim.env.process(self.run())
 
     @property
+    def pipeline(self) -> PipelineState | None:
+        return self.shared.state
+
+    @property
     def replicas(self) -> tuple[int, ...]:
+        if self.member is not None:
+            return (self.group.members[self.member].replica,)
         return self.group.replicas
 
     @property
@@ -163,6 +189,8 @@ class Unit:
         reserved = sum(r.reserved_tokens for r in self.running)
         admitted, prefill_tokens = [], 0
         cap = self.sim.merged_running_cap if self.group.size > 1 else None
+        if cap is not None and self.member is not None:
+            cap = max(1, cap // self.group.size)  # the cap is the group's
         while self.waiting:
             r = self.waiting[0]
             if (reserved + r.reserved_tokens > self.capacity_tokens
@@ -183,7 +211,7 @@ class Unit:
             return {i.rid: env.now + seconds for i in items}, env.now + seconds
         if self.pipeline is None:
             transfer = cal.link_s(0)  # latency only; the size is added per micro-batch below
-            self.pipeline = PipelineState(self.group.size, transfer, env.now)
+            self.shared.state = PipelineState(self.group.size, transfer, env.now)
         out = {}
         mbs = by_lookahead(items, self.group.size, cal.costs)
         factor = cal.merged_step_factor if all(i.new_tokens == 1 for i in items) else 1.0
@@ -239,9 +267,13 @@ class ClusterSim:
     def __init__(self, requests: Sequence[Request], replicas: int, planner: DropPlannerConfig,
                  cal: Calibration, kunserve: bool, monitor_s: float,
                  controller_cfg: ControllerConfig, router: str = "round_robin",
-                 merged_running_cap: int | None = None):
+                 merged_running_cap: int | None = None, merged_queues: str = "pair"):
         if router not in ROUTERS:
             raise ValueError(f"router must be one of {ROUTERS}, got {router!r}")
+        if merged_queues not in MERGED_QUEUES:
+            raise ValueError(f"merged_queues must be one of {MERGED_QUEUES}, "
+                             f"got {merged_queues!r}")
+        self.merged_queues = merged_queues
         if merged_running_cap is not None and merged_running_cap < 1:
             raise ValueError(f"merged_running_cap must be >= 1, got {merged_running_cap}")
         # Admission control while merged (a policy studied in simulation): a merged group
@@ -274,7 +306,7 @@ class ClusterSim:
                 replica, self.dispatched = self.dispatched % self.replicas, self.dispatched + 1
             unit = next((u for u in self.units if replica in u.replicas), None)
         else:
-            unit = min(self.units, key=lambda u: (u.outstanding_tokens / u.group.size,
+            unit = min(self.units, key=lambda u: (u.outstanding_tokens / len(u.replicas),
                                                   u.replicas[0]), default=None)
         if unit is None:
             self.held.append((request, replica))
@@ -305,12 +337,14 @@ class ClusterSim:
                 reserved + u.waiting[0].reserved_tokens > u.capacity_tokens)
             finishing = sum(r.reserved_tokens for r in u.running
                             if r.output_tokens - r.generated <= self.finishing_steps)
-            for k, m in enumerate(u.group.members):
+            members = (u.group.members if u.member is None
+                       else (u.group.members[u.member],))
+            for k, m in enumerate(members):
                 snapshots.append(ReplicaSnapshot(
                     m.replica, u.capacity_tokens, used, growth, waiting if k == 0 else 0, live,
                     queue_refused=refused and k == 0,
                     kv_finishing_tokens=min(finishing, used + growth)))
-        groups = tuple(u.group for u in self.units if u.group.size > 1)
+        groups = tuple(dict.fromkeys(u.group for u in self.units if u.group.size > 1))
         return ClusterView(self.env.now, tuple(sorted(snapshots, key=lambda s: s.replica)),
                            groups)
 
@@ -356,13 +390,23 @@ class ClusterSim:
             rebuild = max(m.budget.kv_bytes for m in g.members)
             yield self.env.timeout(self.cal.drop_s if self.cal.drop_s is not None
                                    else self.cal.link_s(migrate) + self.cal.copy_s(rebuild))
-            unit = Unit(self, g)
-            unit.running = [r for u in members for r in u.running]
-            unit.waiting = sorted((r for u in members for r in u.waiting),
-                                  key=lambda r: r.arrival_s)
-            self.units.append(unit)
-            if unit.waiting or unit.running:
-                unit.wakeup.succeed()
+            if self.merged_queues == "pair":
+                unit = Unit(self, g)
+                unit.running = [r for u in members for r in u.running]
+                unit.waiting = sorted((r for u in members for r in u.waiting),
+                                      key=lambda r: r.arrival_s)
+                new_units = [unit]
+            else:  # each member keeps its own requests and scheduler
+                shared = SharedPipeline()
+                new_units = [Unit(self, g, k, shared) for k in range(g.size)]
+                for unit in new_units:
+                    home = [u for u in members if u.replicas == unit.replicas]
+                    unit.running = [r for u in home for r in u.running]
+                    unit.waiting = [r for u in home for r in u.waiting]
+            for unit in new_units:
+                self.units.append(unit)
+                if unit.waiting or unit.running:
+                    unit.wakeup.succeed()
         self.release_held()
         self.controller.applied(action, self.env.now)
         self.transitions.append({"kind": "drop", "at_s": start, "seconds": self.env.now - start,
@@ -371,17 +415,21 @@ class ClusterSim:
 
     def apply_restore(self, action: Restore):
         plan, start = action.plan, self.env.now
-        (old,) = yield from self._retire(set(plan.group.replicas))
+        old_units = yield from self._retire(set(plan.group.replicas))
         inbound = max(plan.kv_inbound_bytes.values())
         yield self.env.timeout(self.cal.restore_s if self.cal.restore_s is not None
                                else self.cal.link_s(inbound) + self.cal.copy_s(
                                    max(m.freed_bytes for m in plan.group.members)
                                    + max(m.budget.kv_bytes for m in plan.restored)))
         units = {m.replica: Unit(self, ReplicaGroup((m,))) for m in plan.restored}
-        for r in old.running:
-            units[plan.home[r.rid]].running.append(r)
-        for k, r in enumerate(old.waiting):
-            units[plan.group.replicas[k % plan.group.size]].waiting.append(r)
+        for old in old_units:
+            for r in old.running:
+                units[plan.home[r.rid]].running.append(r)
+            if old.member is not None:  # its queue stays on its replica
+                units[old.replicas[0]].waiting += old.waiting
+                continue
+            for k, r in enumerate(old.waiting):
+                units[plan.group.replicas[k % plan.group.size]].waiting.append(r)
         for u in units.values():
             self.units.append(u)
             if u.waiting or u.running:
@@ -429,10 +477,10 @@ def simulate(requests: Sequence[Request], replicas: int, planner: DropPlannerCon
              cal: Calibration, kunserve: bool, monitor_s: float = 0.5,
              controller_cfg: ControllerConfig = ControllerConfig(),
              limit_s: float = 36000.0, router: str = "round_robin",
-             merged_running_cap: int | None = None) -> ClusterSim:
+             merged_running_cap: int | None = None, merged_queues: str = "pair") -> ClusterSim:
     sim = ClusterSim([dataclasses.replace(r, token_times_s=[], generated=0) for r in requests],
                      replicas, planner, cal, kunserve, monitor_s, controller_cfg, router,
-                     merged_running_cap)
+                     merged_running_cap, merged_queues)
     sim.run(limit_s)
     return sim
 

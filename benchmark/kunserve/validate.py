@@ -20,6 +20,11 @@ one of these calibrations, side by side:
 - ``replay+transitions+merged``: the same, with the merged pair's stages slowed by what the
   KunServe arm's merged decode forwards took over its unmerged ones (median over the rounds).
 
+- ``replay+transitions, per-replica queues``: ``replay+transitions`` with the merged pair
+  scheduled as the live one is, each replica admitting and batching its own requests within
+  its half of the pair's KV, both feeding the pair's pipeline (the other rows: one queue and
+  one batch for the pair, the paper's design).
+
 Every calibration also charges each request the plain arm's front-end time (``front_end_s``).
 ``replay`` takes only the plain DP 2 arm's forwards and latencies: the KunServe arm's (its
 merged pipeline, its controller's timing) are predicted; the two richer rows take the
@@ -51,6 +56,11 @@ from sglang_morph.models.spec import ModelSpec
 
 ARMS = ("dp2", "kunserve")
 CALIBRATIONS = ("idle", "replay", "replay+transitions", "replay+transitions+merged")
+PER_REPLICA = "replay+transitions, per-replica queues"
+# Each row: its name, its calibration, and how the simulated pair schedules while merged
+# (``sim.MERGED_QUEUES``): one queue for the pair, or each replica its own, as live.
+ROWS = tuple((c, c, "pair") for c in CALIBRATIONS) + ((PER_REPLICA, "replay+transitions",
+                                                         "member"),)
 CHECKED = ("ttft_s_p50", "ttft_s_p99", "tpot_s_p50")
 SHOWN = ("ttft_s_p50", "ttft_s_p95", "ttft_s_p99", "tpot_s_p50", "tpot_s_p95", "e2e_s_p50",
          "e2e_s_p95")
@@ -178,12 +188,14 @@ def front_end_s(rnd: LiveRound, cal: KS.Calibration, spec: ModelSpec) -> float:
 
 def simulated(rnd: LiveRound, cal: KS.Calibration, planner: DropPlannerConfig, kunserve: bool,
               controller: ControllerConfig | None = None,
-              merged_running_cap: int | None = None) -> tuple[dict[str, Any], KS.ClusterSim]:
+              merged_running_cap: int | None = None,
+              merged_queues: str = "pair") -> tuple[dict[str, Any], KS.ClusterSim]:
     """The round's requests on a simulated pair (its controller and admission cap unless others
     are given)."""
     s = KS.simulate(rnd.requests, 2, planner, cal, kunserve, monitor_s=rnd.interval_s,
                     controller_cfg=controller or rnd.controller,
-                    merged_running_cap=merged_running_cap or rnd.merged_running_cap)
+                    merged_running_cap=merged_running_cap or rnd.merged_running_cap,
+                    merged_queues=merged_queues)
     return distribution_of(s), s
 
 
@@ -203,14 +215,15 @@ def distribution_of(s: KS.ClusterSim) -> dict[str, Any]:
 def validate(rounds: Sequence[LiveRound], spec: ModelSpec) -> dict[str, Any]:
     live = {a: {k: spread([r.live[a][k] for r in rounds]) for k in SHOWN} for a in ARMS}
     out: dict[str, Any] = {"live": live, "calibrations": {}}
-    for name in CALIBRATIONS:
+    for name, cal_name, queues in ROWS:
         per_round, transitions, cals = [], [], []
         for rnd in rounds:
             planner = planner_for(spec, rnd.kv_tokens_per_replica)
-            cals.append(calibration(name, rnd, spec, rounds))
+            cals.append(calibration(cal_name, rnd, spec, rounds))
             row = {}
             for arm in ARMS:
-                row[arm], s = simulated(rnd, cals[-1], planner, arm == "kunserve")
+                row[arm], s = simulated(rnd, cals[-1], planner, arm == "kunserve",
+                                        merged_queues=queues)
                 if arm == "kunserve":
                     transitions.append([{k: t[k] for k in ("kind", "at_s", "seconds")}
                                         for t in s.transitions])

@@ -819,20 +819,23 @@ def sim_setup(spec, planner):
     return cal, sorted(reqs, key=lambda r: r.arrival_s), cfg
 
 
-@pytest.mark.parametrize("kunserve", [False, True])
-def test_simulation_conserves_requests_and_is_deterministic(sim_setup, kunserve):
+@pytest.mark.parametrize("kunserve,merged_queues",
+                         [(False, "pair"), (True, "pair"), (True, "member")])
+def test_simulation_conserves_requests_and_is_deterministic(sim_setup, kunserve, merged_queues):
     from benchmark.kunserve.sim import Drop as _  # noqa: F401  (the sim imports the controller)
     from benchmark.kunserve.sim import latency_stats, simulate
 
     cal, reqs, cfg = sim_setup
     ctl_cfg = ControllerConfig(min_dwell_s=1.0)
-    sim = simulate(reqs, 2, cfg, cal, kunserve, monitor_s=0.5, controller_cfg=ctl_cfg)
+    sim = simulate(reqs, 2, cfg, cal, kunserve, monitor_s=0.5, controller_cfg=ctl_cfg,
+                   merged_queues=merged_queues)
     assert sorted(r.rid for r in sim.finished) == sorted(r.rid for r in reqs)
     for r in sim.finished:
         assert r.generated == r.output_tokens == len(r.token_times_s)
         assert r.token_times_s == sorted(r.token_times_s)
         assert r.token_times_s[0] > r.arrival_s
-    again = simulate(reqs, 2, cfg, cal, kunserve, monitor_s=0.5, controller_cfg=ctl_cfg)
+    again = simulate(reqs, 2, cfg, cal, kunserve, monitor_s=0.5, controller_cfg=ctl_cfg,
+                     merged_queues=merged_queues)
     assert latency_stats(again.finished) == latency_stats(sim.finished)
     assert again.transitions == sim.transitions
     kinds = [t["kind"] for t in sim.transitions]
@@ -840,6 +843,45 @@ def test_simulation_conserves_requests_and_is_deterministic(sim_setup, kunserve)
         assert kinds[:2] == ["drop", "restore"]  # the burst merges the pair, the lull splits it
     else:
         assert kinds == []
+
+
+def test_per_replica_queues_keep_requests_home_and_share_the_pipeline(sim_setup, monkeypatch):
+    """With ``merged_queues="member"`` a merged pair is two schedulers: each admits and batches
+    only the requests routed to its replica, within half the pair's KV, and both feed one
+    pipeline, so their micro-batches queue for the same stages."""
+    from benchmark.kunserve import sim as KS
+
+    cal, reqs, cfg = sim_setup
+    routed, batches, pipelines = {}, [], set()
+    route, forward = KS.ClusterSim.route, KS.Unit._forward
+
+    def recording_route(self, request, replica=None):
+        if replica is None:
+            routed[request.rid] = self.dispatched % self.replicas
+        return route(self, request, replica)
+
+    def recording_forward(unit, items):
+        out = forward(unit, items)
+        if unit.group.size > 1:
+            batches.append((unit.replicas, [i.rid for i in items],
+                            sum(r.reserved_tokens for r in unit.running), unit.capacity_tokens,
+                            unit.group.capacity_tokens // unit.group.size))
+            pipelines.add(id(unit.pipeline))
+        return out
+
+    monkeypatch.setattr(KS.ClusterSim, "route", recording_route)
+    monkeypatch.setattr(KS.Unit, "_forward", recording_forward)
+    sim = KS.simulate(reqs, 2, cfg, cal, True, monitor_s=0.5,
+                      controller_cfg=ControllerConfig(min_dwell_s=1.0), merged_queues="member")
+    assert len(sim.finished) == len(reqs)
+    assert {b[0] for b in batches} == {(0,), (1,)}, "both members scheduled their own batches"
+    for replicas, rids, reserved, capacity, half in batches:
+        assert all(routed[rid] == replicas[0] for rid in rids)
+        assert capacity == half and reserved <= capacity
+    drops = sum(t["kind"] == "drop" for t in sim.transitions)
+    assert 1 <= len(pipelines) <= drops, "one pipeline per merged pair, shared by its members"
+    with pytest.raises(ValueError, match="merged_queues"):
+        KS.simulate(reqs, 2, cfg, cal, True, merged_queues="replica")
 
 
 @pytest.mark.parametrize("replicas", [2, 4, 16])
