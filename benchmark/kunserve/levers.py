@@ -54,14 +54,16 @@ LEVERS = (
 )
 
 
-def run_lever(lever: Lever, rounds: Sequence[V.LiveRound], spec) -> dict[str, Any]:
+def run_lever(lever: Lever, rounds: Sequence[V.LiveRound], spec,
+              calibration: str = CALIBRATION, merged_queues: str = "pair") -> dict[str, Any]:
     per_round = []
     for rnd in rounds:
         planner = V.planner_for(spec, rnd.kv_tokens_per_replica)
-        cal = dataclasses.replace(V.calibration(CALIBRATION, rnd, spec, rounds), **lever.costs)
+        cal = dataclasses.replace(V.calibration(calibration, rnd, spec, rounds), **lever.costs)
         ctl = dataclasses.replace(rnd.controller, **lever.controller)
         arms = {arm: V.simulated(rnd, cal, planner, arm == "kunserve", ctl,
-                                 lever.merged_running_cap)[0] for arm in V.ARMS}
+                                 lever.merged_running_cap, merged_queues)[0]
+                for arm in V.ARMS}
         per_round.append(against_dp2(arms["dp2"], arms["kunserve"]))
     return {"lever": dataclasses.asdict(lever), "rounds": per_round,
             "median": {k: spread([r[k] for r in per_round]) for k in per_round[0]}}
@@ -69,9 +71,12 @@ def run_lever(lever: Lever, rounds: Sequence[V.LiveRound], spec) -> dict[str, An
 
 def markdown(report: dict[str, Any]) -> str:
     meta = report["meta"]
+    calibration = meta.get("calibration", CALIBRATION)
+    queues = meta.get("merged_queues", "pair")
     lines = ["# KunServe's replay targets, lever by lever: SIMULATED", "",
              f"**SIMULATED** on the simulation checked against the live replay "
-             f"(`{CALIBRATION}` calibration, [validate.md](validate.md)). "
+             f"(`{calibration}` calibration, a merged pair scheduled with "
+             f"`merged_queues={queues}`, [validate.md](validate.md)). "
              + V.run_line(meta) + ".", "",
              "KunServe against plain DP 2, both simulated; median over the rounds (min to max). "
              f"Goals: P99 TTFT ratio {GOALS['p99_ttft_ratio']}, P50 TPOT change "
@@ -89,14 +94,24 @@ def markdown(report: dict[str, Any]) -> str:
     return "\n".join(lines) + "\n"
 
 
+def _options(ap) -> None:
+    ap.add_argument("--calibration", choices=V.CALIBRATIONS, default=CALIBRATION,
+                    help=f"the simulation's calibration (default {CALIBRATION})")
+    ap.add_argument("--merged-queues", choices=V.KS.MERGED_QUEUES, default="pair",
+                    help="how a merged pair schedules: one queue for the pair (default) or "
+                    "one per replica, as live")
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     started, load = time.monotonic(), load_average()
     args, rounds, spec = V.rounds_cli("python -m benchmark.kunserve.levers",
-                                      __doc__.splitlines()[0], argv)
-    rows = [run_lever(lever, rounds, spec) for lever in LEVERS]
+                                      __doc__.splitlines()[0], argv, extra=_options)
+    rows = [run_lever(lever, rounds, spec, args.calibration, args.merged_queues)
+            for lever in LEVERS]
     meta = run_meta("python -m benchmark.kunserve.levers " + " ".join(
         sys.argv[1:] if argv is None else argv), load, SIMULATED=True,
-        seconds=time.monotonic() - started, rounds=[str(p) for p in args.rounds])
+        seconds=time.monotonic() - started, rounds=[str(p) for p in args.rounds],
+        calibration=args.calibration, merged_queues=args.merged_queues)
     write_results(args.out, "levers", {"meta": meta, "levers": rows},
                   markdown({"meta": meta, "levers": rows}))
     return 0

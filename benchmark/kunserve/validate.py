@@ -304,14 +304,17 @@ def markdown(report: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def rounds_cli(prog: str, description: str, argv: Sequence[str] | None
+def rounds_cli(prog: str, description: str, argv: Sequence[str] | None, extra=None
                ) -> tuple[argparse.Namespace, list[LiveRound], ModelSpec]:
     """The command line of a study of replay rounds: the rounds (a CLI error names a round
-    that cannot be read) and the float32 default model's spec."""
+    that cannot be read) and the float32 default model's spec; ``extra(parser)`` adds the
+    study's own options."""
     ap = argparse.ArgumentParser(prog=prog, description=description)
     ap.add_argument("rounds", nargs="+", type=Path,
                     help="output directories of `benchmark.replay --dp2 --configs dp2,kunserve`")
     ap.add_argument("--out", type=Path, default=KS.RESULTS)
+    if extra is not None:
+        extra(ap)
     args = ap.parse_args(argv)
     from sglang_morph.models import default_model_path
 
