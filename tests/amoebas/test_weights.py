@@ -454,5 +454,5 @@ def test_release_frees_resident_memory_and_restore_brings_it_back():
     assert sum(w.mapping.resident_bytes() for w in stores) == mapping_bytes
     # Growth is checked on anonymous memory only: VmRSS also counts file-backed pages (the
     # libraries), which the kernel may reclaim meanwhile when the machine is busy (seen once
-    # under the parallel test run: RSS +195 MB for 212 MB restored, anonymous memory exact).
+    # under the parallel test run: RSS +195 MB for 212 MB restored).
     assert process_anonymous_bytes() - anon_kept >= 0.95 * freed
