@@ -278,8 +278,7 @@ def _w8a16_kernel(
 
 # 2^23 as fp32 bits: OR-ing a nibble q (0..15) into the low mantissa bits gives the float
 # 2^23 + q exactly, so q - zero costs one OR and one subtraction instead of an int -> float
-# conversion (16 per clock per SM on Hopper: it held the earlier W4 kernel near 30% of the
-# memory roofline at decode).
+# conversion, which GPUs run at a fraction of their fp32 rate.
 _MAGIC_F32 = tl.constexpr(0x4B000000)
 _MAGIC_VALUE = tl.constexpr(8388608.0)
 
