@@ -6,15 +6,19 @@ from __future__ import annotations
 
 import json
 import threading
+import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
 Route = tuple[int, Any]  # (status code, JSON body)
+# Seconds a route takes to answer (default none), as a busy server's would.
+Delays = dict[tuple[str, str], float]
 
 
 class FakeServer:
-    def __init__(self, routes: dict[tuple[str, str], Route]):
+    def __init__(self, routes: dict[tuple[str, str], Route], delays: Delays | None = None):
         self.routes = dict(routes)
+        self.delays = dict(delays or {})
         self.requests: list[dict[str, Any]] = []
         fake = self
 
@@ -25,6 +29,7 @@ class FakeServer:
                 fake.requests.append({"method": method, "path": self.path,
                                       "headers": dict(self.headers),
                                       "body": json.loads(raw) if raw else None})
+                time.sleep(fake.delays.get((method, self.path), 0.0))
                 code, body = fake.routes.get((method, self.path),
                                              (404, {"detail": "Not Found"}))
                 data = json.dumps(body).encode()

@@ -8,6 +8,7 @@ from __future__ import annotations
 import copy
 import io
 import json
+import time
 from pathlib import Path
 
 import pytest
@@ -230,6 +231,19 @@ def test_poll_keeps_a_failed_route_as_an_error(fake):
     text = screen(render(frame))
     assert "answered 500: RuntimeError: boom" in text
     assert "transitions applied 2" in text  # what did answer is still shown
+
+
+def test_poll_asks_the_mechanism_and_queue_routes_at_once(fake):
+    # Each route answers after 0.5 s, as a busy server's: one after the other a poll would
+    # take 1.5 s (longer than top's one-second interval); the two after /elastic/status go
+    # out together.
+    fake.routes[("GET", "/morph/status")] = (200, {"replicas": []})
+    fake.delays = {route: 0.5 for route in fake.routes}
+    started = time.monotonic()
+    frame = poll(Client(fake.url))
+    took_s = time.monotonic() - started
+    assert frame.errors == {} and frame.mechanisms == {"morph": {"replicas": []}}
+    assert 1.0 <= took_s < 1.35, f"{took_s:.2f} s"
 
 
 def test_poll_of_a_server_without_mechanisms(fake):

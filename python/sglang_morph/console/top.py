@@ -1,7 +1,7 @@
 """``sglang-morph top``: poll a running server and redraw ``view.render`` of each poll.
 
-One poll reads ``/elastic/status`` (which mechanisms run), each running mechanism's own status
-route and SGLang's ``/v1/loads`` (the queue). A route that fails once the view is up shows
+One poll reads ``/elastic/status`` (which mechanisms run), then each running mechanism's own
+status route and SGLang's ``/v1/loads`` (the queue) at once. A route that fails once the view is up shows
 as a red line in the frame and the view keeps polling (a server that restarts comes back on
 screen); a first poll that reaches nothing is the command's error.
 """
@@ -9,6 +9,7 @@ screen); a first poll that reaches nothing is the command's error.
 from __future__ import annotations
 
 import time
+from concurrent.futures import ThreadPoolExecutor
 from typing import Callable
 
 from rich.console import Console
@@ -36,18 +37,23 @@ def poll(client: Client, clock: Callable[[], float] = time.time, strict: bool = 
             raise  # unreachable (the other routes would not answer either), or a wrong key
         if e.status_code != NO_MECHANISM_STATUS:
             errors["/elastic/status"] = str(e)
+    # The mechanisms' routes and the queue's are independent: asked at once, a poll costs two
+    # round trips however many mechanisms run (a frame lags a change by one interval plus
+    # one poll, and a busy server answers each route slowly).
+    routes = {name: MECHANISM_ROUTES[name] for name in (elastic or {}).get("mechanisms") or []
+              if name in MECHANISM_ROUTES}
+    with ThreadPoolExecutor(max_workers=len(routes) + 1) as pool:
+        pending = {name: pool.submit(client.get, route) for name, route in routes.items()}
+        pending_loads = pool.submit(client.get, LOADS_ROUTE)
     mechanisms = {}
-    for name in (elastic or {}).get("mechanisms") or []:
-        route = MECHANISM_ROUTES.get(name)
-        if route is None:
-            continue
+    for name, future in pending.items():
         try:
-            mechanisms[name] = client.get(route)
+            mechanisms[name] = future.result()
         except ServerError as e:
-            errors[route] = str(e)
+            errors[routes[name]] = str(e)
     loads = None
     try:
-        loads = client.get(LOADS_ROUTE)
+        loads = pending_loads.result()
     except ServerError as e:
         errors["/v1/loads"] = str(e)
     return Frame(url=client.base_url, time_unix_s=clock(), elastic=elastic,
