@@ -101,8 +101,8 @@ def test_the_pairs_start_apart_each_with_its_own_leader(dp4, undropped):
 
 def test_a_burst_on_one_pair_drops_that_pair_only(dp4, prompts, undropped):
     # Three requests on each replica of pair [2, 3] at once: 360 tokens of demand on each
-    # 256-token pool. The pair drops with requests in flight and restores once idle (usage
-    # under 50%, demand fits), back to exactly the startup layout.
+    # 256-token pool. The pair drops and restores once idle (usage under 50%, demand fits),
+    # back to exactly the startup layout.
     assert burst(dp4, prompts, (2, 3)) == undropped[2:]
     s = wait_for(dp4, lambda s: all(len(rep["transitions"]) == 2 for rep in s["replicas"][2:]),
                  timeout_s=30)
@@ -121,7 +121,9 @@ def test_a_burst_on_one_pair_drops_that_pair_only(dp4, prompts, undropped):
         assert rep["layers"] == [0, 30] and rep["kv_capacity_tokens"] == WHOLE_TOKENS
         assert rep["dropped_weight_bytes"] == 0 and rep["peer_kv_capacity_tokens"] == 0
         assert rep["auto"]["config"] == {**rep["auto"]["config"], **AUTO}
-    assert sum(rep["transitions"][0]["requests_in_flight"] for rep in s["replicas"][2:]) >= 1
+    # Whether a request was already running when the pair dropped depends on how far SGLang
+    # got before the controller's next view (once, under the parallel suite, none was: the
+    # drop came on the queue alone); a drop with streams running is the operator test's below.
     # The other pair was never asked: whole layers, whole pools, no proposal.
     for rep in s["replicas"][:2]:
         assert rep["layers"] == [0, 30] and rep["kv_capacity_tokens"] == WHOLE_TOKENS
