@@ -46,11 +46,12 @@ PREFILL_TOKENS = (512, 2048)
 VARIANTS = {"w8": (8, None, False), "w4_g128_awq": (4, 128, True)}
 
 
-def make_stored(bits, group_size, input_scale, in_features, out_features, gen):
-    weight = torch.randn(out_features, in_features, generator=gen, device="cuda") * 0.02
+def make_stored(bits, group_size, input_scale, in_features, out_features, gen, device="cuda"):
+    weight = torch.randn(out_features, in_features, generator=gen, device=device) * 0.02
     if bits == 8:
         return formats.get_format(8).quantize(weight)
-    scale = torch.rand(in_features, generator=gen, device="cuda") * 1.5 + 0.5 if input_scale else None
+    scale = (torch.rand(in_features, generator=gen, device=device) * 1.5 + 0.5 if input_scale
+             else None)
     return formats.get_format(4).quantize(weight, group_size=group_size, input_scale=scale)
 
 

@@ -63,9 +63,9 @@ def side_by_side(result: dict) -> str:
 def served_runs(runs: list[dict]) -> tuple[str, dict]:
     """The served path and bf16 cuBLAS per point over the runs; also the figures the targets
     are judged on (medians)."""
+    linears = list(dict.fromkeys(r["linear"] for r in runs[0]["rows"]))  # as run
     points = sorted({_key(r) for run in runs for r in run["rows"]},
-                    key=lambda k: (k[1], list(dict.fromkeys(
-                        r["linear"] for r in runs[0]["rows"])).index(k[0]), k[2]))
+                    key=lambda k: (k[1], linears.index(k[0]), k[2]))
     rows, medians = [], {}
     for key in points:
         found = [next(r for r in run["rows"] if _key(r) == key) for run in runs]

@@ -55,7 +55,8 @@ from sglang_morph.engines import formats
 from benchmark.gpu import w4_previous
 from benchmark.gpu.common import (device_info, measured_copy_bytes_per_s, out_dir,
                                   spec_hbm_bytes_per_s, table, write_results)
-from benchmark.gpu.kernels import LLAMA3_8B_LINEARS, copies_for_cold_l2, graph_ms
+from benchmark.gpu.kernels import (LLAMA3_8B_LINEARS, copies_for_cold_l2, graph_ms,
+                                   make_stored)
 
 # "cpu" (with TRITON_INTERPRET=1) runs the whole script under Triton's interpreter on tiny
 # shapes, every timing a single eager call: the check that it runs at all, without a GPU
@@ -94,12 +95,6 @@ def prepare(stored: dict, k: int, n: int) -> morph_kernels.PreparedWeight:
 def served(x: torch.Tensor, w: morph_kernels.PreparedWeight) -> torch.Tensor:
     # morph_kernels.linear's CUDA path is triton_gpu.linear; on CPU it would take the CPU ops.
     return morph_kernels.linear(x, w) if DEVICE == "cuda" else triton_gpu.linear(x, w)
-
-
-def make_stored(input_scale: bool, k: int, n: int, gen: torch.Generator) -> dict:
-    weight = torch.randn(n, k, generator=gen, device=DEVICE) * 0.02
-    scale = (torch.rand(k, generator=gen, device=DEVICE) * 1.5 + 0.5) if input_scale else None
-    return formats.get_format(4).quantize(weight, group_size=GROUP_SIZE, input_scale=scale)
 
 
 def timed_ms(calls: list) -> float:
@@ -187,10 +182,6 @@ def load_gemlite_config(path: str | None) -> str | None:
     return path
 
 
-def weight_bytes(tensors) -> int:
-    return sum(t.numel() * t.element_size() for t in tensors)
-
-
 def implementations(stored, w, w_bf16, k, n, awq, packer_layout,
                     ours_only=False) -> dict[str, tuple]:
     """name -> (call(x, copy), copies, weight bytes, checked for bit-exact weights).
@@ -215,7 +206,7 @@ def implementations(stored, w, w_bf16, k, n, awq, packer_layout,
     if awq or ours_only:
         return impls
     prev = w4_previous.prepare(stored, torch.bfloat16)
-    prev_bytes = weight_bytes(prev.values())
+    prev_bytes = formats.device_bytes(prev)
     impls["previous"] = (lambda x, c: w4_previous.linear(x, c, GROUP_SIZE),
                          [prev] + [{key: (v.clone() if key == "qweight" else v)
                                     for key, v in prev.items()}
@@ -232,12 +223,12 @@ def implementations(stored, w, w_bf16, k, n, awq, packer_layout,
         packer_layout[0] = (torch.equal(mods[0].W_q, w.tensors["qweight_t"])
                             and torch.equal(mods[0].scales, w.tensors["scales_t"])
                             and torch.equal(mods[0].zeros, w.tensors["zeros_t"]))
-        return (lambda x, c: c(x), mods,
-                weight_bytes([mods[0].W_q, mods[0].scales, mods[0].zeros]), True)
+        return (lambda x, c: c(x), mods, formats.device_bytes(
+            {"W_q": mods[0].W_q, "scales": mods[0].scales, "zeros": mods[0].zeros}), True)
 
     def tinygemm():
         packed, sz = tinygemm_weight(stored)
-        nbytes = weight_bytes([packed, sz])
+        nbytes = formats.device_bytes({"packed": packed, "scales_and_zeros": sz})
         return (lambda x, c: torch.ops.aten._weight_int4pack_mm(x, c[0], GROUP_SIZE, c[1]),
                 [(packed, sz)] + [(packed.clone(), sz) for _ in range(copies_for(nbytes) - 1)],
                 nbytes, False)
@@ -245,7 +236,7 @@ def implementations(stored, w, w_bf16, k, n, awq, packer_layout,
     def torchao():
         first = torchao_linear(w_bf16)
         names, _ = first.weight.__tensor_flatten__()
-        nbytes = weight_bytes([getattr(first.weight, a) for a in names])
+        nbytes = formats.device_bytes({a: getattr(first.weight, a) for a in names})
         return (lambda x, c: c(x), [first] + [
             torchao_linear(w_bf16) for _ in range(copies_for(nbytes) - 1)], nbytes, False)
 
@@ -256,7 +247,7 @@ def implementations(stored, w, w_bf16, k, n, awq, packer_layout,
     return impls
 
 
-def measure_point(name, impl, x, ref, w_bf16, tokens, k, n, copy_bps, gen) -> dict:
+def measure_point(impl, x, ref, w_bf16, tokens, k, n, copy_bps, gen) -> dict:
     call, copies, nbytes, check_exact = impl
     if isinstance(call, str):
         return {"error": call}
@@ -294,7 +285,7 @@ def run(args) -> dict:
         for name, (k, n) in LINEARS.items():
             if args.only and name not in args.only:
                 continue
-            stored = make_stored(awq, k, n, gen)
+            stored = make_stored(4, GROUP_SIZE, awq, k, n, gen, device=DEVICE)
             w = prepare(stored, k, n)
             w_ref = formats.get_format(4).dequantize(stored).float()
             plain = {key: v for key, v in stored.items() if key != "input_scale"}
@@ -313,14 +304,13 @@ def run(args) -> dict:
                 ref = F.linear(x.float(), w_ref)
                 row = {"linear": name, "in": k, "out": n, "tokens": tokens,
                        "input_scale": awq,
-                       "served_backend": triton_gpu._w4_choice.get(
-                           triton_gpu._w4_key(w, tokens)),
+                       "served_backend": triton_gpu.chosen_w4_backend(w, tokens),
                        "gemlite_packer_equals_our_layout": packer_layout[0],
                        "warmup_error": warmup_error,
                        "triton_config": None, "impls": {}}
                 for label, impl in impls.items():
                     row["impls"][label] = measure_point(
-                        label, impl, x, ref, None if awq else w_bf16, tokens, k, n, copy_bps,
+                        impl, x, ref, None if awq else w_bf16, tokens, k, n, copy_bps,
                         gen)
                     if label == "triton":
                         row["triton_config"] = str(triton_gpu._w4a16_tuned.best_config)

@@ -199,7 +199,7 @@ def run() -> dict:
     for name, (k, n) in LLAMA3_8B_LINEARS.items():
         stored = make_stored(4, 128, True, k, n, gen)
         t = w4_previous.prepare(stored, torch.bfloat16)
-        weight_bytes = sum(v.numel() * v.element_size() for v in t.values())
+        weight_bytes = formats.device_bytes(t)
         copies = copies_for_cold_l2(weight_bytes)
 
         def with_copies(q):

@@ -575,8 +575,8 @@ DEQUANT_CHUNK_BYTES = 64 << 20
 # Triton GEMM's on random activations: both differ from the fp32 reference by about 3e-3.
 AGREEMENT_TOLERANCE = 2e-2
 
-_w4_choice: dict[tuple, str] = {}
-_w4_timings: dict[tuple, dict[str, float]] = {}
+# key -> (the chosen backend, the median milliseconds of every candidate timed)
+_w4_chosen: dict[tuple, tuple[str, dict[str, float]]] = {}
 
 
 def _w4_key(w: PreparedWeight, tokens: int) -> tuple:
@@ -622,8 +622,8 @@ def choose_w4_backend(w: PreparedWeight, tokens: int) -> str:
     output agrees with the Triton GEMM's; the choice holds for the whole bucket and every
     weight of this shape."""
     key = _w4_key(w, tokens)
-    if key in _w4_choice:
-        return _w4_choice[key]
+    if key in _w4_chosen:
+        return _w4_chosen[key][0]
     x = torch.randn(tokens, w.in_features, device=w.device).to(w.act_dtype)
     reference = _run_w4("triton", x, w).float()
     timings = {}
@@ -636,15 +636,20 @@ def choose_w4_backend(w: PreparedWeight, tokens: int) -> str:
         if not torch.isfinite(y).all() or error > AGREEMENT_TOLERANCE:
             continue
         timings[backend] = graph_time_ms(lambda b=backend: _run_w4(b, x, w))
-    _w4_timings[key] = timings
-    _w4_choice[key] = min(timings, key=timings.get)
-    return _w4_choice[key]
+    _w4_chosen[key] = (min(timings, key=timings.get), timings)
+    return _w4_chosen[key][0]
 
 
 def w4_choices() -> dict[tuple, tuple[str, dict[str, float]]]:
     """What ``warmup`` chose per (device, out, in, group, dtype, input scale, bucket), with the
     median milliseconds of every candidate it timed."""
-    return {key: (choice, _w4_timings.get(key, {})) for key, choice in _w4_choice.items()}
+    return dict(_w4_chosen)
+
+
+def chosen_w4_backend(w: PreparedWeight, tokens: int) -> str | None:
+    """The backend ``warmup`` chose for ``tokens``'s bucket (None: the bucket was not warmed)."""
+    chosen = _w4_chosen.get(_w4_key(w, tokens))
+    return chosen[0] if chosen else None
 
 
 def linear(
@@ -662,7 +667,7 @@ def linear(
         return torch.empty((0, w.out_features), dtype=x2d.dtype, device=x2d.device)
     x2d = x2d.contiguous()
     if w.bits == 4 and config is None:
-        backend = backend or _w4_choice.get(_w4_key(w, tokens), "triton")
+        backend = backend or chosen_w4_backend(w, tokens) or "triton"
         y = _run_w4(backend, x2d, w)
     else:
         y = _launch(x2d, w, config)
