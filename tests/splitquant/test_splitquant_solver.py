@@ -98,17 +98,20 @@ def test_30_layer_4_device_plan_within_60_s_and_heuristic_close_and_fast():
     problem = _problem(30, ("T4", "T4", "V100", "A100-40G"), 0.55, seed=30,
                        max_omega_share=0.5, theta_s=0.2)
     grid = [(2, 4), (4, 4), (4, 16)]
-    started = time.perf_counter()
+    # "Fast" compares CPU seconds of this process (both searches run on one thread): under the
+    # parallel suite a wall clock also counts the time the other worker's servers hold the
+    # cores, which once made the heuristic take 9.7 s of wall time for 0.4 s of work.
+    started, started_cpu = time.perf_counter(), time.process_time()
     exact = search(problem, "ilp", micro_batches=grid)
-    ilp_s = time.perf_counter() - started
+    ilp_s, ilp_cpu_s = time.perf_counter() - started, time.process_time() - started_cpu
     assert exact is not None and ilp_s < 60
-    started = time.perf_counter()
+    started_cpu = time.process_time()
     fast = search(problem, "heuristic", micro_batches=grid)
-    heuristic_s = time.perf_counter() - started
+    heuristic_cpu_s = time.process_time() - started_cpu
     assert fast is not None
     assert fast.objective <= exact.objective * 1.05
     assert exact.objective <= fast.objective * (1 + 1e-3)  # the ILP is (near) optimal
-    assert heuristic_s * 10 <= ilp_s, (heuristic_s, ilp_s)
+    assert heuristic_cpu_s * 10 <= ilp_cpu_s, (heuristic_cpu_s, ilp_cpu_s)
     for result in (exact, fast):
         assert result.quality <= problem.max_omega * (1 + 1e-9)
         for stage, device in zip(result.stage_memory, result.devices):
