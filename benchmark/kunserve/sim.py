@@ -93,9 +93,15 @@ class Calibration:
     front_end_s: float = 0.0
     # A merged pair's decode stage time over what the cost model gives it (1.0: the
     # model's); a live pair's decode forwards took 1.36-1.38x a whole replica's here (gloo
-    # hops, the compute lock and the GIL shared with the peer's service thread). Prefills are
-    # left alone: the live pair cuts them into micro-batches that overlap.
+    # hops, the compute lock and the GIL shared with the peer's service thread).
     merged_step_factor: float = 1.0
+    # A merged pair's prefill forward over a whole replica's (None: the paper's pipeline, the
+    # prefill cut by lookahead into micro-batches that overlap across the stages). Given, a
+    # merged prefill runs as one batch through the stages, its stage times scaled so that
+    # they add up to this factor times the whole replica's: the live pair cuts its prefills
+    # too, yet each took 1.07-1.33x a whole replica's (median per round), the peer's core
+    # being busy with its own decodes rather than free for the next micro-batch.
+    merged_prefill_factor: float | None = None
 
     def link_s(self, nbytes: float) -> float:
         return self.gloo_latency_s + nbytes / self.gloo_bandwidth_bytes_per_s
@@ -213,8 +219,12 @@ class Unit:
             transfer = cal.link_s(0)  # latency only; the size is added per micro-batch below
             self.shared.state = PipelineState(self.group.size, transfer, env.now)
         out = {}
-        mbs = by_lookahead(items, self.group.size, cal.costs)
-        factor = cal.merged_step_factor if all(i.new_tokens == 1 for i in items) else 1.0
+        decode = all(i.new_tokens == 1 for i in items)
+        if not decode and cal.merged_prefill_factor is not None:
+            mbs, factor = [tuple(items)], cal.merged_prefill_factor
+        else:
+            mbs = by_lookahead(items, self.group.size, cal.costs)
+            factor = cal.merged_step_factor if decode else 1.0
         for staged, mb in zip(stage_micro_batches(cal.costs, self.iteration, mbs,
                                                   self.layer_shares), mbs):
             tokens = sum(i.new_tokens for i in mb)
@@ -585,7 +595,8 @@ def main() -> None:
             "budget_bytes": args.budget_bytes, "max_group_size": args.max_group_size,
             "calibration": cal.costs.source, "replay": str(args.replay) if args.replay else None,
             "transitions_s": {"drop": cal.drop_s, "restore": cal.restore_s},
-            "merged_step_factor": cal.merged_step_factor, "keep_every": keep_every,
+            "merged_step_factor": cal.merged_step_factor,
+            "merged_prefill_factor": cal.merged_prefill_factor, "keep_every": keep_every,
             "monitor_s": monitor_s, "seconds": time.monotonic() - started,
             "SIMULATED": True}
     args.out.mkdir(parents=True, exist_ok=True)

@@ -19,11 +19,17 @@ one of these calibrations, side by side:
   arm's median durations;
 - ``replay+transitions+merged``: the same, with the merged pair's stages slowed by what the
   KunServe arm's merged decode forwards took over its unmerged ones (median over the rounds).
+- ``replay+transitions+merged prefill``: ``replay+transitions+merged`` with each merged
+  prefill taking what the KunServe arm's merged prefill forwards took over its unmerged fit
+  (median over the rounds), as one batch through the stages instead of the paper's
+  overlapping micro-batches (``sim.Calibration.merged_prefill_factor``).
 
 - ``replay+transitions, per-replica queues``: ``replay+transitions`` with the merged pair
   scheduled as the live one is, each replica admitting and batching its own requests within
   its half of the pair's KV, both feeding the pair's pipeline (the other rows: one queue and
-  one batch for the pair, the paper's design).
+  one batch for the pair, the paper's design); ``replay+transitions+merged prefill,
+  per-replica queues``: the same with the measured merged prefill (the decode step is left
+  to the shared stages, which already make the two replicas' decodes wait for each other).
 
 Every calibration also charges each request the plain arm's front-end time (``front_end_s``).
 ``replay`` takes only the plain DP 2 arm's forwards and latencies: the KunServe arm's (its
@@ -55,12 +61,15 @@ from sglang_morph.models.memory import MemoryModel
 from sglang_morph.models.spec import ModelSpec
 
 ARMS = ("dp2", "kunserve")
-CALIBRATIONS = ("idle", "replay", "replay+transitions", "replay+transitions+merged")
+CALIBRATIONS = ("idle", "replay", "replay+transitions", "replay+transitions+merged",
+                "replay+transitions+merged prefill", "replay+transitions, merged prefill only")
 PER_REPLICA = "replay+transitions, per-replica queues"
+PER_REPLICA_PREFILL = "replay+transitions+merged prefill, per-replica queues"
 # Each row: its name, its calibration, and how the simulated pair schedules while merged
 # (``sim.MERGED_QUEUES``): one queue for the pair, or each replica its own, as live.
-ROWS = tuple((c, c, "pair") for c in CALIBRATIONS) + ((PER_REPLICA, "replay+transitions",
-                                                         "member"),)
+ROWS = tuple((c, c, "pair") for c in CALIBRATIONS[:5]) + (
+    (PER_REPLICA, "replay+transitions", "member"),
+    (PER_REPLICA_PREFILL, "replay+transitions, merged prefill only", "member"))
 CHECKED = ("ttft_s_p50", "ttft_s_p99", "tpot_s_p50")
 SHOWN = ("ttft_s_p50", "ttft_s_p95", "ttft_s_p99", "tpot_s_p50", "tpot_s_p95", "e2e_s_p50",
          "e2e_s_p95")
@@ -86,8 +95,10 @@ class LiveRound:
     live: dict[str, dict[str, Any]]  # per arm: the distribution (benchmark.kunserve.rounds)
     commit: str
     dp2_records: tuple[dict[str, Any], ...]  # the plain arm's requests as the replay recorded
-    # KunServe's merged decode forwards over its own unmerged fit (None: no log or no drop)
+    # KunServe's merged decode / prefill forwards over its own unmerged fit (None: no log, no
+    # drop, or a log fitted before the prefill ratio was)
     merged_decode_ratio: float | None
+    merged_prefill_ratio: float | None
     # The live admission cap while merged, as the simulated pair's (each replica's
     # --kunserve-merged-max-running times two: the simulation queues a merged pair as one);
     # None: no cap
@@ -124,10 +135,18 @@ def load_round(path: Path) -> LiveRound:
         controller=ControllerConfig(**raw_cfg), interval_s=interval_s,
         live={a: distribution(arms[a]) for a in ARMS},
         commit=report["settings"]["git"]["commit"], dp2_records=tuple(dp2["records"]),
-        merged_decode_ratio=((arms["kunserve"].get("forwards") or {}).get(
-            "merged_decode_ratio") or {}).get("median"),
+        merged_decode_ratio=_merged_ratio(arms["kunserve"], "decode"),
+        merged_prefill_ratio=_merged_ratio(arms["kunserve"], "prefill"),
         merged_running_cap=(2 * cap if (cap := report["settings"].get(
             "kunserve_merged_max_running")) is not None else None))
+
+
+class Unavailable(ValueError):
+    """A calibration the rounds hold no measurement for: its rows are left out, with this."""
+
+
+def _merged_ratio(arm: dict[str, Any], phase: str) -> float | None:
+    return ((arm.get("forwards") or {}).get(f"merged_{phase}_ratio") or {}).get("median")
 
 
 def planner_for(spec: ModelSpec, kv_tokens_per_replica: int, max_group_size: int = 2
@@ -168,9 +187,18 @@ def calibration(name: str, rnd: LiveRound, spec: ModelSpec, rounds: Sequence[Liv
                               restore_s=statistics.median(restores) if restores else None)
     if name == "replay+transitions":
         return cal
-    ratios = [r.merged_decode_ratio for r in rounds if r.merged_decode_ratio is not None]
-    return dataclasses.replace(cal, merged_step_factor=statistics.median(ratios) if ratios
-                               else 1.0)
+    if name != "replay+transitions, merged prefill only":
+        ratios = [r.merged_decode_ratio for r in rounds if r.merged_decode_ratio is not None]
+        cal = dataclasses.replace(cal, merged_step_factor=statistics.median(ratios) if ratios
+                                  else 1.0)
+    if name == "replay+transitions+merged":
+        return cal
+    ratios = [r.merged_prefill_ratio for r in rounds if r.merged_prefill_ratio is not None]
+    if not ratios:
+        raise Unavailable("no round has a merged prefill ratio (no drop, or forward logs "
+                          "fitted before it was measured: python -m benchmark.replay.forwards "
+                          "fits them again)")
+    return dataclasses.replace(cal, merged_prefill_factor=statistics.median(ratios))
 
 
 def front_end_s(rnd: LiveRound, cal: KS.Calibration, spec: ModelSpec) -> float:
@@ -214,15 +242,19 @@ def distribution_of(s: KS.ClusterSim) -> dict[str, Any]:
 
 def validate(rounds: Sequence[LiveRound], spec: ModelSpec) -> dict[str, Any]:
     live = {a: {k: spread([r.live[a][k] for r in rounds]) for k in SHOWN} for a in ARMS}
-    out: dict[str, Any] = {"live": live, "calibrations": {}}
+    out: dict[str, Any] = {"live": live, "calibrations": {}, "left_out": {}}
     for name, cal_name, queues in ROWS:
         per_round, transitions, cals = [], [], []
-        for rnd in rounds:
+        try:
+            cals = [calibration(cal_name, rnd, spec, rounds) for rnd in rounds]
+        except Unavailable as e:
+            out["left_out"][name] = str(e)
+            continue
+        for rnd, cal in zip(rounds, cals):
             planner = planner_for(spec, rnd.kv_tokens_per_replica)
-            cals.append(calibration(cal_name, rnd, spec, rounds))
             row = {}
             for arm in ARMS:
-                row[arm], s = simulated(rnd, cals[-1], planner, arm == "kunserve",
+                row[arm], s = simulated(rnd, cal, planner, arm == "kunserve",
                                         merged_queues=queues)
                 if arm == "kunserve":
                     transitions.append([{k: t[k] for k in ("kind", "at_s", "seconds")}
@@ -282,6 +314,7 @@ def markdown(report: dict[str, Any]) -> str:
             ok = all(abs(c["error"][arm][k]) <= TOLERANCE for k in CHECKED)
             lines.append(f"| {name} (SIMULATED) | {arm} | " + " | ".join(cells)
                          + f" | {'within' if ok else 'outside'} |")
+    lines += [f"| {name} | | left out: {why} |" for name, why in v.get("left_out", {}).items()]
     lines += ["", "Calibrations: " + "; ".join(
         f"`{n}`: {c['costs']['source'] or 'the simulated clusters default'}"
         for n, c in v["calibrations"].items()) + ".", "",

@@ -90,19 +90,23 @@ def summarize(forwards: Sequence[dict[str, Any]], source: str,
     phase's terms, forwards and mean error, and the step gaps' median and count.
 
     With ``merged_windows`` (unix seconds a KunServe pair was merged) the fit and the gaps
-    take the forwards outside them, and ``merged_decode_ratio`` is the median of the merged
-    decode forwards' seconds over what that fit gives the same batch on a whole replica."""
+    take the forwards outside them, and ``merged_decode_ratio`` / ``merged_prefill_ratio`` are
+    the medians of the merged decode / prefill forwards' seconds over what that fit gives the
+    same batch on a whole replica (a merged forward's seconds run from the replica's first
+    layer to the peer's answer, micro-batches and waits for the peer's stage included)."""
     inside, outside = [], []
     for f in forwards:
         merged = any(a <= f.get("t", 0.0) <= b for a, b in merged_windows)
         (inside if merged else outside).append(f)
     out = _summarize(outside, source)
     if merged_windows:
-        decode = PhaseCosts.from_json(out["fit"]).decode
-        ratios = [t.seconds / decode.seconds(t.chunks) for t in timings_of(inside)
-                  if t.phase == "decode"]
-        out["merged_decode_ratio"] = {"median": statistics.median(ratios) if ratios else None,
-                                      "forwards": len(ratios)}
+        fit = PhaseCosts.from_json(out["fit"])
+        for phase, model in (("decode", fit.decode), ("prefill", fit.prefill)):
+            ratios = [t.seconds / model.seconds(t.chunks) for t in timings_of(inside)
+                      if t.phase == phase]
+            out[f"merged_{phase}_ratio"] = {
+                "median": statistics.median(ratios) if ratios else None,
+                "forwards": len(ratios)}
     return out
 
 

@@ -52,14 +52,18 @@ def records_of(finished: list[KS.Request]) -> list[dict]:
              "e2e_s": r.token_times_s[-1] - r.arrival_s} for r in finished]
 
 
-def write_round(path, spec, with_forwards=True):
+def write_round(path, spec, with_forwards=True, merged=None):
     """The replay a pair with ``COSTS`` (+ ``GAP_S`` a forward) and KunServe's transitions of
-    ``DROP_S`` / ``RESTORE_S`` would have recorded."""
+    ``DROP_S`` / ``RESTORE_S`` would have recorded; ``merged``: (decode, prefill), the merged
+    pair's forwards over a whole replica's, in its steps and in its forward log."""
     planner = V.planner_for(spec, KV_TOKENS)
     idle = KS.Calibration.load(KS.RESULTS, spec)
     costs = PhaseCosts(*(dataclasses.replace(m, gamma_s=m.gamma_s + GAP_S)
                          for m in (COSTS.prefill, COSTS.decode)))
     cal = dataclasses.replace(idle, costs=costs, drop_s=DROP_S, restore_s=RESTORE_S)
+    if merged is not None:
+        cal = dataclasses.replace(cal, merged_step_factor=merged[0],
+                                  merged_prefill_factor=merged[1])
     arms = {}
     for arm in V.ARMS:
         s = KS.simulate(workload(), 2, planner, cal, arm == "kunserve",
@@ -77,6 +81,9 @@ def write_round(path, spec, with_forwards=True):
                                                                           "count": 100},
                                    "phases": {p: {"forwards": 10, "mean_error": 0.0}
                                               for p in ("prefill", "decode")}}
+    if merged is not None:
+        arms["kunserve"]["forwards"] = {f"merged_{phase}_ratio": {"median": m, "forwards": 9}
+                                        for phase, m in zip(("decode", "prefill"), merged)}
     report = {"settings": {"kunserve_auto_config": None, "git": {"commit": "abc1234"}},
               "dp2": {"kv_capacity_tokens_per_replica": KV_TOKENS, "configs": arms}}
     path.mkdir(parents=True, exist_ok=True)
@@ -102,6 +109,27 @@ def test_the_replays_own_costs_find_its_latencies_again(tmp_path, spec):
     # The idle machine's costs are another machine's: the check must notice.
     assert not got["idle"]["within_tolerance"]
     assert max(abs(e) for e in got["idle"]["error"]["dp2"].values()) > V.TOLERANCE
+    # No merged forwards were logged: the rows that need them say so instead of guessing.
+    left_out = V.validate([rnd], spec)["left_out"]
+    assert set(left_out) == {"replay+transitions+merged prefill", V.PER_REPLICA_PREFILL}
+    assert all("merged prefill ratio" in why for why in left_out.values())
+
+
+def test_the_merged_prefill_the_replay_logged_is_found_again(tmp_path, spec):
+    """A pair whose merged prefills took 1.6x a whole replica's (as one batch, not pipelined)
+    and its merged decode steps 1.3x: only the row that takes both finds it exactly."""
+    write_round(tmp_path / "r1", spec, merged=(1.3, 1.6))
+    rnd = V.load_round(tmp_path / "r1")
+    assert (rnd.merged_decode_ratio, rnd.merged_prefill_ratio) == (1.3, 1.6)
+    got = V.validate([rnd], spec)
+    assert got["left_out"] == {}
+    rows = got["calibrations"]
+    exact = rows["replay+transitions+merged prefill"]
+    assert all(exact["error"][arm][k] == pytest.approx(0.0, abs=1e-6)
+               for arm in V.ARMS for k in V.SHOWN)
+    # Pipelined merged prefills reach the first token sooner than this pair did.
+    decode_only = rows["replay+transitions+merged"]["error"]["kunserve"]
+    assert decode_only["ttft_s_p99"] < -1e-3
 
 
 def test_a_replay_without_forward_timings_is_refused(tmp_path, spec):

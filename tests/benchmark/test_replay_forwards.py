@@ -57,3 +57,27 @@ def test_a_log_without_decode_steps_determines_no_model():
     prefills = [line for line in log_lines() if line["mode"] == "extend"]
     with pytest.raises(ValueError, match="decode"):
         forwards.summarize(prefills, "test")
+
+
+def test_merged_forwards_are_ratios_over_the_unmerged_fit():
+    """Forwards inside a merged window are left out of the fit and measured against it: here
+    the merged decode steps took 1.25x and the merged prefills 1.5x what the same batches
+    cost on a whole replica."""
+    lines = log_lines()
+    start = 1000.0 + 10_000
+    merged = []
+    for k, (mode, news) in enumerate((("extend", [300]), ("decode", [1, 1]),
+                                      ("extend", [100, 40]), ("decode", [1]))):
+        phase = TRUE.prefill if mode == "extend" else TRUE.decode
+        cached = [0] * len(news) if mode == "extend" else [200] * len(news)
+        s = phase.seconds([forwards.Chunk(p, n) for p, n in zip(cached, news)])
+        merged.append({"mode": mode, "cached": cached, "new": news, "pid": 101,
+                       "seconds": s * (1.5 if mode == "extend" else 1.25), "t": start + k})
+    got = forwards.summarize(lines + merged, "test", merged_windows=[(start - 1, start + 10)])
+    assert got["merged_decode_ratio"] == {"median": pytest.approx(1.25, rel=1e-3),
+                                          "forwards": 2}
+    assert got["merged_prefill_ratio"] == {"median": pytest.approx(1.5, rel=1e-3),
+                                           "forwards": 2}
+    # The merged forwards did not move the fit.
+    alone = forwards.summarize(lines, "test")
+    assert got["fit"] == alone["fit"]
