@@ -8,7 +8,7 @@ Levers: admission control while merged (a merged pair runs at most N requests; t
 wait), how far from its end a running request counts as about to free its KV (the drop's
 ``finishing_steps``), the controller's restore thresholds, and the costs themselves set to
 what a better implementation would pay (transitions free; a merged decode step as cheap as a
-whole replica's; both). Each row gives, per round and then as the median over the rounds, the
+whole replica's; both; a merged prefill as a whole replica's or pipelined). Each row gives, per round and then as the median over the rounds, the
 targets' ratios of KunServe to plain DP 2, both simulated with the same calibration:
 P99 TTFT (DP 2 / KunServe; goal >= 5), P50 TPOT change (goal <= +30%), E2E P95 change (goal
 <= 0) and TPOT P95 change.
@@ -51,6 +51,10 @@ LEVERS = (
     Lever("transitions free", costs={"drop_s": 0.0, "restore_s": 0.0}),
     Lever("merged decode step as a whole replica's", costs={"merged_step_factor": 1.0}),
     Lever("both free", costs={"drop_s": 0.0, "restore_s": 0.0, "merged_step_factor": 1.0}),
+    # The merged prefill: as measured live (one batch, slower than a whole replica's), as a
+    # whole replica's, or cut into micro-batches that overlap across the stages (the paper's).
+    Lever("merged prefill as a whole replica's", costs={"merged_prefill_factor": 1.0}),
+    Lever("merged prefill pipelined in micro-batches", costs={"merged_prefill_factor": None}),
 )
 
 
