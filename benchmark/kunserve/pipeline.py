@@ -1,14 +1,17 @@
-"""Decode TPOT of a live KunServe pair, whole vs dropped (the pipeline's own cost).
+"""Decode TPOT of a live KunServe group, whole vs dropped (the pipeline's own cost).
 
-One ``--dp-size 2 --enable-kunserve`` server (float32, one core per replica, the replay's
-910-token pools), with SGLang's forwards timed (``SGLANG_MORPH_FORWARD_TIMINGS``). For each
-layout (whole replicas; then after ``POST /kunserve/drop``, the pair as a two-stage pipeline)
-and each batch size ``b``, ``b`` greedy requests per replica run at once (``routed_dp_rank``),
-twice: 1 new token (the TTFT) and ``1 + DECODE_TOKENS`` (ignore_eos); a request's TPOT is
-the difference over ``DECODE_TOKENS``. The replay measures TPOT under a trace, where a drop
-also admits more requests; this isolates what the pipeline costs a step at the same batch.
+One ``--dp-size G --enable-kunserve [--kunserve-group-size G]`` server (G = 2, a pair, by
+default; float32, one thread per replica, the replay's 910-token pools), with SGLang's forwards
+timed (``SGLANG_MORPH_FORWARD_TIMINGS``). For each layout (whole replicas; then after
+``POST /kunserve/drop``, the group as a pipeline of G stages) and each batch size ``b``, ``b``
+greedy requests per replica run at once (``routed_dp_rank``), twice: 1 new token (the TTFT)
+and ``1 + DECODE_TOKENS`` (ignore_eos); a request's TPOT is the difference over
+``DECODE_TOKENS``. The replay measures TPOT under a trace, where a drop also admits more
+requests; this isolates what the pipeline costs a step at the same batch. ``--runs N``
+repeats each layout's batches N times on the same server (whole N times, then dropped N
+times).
 
-    .venv/bin/python -m benchmark.kunserve.pipeline [--out benchmark/results/kunserve]
+    .venv/bin/python -m benchmark.kunserve.pipeline [--group-size G] [--runs N] [--out DIR]
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ import collections
 import concurrent.futures
 import json
 import statistics
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -26,8 +30,7 @@ import httpx
 
 from benchmark.harness import load_average, run_meta, running_server
 
-SERVER_ARGS = ("--dp-size", "2", "--dtype", "float32", "--max-total-tokens", "910",
-               "--enable-kunserve")
+SERVER_ARGS = ("--dtype", "float32", "--max-total-tokens", "910", "--enable-kunserve")
 PROMPT_TOKENS = 48
 DECODE_TOKENS = 96
 BATCHES = (1, 2, 3, 4)
@@ -49,9 +52,14 @@ def generate(url: str, replica: int, seed: int, new_tokens: int) -> float:
     return time.perf_counter() - start
 
 
-def at_once(url: str, batch: int, new_tokens: int) -> list[float]:
+def server_args(group_size: int) -> tuple[str, ...]:
+    return ("--dp-size", str(group_size), *SERVER_ARGS,
+            *(("--kunserve-group-size", str(group_size)) if group_size > 2 else ()))
+
+
+def at_once(url: str, replicas: int, batch: int, new_tokens: int) -> list[float]:
     """``batch`` requests per replica, all sent together; seconds each (replica 0's first)."""
-    jobs = [(r, 1000 * r + i) for r in (0, 1) for i in range(batch)]
+    jobs = [(r, 1000 * r + i) for r in range(replicas) for i in range(batch)]
     with concurrent.futures.ThreadPoolExecutor(len(jobs)) as pool:
         return list(pool.map(lambda job: generate(url, *job, new_tokens), jobs))
 
@@ -66,22 +74,22 @@ def decode_forwards(path: Path, since_line: int) -> dict[int, list[float]]:
     return out
 
 
-def measure(url: str, timings: Path, layout: str) -> list[dict]:
+def measure(url: str, timings: Path, layout: str, replicas: int, run: int) -> list[dict]:
     rows = []
     for batch in BATCHES:
-        at_once(url, batch, 4)  # warm-up (and the prompts' prefixes cached alike)
+        at_once(url, replicas, batch, 4)  # warm-up (and the prompts' prefixes cached alike)
         first = len(timings.read_text().splitlines()) if timings.exists() else 0
-        short = at_once(url, batch, 1)
-        long = at_once(url, batch, 1 + DECODE_TOKENS)
+        short = at_once(url, replicas, batch, 1)
+        long = at_once(url, replicas, batch, 1 + DECODE_TOKENS)
         tpot = [(lo - sh) / DECODE_TOKENS for lo, sh in zip(long, short)]
         forwards = decode_forwards(timings, first)
         rows.append({
-            "layout": layout, "batch_per_replica": batch,
+            "layout": layout, "run": run, "batch_per_replica": batch,
             "tpot_s": tpot, "tpot_median_s": statistics.median(tpot),
             "ttft_s": short,
             "decode_forward_median_s": statistics.median(
                 [s for per_pid in forwards.values() for s in per_pid]) if forwards else None})
-        print(json.dumps({k: rows[-1][k] for k in ("layout", "batch_per_replica",
+        print(json.dumps({k: rows[-1][k] for k in ("layout", "run", "batch_per_replica",
                                                      "tpot_median_s")}), flush=True)
     return rows
 
@@ -90,42 +98,69 @@ def main() -> None:
     ap = argparse.ArgumentParser(prog="python -m benchmark.kunserve.pipeline",
                                  description=__doc__.splitlines()[0])
     ap.add_argument("--out", type=Path, default=Path("benchmark/results/kunserve"))
+    ap.add_argument("--group-size", type=int, default=2,
+                    help="replicas in the group, all of the server's (default 2: a pair)")
+    ap.add_argument("--runs", type=int, default=1, help="repeats of each layout's batches")
     args = ap.parse_args()
+    if args.group_size < 2 or args.runs < 1:
+        ap.error("--group-size must be at least 2 and --runs at least 1")
     args.out.mkdir(parents=True, exist_ok=True)
     load_before = load_average()
+    launch = server_args(args.group_size)
     with tempfile.TemporaryDirectory() as tmp:
         timings = Path(tmp) / "forwards.jsonl"
         env = {"OMP_NUM_THREADS": "1", "SGLANG_MORPH_FORWARD_TIMINGS": str(timings)}
-        with running_server(SERVER_ARGS, Path(tmp) / "server.log", env) as server:
-            rows = measure(server.url, timings, "whole")
+        with running_server(launch, Path(tmp) / "server.log", env) as server:
+            rows = [row for run in range(args.runs)
+                    for row in measure(server.url, timings, "whole", args.group_size, run)]
             r = httpx.post(f"{server.url}/kunserve/drop", timeout=600)
             if r.status_code != 200:
                 raise RuntimeError(f"drop refused: {r.status_code} {r.text}")
-            rows += measure(server.url, timings, "dropped")
+            rows += [row for run in range(args.runs)
+                     for row in measure(server.url, timings, "dropped", args.group_size, run)]
             status = httpx.get(f"{server.url}/kunserve/status", timeout=60).json()
-    whole = {r["batch_per_replica"]: r["tpot_median_s"] for r in rows if r["layout"] == "whole"}
-    ratios = {b: r["tpot_median_s"] / whole[b] for r in rows if r["layout"] == "dropped"
-              for b in [r["batch_per_replica"]]}
+    by = {(r["layout"], r["run"], r["batch_per_replica"]): r for r in rows}
+    # Per run: dropped over whole of the same run's batch (whole run i against dropped run i).
+    ratios = {b: [by[("dropped", i, b)]["tpot_median_s"] / by[("whole", i, b)]["tpot_median_s"]
+                  for i in range(args.runs)] for b in BATCHES}
     result = {
         "rows": rows, "tpot_dropped_over_whole": {str(b): v for b, v in ratios.items()},
         "batches_sent_ahead": [rep.get("batches_sent_ahead") for rep in status["replicas"]],
-        "settings": {"server_args": list(SERVER_ARGS), "prompt_tokens": PROMPT_TOKENS,
-                     "decode_tokens": DECODE_TOKENS, "omp_threads_per_replica": 1},
-        "meta": run_meta("python -m benchmark.kunserve.pipeline", load_before),
+        "layers": [rep["layers"] for rep in status["replicas"]],
+        "settings": {"server_args": list(launch), "prompt_tokens": PROMPT_TOKENS,
+                     "decode_tokens": DECODE_TOKENS, "omp_threads_per_replica": 1,
+                     "runs": args.runs},
+        "meta": run_meta("python -m benchmark.kunserve.pipeline "
+                         + " ".join(sys.argv[1:]), load_before),
     }
     (args.out / "pipeline.json").write_text(json.dumps(result, indent=1))
+    what = "pair" if args.group_size == 2 else f"group of {args.group_size}"
     lines = [
-        "# KunServe pair: decode TPOT whole vs dropped", "",
-        f"commit {result['meta']['git']['commit']}, {result['meta']['machine'].get('cpu_model')}"
-        f", load {load_before} -> {result['meta']['load_after']}; `{result['meta']['command']}`",
-        "", "| batch per replica | TPOT whole ms | TPOT dropped ms | dropped / whole | "
+        f"# KunServe {what}: decode TPOT whole vs dropped", "",
+        f"commit {result['meta']['git']['commit']} (dirty: {result['meta']['git']['dirty']}), "
+        f"{result['meta']['machine'].get('cpu_model')}, "
+        f"{result['meta']['machine'].get('cpu_cores')} cores, load {load_before} -> "
+        f"{result['meta']['load_after']}; `{result['meta']['command']}`; server "
+        f"`{' '.join(launch)}`; stages {result['layers']}.", "",
+        f"Median over {args.runs} run(s) (min-max); a run's figure is the median over its "
+        f"requests. The ratio is per run (dropped run i over whole run i).", "",
+        "| batch per replica | TPOT whole ms | TPOT dropped ms | dropped / whole | "
         "decode forward whole ms | dropped ms |", "|---:|---:|---:|---:|---:|---:|"]
-    by = {(r["layout"], r["batch_per_replica"]): r for r in rows}
+
+    def cell(values: list[float], scale: float = 1000.0, digits: int = 1) -> str:
+        values = [v * scale for v in values]
+        text = f"{statistics.median(values):.{digits}f}"
+        return text if len(values) == 1 else (
+            f"{text} ({min(values):.{digits}f}-{max(values):.{digits}f})")
+
     for b in BATCHES:
-        w, d = by[("whole", b)], by[("dropped", b)]
-        lines.append(f"| {b} | {1000 * w['tpot_median_s']:.1f} | {1000 * d['tpot_median_s']:.1f}"
-                     f" | {ratios[b]:.2f} | {1000 * (w['decode_forward_median_s'] or 0):.1f} | "
-                     f"{1000 * (d['decode_forward_median_s'] or 0):.1f} |")
+        runs = range(args.runs)
+        lines.append(
+            f"| {b} | {cell([by[('whole', i, b)]['tpot_median_s'] for i in runs])} | "
+            f"{cell([by[('dropped', i, b)]['tpot_median_s'] for i in runs])} | "
+            f"{cell(ratios[b], 1.0, 2)} | "
+            f"{cell([by[('whole', i, b)]['decode_forward_median_s'] or 0 for i in runs])} | "
+            f"{cell([by[('dropped', i, b)]['decode_forward_median_s'] or 0 for i in runs])} |")
     (args.out / "pipeline.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
 

@@ -3,6 +3,7 @@ micro-batching, controller policy and the cluster simulation. Pure Python, no se
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import random
 
@@ -97,6 +98,26 @@ def test_two_member_group_frees_exactly_what_the_memory_model_says(spec, planner
         assert m.kv_bytes_per_token == per_token
         assert m.kv_capacity_tokens == (BUDGET_BYTES - m.budget.weight_bytes) // per_token
         assert m.budget.kv_bytes == m.kv_capacity_tokens * per_token <= m.budget.total_bytes - m.budget.weight_bytes
+
+
+def test_a_live_group_counts_the_embedding_on_every_member(spec, planner):
+    """Live, every member embeds and samples its own requests: with ``members_keep_embedding``
+    a middle stage keeps the embedding (tied head) beside its layers and frees that much less,
+    and a pair keeps exactly what it kept without the option."""
+    live = dataclasses.replace(planner, members_keep_embedding=True)
+    layers = spec.num_layers
+    layer_bytes = spec.layer_linear_bytes(16) + spec.norm_bytes_per_layer
+    norm = spec.hidden_size * spec.dtype_bytes
+    four = make_group(live, (0, 1, 2, 3))
+    paper = make_group(planner, (0, 1, 2, 3))
+    for m, p in zip(four.members, paper.members):
+        dropped = (layers - len(m.layers)) * layer_bytes
+        last = m.layers.stop == layers
+        assert m.freed_bytes == dropped + (0 if last else norm)
+        m.check_integrity()
+        middle = m.layers.start > 0 and not last
+        assert m.freed_bytes == p.freed_bytes - (spec.embedding_bytes if middle else 0)
+    assert make_group(live, (0, 1)) == make_group(planner, (0, 1))
 
 
 def test_untied_head_and_pages(spec):

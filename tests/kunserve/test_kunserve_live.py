@@ -28,6 +28,7 @@ from __future__ import annotations
 import argparse
 import concurrent.futures
 import json
+import re
 import types
 
 import pytest
@@ -113,18 +114,50 @@ def test_micro_batches_need_the_flag_and_default_to_four():
                                        kunserve_micro_batches=1)).micro_batches == 1
 
 
-def test_each_pair_gets_its_own_link_port():
+def test_each_group_gets_its_own_link_port():
     import socket
 
     from_cli = kunserve_config.KunServeLiveConfig.from_cli_namespace
-    cfg = from_cli(argparse.Namespace(enable_kunserve=True), pairs=3)
-    assert [cfg.pair_port(i) for i in range(3)] == [cfg.link_port + i for i in range(3)]
+    cfg = from_cli(argparse.Namespace(enable_kunserve=True), dp_size=6)
+    assert cfg.group_size == 2
+    assert [cfg.group_port(i) for i in range(3)] == [cfg.link_port + i for i in range(3)]
     for i in range(3):  # all free now, for the pairs' stores to bind later
         with socket.socket() as sock:
-            sock.bind(("127.0.0.1", cfg.pair_port(i)))
+            sock.bind(("127.0.0.1", cfg.group_port(i)))
     assert from_cli(argparse.Namespace(enable_kunserve=True, kunserve_link_port=4000),
-                    pairs=2).pair_port(1) == 4001
-    assert kunserve_config.pairs(launch_args(dp_size=6)) == 3
+                    dp_size=4).group_port(1) == 4001
+    server_args = launch_args(dp_size=6)
+    kunserve_config.attach(server_args, cfg)
+    assert kunserve_config.groups(server_args) == 3
+    four = from_cli(argparse.Namespace(enable_kunserve=True, kunserve_group_size=4,
+                                       kunserve_link_port=4000), dp_size=8)
+    server_args = launch_args(dp_size=8)
+    kunserve_config.attach(server_args, four)
+    assert (four.group_size, kunserve_config.groups(server_args)) == (4, 2)
+
+
+@pytest.mark.parametrize("flags, dp_size, message", [
+    (dict(kunserve_group_size=4), 6, "--kunserve-group-size 4 needs a --dp-size that is a "
+                                     "multiple of it (got 6)"),
+    (dict(kunserve_group_size=1), 4, "--kunserve-group-size must be an integer in [2, 8], "
+                                     "got 1"),
+    (dict(kunserve_group_size=16), 16, "--kunserve-group-size must be an integer in [2, 8]"),
+    (dict(kunserve_group_size=4, kunserve_auto=True), 4,
+     "--kunserve-auto drives groups of two only yet"),
+])
+def test_a_group_size_the_launch_cannot_serve_is_refused(flags, dp_size, message):
+    server_args = launch_args(dp_size=dp_size)
+    with pytest.raises(PluginError, match=re.escape(message)):
+        configure_kunserve(server_args, argparse.Namespace(enable_kunserve=True,
+                                                           kunserve_link_port=4000, **flags),
+                           False)
+    assert not hasattr(server_args, kunserve_config.SERVER_ARGS_ATTR)
+
+
+def test_the_group_size_needs_the_flag():
+    server_args = launch_args(dp_size=4)
+    with pytest.raises(PluginError, match="--kunserve-group-size needs --enable-kunserve"):
+        configure_kunserve(server_args, argparse.Namespace(kunserve_group_size=4), False)
 
 
 def test_without_the_flag_nothing_changes():

@@ -41,12 +41,17 @@ _NO_WORKLOAD = Workload(1, 1, 1)  # stage_memory's KV and activation terms are n
 class DropPlannerConfig:
     """What the planner plans for. ``budget_bytes`` is one replica's weights + KV budget
     (``--morph-memory-budget`` per replica under DP); ``max_group_size`` caps the pipeline
-    depth (default: as many members as layers, one layer each at most)."""
+    depth (default: as many members as layers, one layer each at most).
+    ``members_keep_embedding``: every member keeps the embedding, not only the first stage,
+    as a live group does where each replica embeds and samples its own requests (a tied LM
+    head is that tensor); a pair keeps the same bytes either way, a middle stage holds the
+    embedding more."""
 
     memory: MemoryModel
     budget_bytes: int
     page_size_tokens: int = 1
     max_group_size: int | None = None
+    members_keep_embedding: bool = False
 
     def __post_init__(self) -> None:
         if self.page_size_tokens < 1:
@@ -75,7 +80,8 @@ class DropPlannerConfig:
         return self.memory.model_weight_bytes(full_precision_layers(self.num_layers))
 
     def stage_weight_bytes(self, layers: range) -> int:
-        first, last = layers.start == 0, layers.stop == self.num_layers
+        first = layers.start == 0 or self.members_keep_embedding
+        last = layers.stop == self.num_layers
         bits = full_precision_layers(len(layers))
         return self.memory.stage_memory(layers, bits, _NO_WORKLOAD, first, last).weight_bytes
 

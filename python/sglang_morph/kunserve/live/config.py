@@ -2,8 +2,8 @@
 
 The config is resolved in the launcher (``ServerArgs.from_cli_args``), before anything is
 spawned, and rides the ``ServerArgs`` record into every scheduler process, like the morph
-config. The rendezvous ports of the pairs' gloo links are picked there too (consecutive free
-ports on 127.0.0.1, one per pair), so every replica reads the same ones.
+config. The rendezvous ports of the groups' gloo links are picked there too (consecutive free
+ports on 127.0.0.1, one per group), so every replica reads the same ones.
 """
 
 from __future__ import annotations
@@ -73,6 +73,7 @@ class AutoControlConfig:
 
 
 MAX_MICRO_BATCHES = 16
+MAX_GROUP_SIZE = 8  # stages of one pipeline; each a member's link to every other member
 MICRO_BATCH_CUTS = ("cost", "tokens")
 # A chunk shorter than this spends more of its step on the fixed per-step work (sampling,
 # the link's two messages a stage) than on the prompt.
@@ -82,8 +83,10 @@ MIN_CHUNK_TOKENS = 16
 @dataclasses.dataclass(frozen=True)
 class KunServeLiveConfig:
     enabled: bool = False
-    # TCPStore port of the first pair's gloo link; pair i (replicas 2i and 2i + 1) uses
-    # link_port + i.
+    # Replicas per group: G consecutive replicas (G*i .. G*i + G - 1) drop to one pipeline of
+    # G stages together (2: pairs).
+    group_size: int = 2
+    # TCPStore port of the first group's gloo link; group i uses link_port + i.
     link_port: int | None = None
     auto: AutoControlConfig | None = None  # None: operator-driven only
     # A merged replica's prefill of at least 2 x 64 tokens runs as up to this many
@@ -101,6 +104,14 @@ class KunServeLiveConfig:
     merged_chunked_prefill: int | None = None
 
     def __post_init__(self) -> None:
+        g = self.group_size
+        if not (is_int(g) and 2 <= g <= MAX_GROUP_SIZE):
+            raise KunServeConfigError(f"--kunserve-group-size must be an integer in "
+                                      f"[2, {MAX_GROUP_SIZE}], got {g!r}")
+        if g > 2 and self.auto is not None:
+            raise KunServeConfigError(f"--kunserve-auto drives groups of two only yet; with "
+                                      f"--kunserve-group-size {g} the groups drop and restore "
+                                      f"through POST /kunserve/drop and /kunserve/restore")
         m = self.micro_batches
         if not (is_int(m) and 1 <= m <= MAX_MICRO_BATCHES):
             raise KunServeConfigError(f"--kunserve-micro-batches must be an integer in "
@@ -117,15 +128,18 @@ class KunServeLiveConfig:
                 raise KunServeConfigError(f"{flag} must be an integer >= {least}, "
                                           f"got {value!r}")
 
-    def pair_port(self, pair: int) -> int:
-        """The link rendezvous port of pair ``pair`` (replicas ``2 * pair`` and ``2 * pair + 1``)."""
-        return int(self.link_port) + pair
+    def group_port(self, group: int) -> int:
+        """The link rendezvous port of group ``group`` (replicas ``G * group`` to
+        ``G * group + G - 1``)."""
+        return int(self.link_port) + group
 
     @classmethod
-    def from_cli_namespace(cls, args: argparse.Namespace, pairs: int = 1) -> "KunServeLiveConfig":
-        """``pairs``: the pairs of replicas the launch makes (``--dp-size / 2``), one link port
-        each."""
+    def from_cli_namespace(cls, args: argparse.Namespace, dp_size: int = 2
+                           ) -> "KunServeLiveConfig":
+        """``dp_size``: the launch's replicas, ``dp_size / group_size`` groups of them, one link
+        port each."""
         auto = bool(getattr(args, "kunserve_auto", False))
+        group_size = getattr(args, "kunserve_group_size", None)
         auto_json = getattr(args, "kunserve_auto_config", None)
         micro = getattr(args, "kunserve_micro_batches", None)
         cuts = getattr(args, "kunserve_micro_batch_cuts", None)
@@ -138,7 +152,8 @@ class KunServeLiveConfig:
                                            ("--kunserve-micro-batch-cuts", cuts is not None),
                                            ("--kunserve-merged-max-running", cap is not None),
                                            ("--kunserve-merged-chunked-prefill",
-                                            chunk is not None))
+                                            chunk is not None),
+                                           ("--kunserve-group-size", group_size is not None))
                      if on]
             if given:
                 raise KunServeConfigError(f"{', '.join(given)} "
@@ -147,14 +162,23 @@ class KunServeLiveConfig:
             return cls()
         if auto_json is not None and not auto:
             raise KunServeConfigError("--kunserve-auto-config needs --kunserve-auto")
+        # An odd --dp-size is check_launch's to refuse (it names --dp-size, whatever the group).
+        if (group_size is not None and is_int(group_size) and group_size >= 2
+                and dp_size % group_size and dp_size % 2 == 0):
+            raise KunServeConfigError(
+                f"--enable-kunserve with --kunserve-group-size {group_size} needs a --dp-size "
+                f"that is a multiple of it (got {dp_size}): replicas serve in groups of "
+                f"{group_size} consecutive ones")
+        group_size = 2 if group_size is None else group_size
+        groups = max(1, dp_size // group_size) if is_int(group_size) and group_size > 0 else 1
         port = getattr(args, "kunserve_link_port", None)
         if port is None:
-            port = free_late_bind_ports(pairs)
+            port = free_late_bind_ports(groups)
             if port is None:
-                raise KunServeConfigError(f"--enable-kunserve: no {pairs} consecutive free ports "
-                                          f"found for the pairs' links; pass "
+                raise KunServeConfigError(f"--enable-kunserve: no {groups} consecutive free "
+                                          f"ports found for the groups' links; pass "
                                           f"--kunserve-link-port")
-        return cls(enabled=True, link_port=port,
+        return cls(enabled=True, group_size=group_size, link_port=port,
                    auto=AutoControlConfig.from_json(auto_json) if auto else None,
                    **({} if micro is None else {"micro_batches": micro}),
                    **({} if cuts is None else {"micro_batch_cuts": cuts}),
@@ -171,8 +195,14 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
         "/kunserve routes; replicas 2i and 2i + 1 form a pair, which can drop to layers "
         "[0, k) on replica 2i and [k, L) on replica 2i + 1.")
     group.add_argument(
+        "--kunserve-group-size", type=int, default=None, metavar="G",
+        help="Replicas per group (default 2, pairs): G consecutive replicas drop together to a "
+        "pipeline of G stages, each keeping 1/G of the layers (--dp-size a multiple of G; "
+        f"at most {MAX_GROUP_SIZE}). Groups of more than two drop and restore through the "
+        "POST routes (no --kunserve-auto) and run their batches uncut.")
+    group.add_argument(
         "--kunserve-link-port", type=int, default=None, metavar="PORT",
-        help="TCP port of the first pair's gloo link rendezvous on 127.0.0.1; pair i uses "
+        help="TCP port of the first group's gloo link rendezvous on 127.0.0.1; group i uses "
         "PORT + i (default: consecutive free ports picked at launch).")
     group.add_argument(
         "--kunserve-auto", action="store_true",
@@ -213,7 +243,7 @@ def check_launch(server_args: Any, morph_enabled: bool) -> None:
     if dp < 2 or dp % 2:
         raise KunServeConfigError(
             f"--enable-kunserve needs an even --dp-size of at least 2 (got {dp}): replicas "
-            f"serve in pairs, groups of two being the only ones served live yet")
+            f"serve in groups of two or more (--kunserve-group-size)")
     for name in ("tp_size", "pp_size"):
         if (getattr(server_args, name, 1) or 1) > 1:
             raise KunServeConfigError(f"--enable-kunserve does not support "
@@ -235,9 +265,10 @@ def check_launch(server_args: Any, morph_enabled: bool) -> None:
         raise KunServeConfigError("--enable-kunserve does not support --speculative-algorithm")
 
 
-def pairs(server_args: Any) -> int:
-    """The pairs of replicas of a launch (``--dp-size / 2``; at least one)."""
-    return max(1, (getattr(server_args, "dp_size", 1) or 1) // 2)
+def groups(server_args: Any) -> int:
+    """The groups of replicas of a launch (``--dp-size / --kunserve-group-size``; at least
+    one)."""
+    return max(1, (getattr(server_args, "dp_size", 1) or 1) // get(server_args).group_size)
 
 
 def attach(server_args: Any, cfg: KunServeLiveConfig) -> None:

@@ -1,6 +1,7 @@
 """``/kunserve/*`` routes in SGLang's HTTP server. Every replica answers every request through
 the elastic core's control client (``elastic/control.py``), which waits for all of them; a
-transition runs on the pair it names, the other replicas answer with their status.
+transition runs on the group it names (a pair, or ``--kunserve-group-size`` replicas), the
+other replicas answer with their status.
 
 Auth as ``/morph``: ``GET /kunserve/status`` is a normal endpoint (``--api-key``), the
 transitions are ``ADMIN_OPTIONAL`` (``--admin-api-key`` when set)."""
@@ -24,11 +25,11 @@ async def _forward(req: Any) -> JSONResponse:
     return await answer_of_every_replica(req, "KunServe", "groups")
 
 
-async def _pair(request: Request) -> tuple[list[int] | None, str | None]:
-    """The pair a transition names: ``{"group": [a, b]}``, or None for no body or an empty
-    JSON object (the only pair of a --dp-size 2 launch; the replicas refuse it on a larger
-    one). A message when the body is anything else; whether the pair is one of the launch's,
-    the replicas check."""
+async def _group(request: Request) -> tuple[list[int] | None, str | None]:
+    """The group a transition names: ``{"group": [a, b, ...]}``, or None for no body or an
+    empty JSON object (the only group of the launch; the replicas refuse it on a launch of
+    several). A message when the body is anything else; whether the group is one of the
+    launch's (its size included), the replicas check."""
     if not (await request.body()).strip():
         return None, None
     body = await json_object(request)
@@ -37,13 +38,11 @@ async def _pair(request: Request) -> tuple[list[int] | None, str | None]:
     if not body:
         return None, None
     group, _, error = await replica_list(request, "group")
-    if error is None and len(group) != 2:
-        error = f"'group' must name a pair of replicas, got {group}"
     return group, error
 
 
 async def _transition(request: Request, req_type: Any) -> JSONResponse:
-    group, error = await _pair(request)
+    group, error = await _group(request)
     if error is not None:
         return JSONResponse({"error": error}, status_code=400)
     return await _forward(req_type(group=group))
@@ -64,18 +63,19 @@ def add_routes(app: Any) -> None:
 
     @auth_level(AuthLevel.ADMIN_OPTIONAL)
     async def kunserve_drop(request: Request):
-        """Merge a pair of replicas into one group: its first replica keeps decoder layers
-        [0, k) and its second layers [k, L) (k from the drop planner), the dropped weights'
-        memory becomes KV capacity, and each batch runs through the pair as a two-stage
-        pipeline. Requests in flight keep running; their KV moves with the layers. The other
-        pairs do not change.
+        """Merge a group of replicas (a pair, or ``--kunserve-group-size`` G of them): in a
+        pair its first replica keeps decoder layers [0, k) and its second layers [k, L) (k
+        from the drop planner); in a group of G each keeps its stage of the planner's G
+        ranges. The dropped weights' memory becomes KV capacity, and each batch runs through
+        the group as a pipeline of its stages. Requests in flight keep running; their KV moves
+        with the layers. The other groups do not change.
 
-        Body: ``{"group": [2, 3]}``, the pair (replicas 2i and 2i + 1); none, or an empty JSON
-        object, on a --dp-size 2 launch (its one pair).
+        Body: ``{"group": [2, 3]}``, the group (replicas G*i .. G*i + G - 1); none, or an
+        empty JSON object, on a launch of one group.
 
         Answers: 200 with the new status (as ``GET /kunserve/status``); 400 with
-        ``{"error": ...}`` for any other body, a group that is not a pair of the launch, or
-        no group on a launch of several pairs; 409 when a replica refuses (already merged);
+        ``{"error": ...}`` for any other body, a group that is not one of the launch's, or
+        no group on a launch of several groups; 409 when a replica refuses (already merged);
         500 when the drop failed on a replica and was undone on both; 503 when KunServe is not
         running in this server. A 409 or 500 carries ``{"error": ..., "replicas": [...]}``.
         """
@@ -83,11 +83,10 @@ def add_routes(app: Any) -> None:
 
     @auth_level(AuthLevel.ADMIN_OPTIONAL)
     async def kunserve_restore(request: Request):
-        """Split a pair's group: each replica takes back every layer and its own KV, and
-        serves on its own again. Requests in flight keep running.
+        """Split a group: each replica takes back every layer and its own KV, and serves on its
+        own again. Requests in flight keep running.
 
-        Body: ``{"group": [2, 3]}``, the pair (replicas 2i and 2i + 1); none, or an empty JSON
-        object, on a --dp-size 2 launch (its one pair).
+        Body: as for the drop.
 
         Answers: 200 with the new status (as ``GET /kunserve/status``); 400 with
         ``{"error": ...}`` as for the drop; 409 when a replica refuses (not merged, or it

@@ -16,7 +16,7 @@ def configure(server_args: Any, args: Any, enabled_before: frozenset[str]) -> bo
     """In the launcher: parse, check and attach the KunServe config. Raises
     KunServeConfigError (one line) having attached nothing."""
     cfg = kunserve_config.KunServeLiveConfig.from_cli_namespace(
-        args, pairs=kunserve_config.pairs(server_args))
+        args, dp_size=getattr(server_args, "dp_size", 1) or 1)
     if cfg.enabled:
         kunserve_config.check_launch(server_args, morph_enabled="morph" in enabled_before)
     kunserve_config.attach(server_args, cfg)

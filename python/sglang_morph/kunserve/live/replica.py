@@ -1,6 +1,7 @@
-"""One data-parallel replica's side of a live KunServe pair (``--enable-kunserve --dp-size N``,
-N even: replicas ``2i`` and ``2i + 1`` form pair ``i``, each pair with its own link, drops and
-restores; below, "replica 0" and "replica 1" are a pair's first and second member).
+"""One data-parallel replica's side of a live KunServe group (``--enable-kunserve --dp-size N``,
+N even: by default replicas ``2i`` and ``2i + 1`` form pair ``i``, each pair with its own link,
+drops and restores; below, "replica 0" and "replica 1" are a pair's first and second member;
+larger groups at the end of this docstring).
 
 Design (symmetric group): SGLang has no way to move a request between schedulers, so each
 replica keeps its scheduler, its requests and its own KV slot numbers. After a drop, replica 0
@@ -29,6 +30,12 @@ member (replica 1) sends its batch to the front's layers before its forward take
 (``send_ahead``), so that the front runs it while replica 1's core still runs the front's
 previous batch: the two replicas' steps overlap as a two-stage pipeline of two micro-batches
 instead of running in series.
+
+Groups of more than two (``--kunserve-group-size G``, replicas ``G*i`` to ``G*i + G - 1``):
+member ``r`` keeps the ``r``-th of the planner's ``G`` layer ranges and a mirror per other
+member; a forward runs the ranges in stage order, this replica's own here and each other's
+by that member's service thread (``_forward_stages``), uncut and without send-ahead. A KV move
+walks the group's pairs of members in one order, exchanging with each the KV of its layers.
 
 Transitions (drop, restore): both schedulers handle the same request between two batches (the
 data-parallel controller sends it to each) and run it as a voted transition of the group
@@ -66,7 +73,7 @@ from sglang_morph.elastic.kv_resizer import (
     set_pool_buffers,
 )
 from sglang_morph.kunserve.live.attention import new_rows_backend
-from sglang_morph.kunserve.live.config import pairs as pairs_of_launch
+from sglang_morph.kunserve.live.config import groups as groups_of_launch
 from sglang_morph.kunserve.live.link import PeerLink
 from sglang_morph.kunserve.cost import Chunk, OnlineChunkCost, balanced_bounds
 from sglang_morph.kunserve.planner import DropPlannerConfig, MemberLayout, make_group
@@ -112,10 +119,12 @@ class KunServeReplica(GroupMember):
             raise NotImplementedError("KunServe live needs tied word embeddings")
         self.scheduler, self.runner, self.model = scheduler, runner, model.model
         replica = replica_index()
-        # Pairs are consecutive replicas: the even one is the front member and the leader.
-        self.rank = replica % 2
-        pair = (replica - self.rank, replica - self.rank + 1)
-        self.pairs = pairs_of_launch(scheduler.server_args)
+        # Groups are consecutive replicas, in stage order: the first is the front member (and,
+        # in a pair, the leader).
+        size = cfg.group_size
+        self.rank = replica % size
+        members = tuple(range(replica - self.rank, replica - self.rank + size))
+        self.groups = groups_of_launch(scheduler.server_args)
         self.allocator = scheduler.token_to_kv_pool_allocator
         self.pool = self.allocator.get_kvcache()
         self.page_size = self.allocator.page_size
@@ -132,21 +141,23 @@ class KunServeReplica(GroupMember):
         # The replica's budget is what SGLang gave it at startup: the whole model and its pool.
         self.planner = DropPlannerConfig(
             memory, weights + self.pool.size * self.num_layers * kv_per_layer,
-            page_size_tokens=self.page_size, max_group_size=2)
+            page_size_tokens=self.page_size, max_group_size=size,
+            # Each replica embeds and samples its own requests (the tied head), whatever its
+            # stage.
+            members_keep_embedding=True)
         if self.planner.full_replica().kv_capacity_tokens != self.pool.size:
             raise NotImplementedError("the planner's whole-replica capacity "
                                       f"{self.planner.full_replica().kv_capacity_tokens} is not "
                                       f"the pool's {self.pool.size} tokens")
-        self.group = make_group(self.planner, pair)
+        self.group = make_group(self.planner, members)
         self.member: MemberLayout = self.group.members[self.rank]
-        # Each replica owns half the group's tokens (its own requests), whole pages.
-        half = self.group.capacity_tokens // 2
-        self.kv_capacity_tokens_merged = half // self.page_size * self.page_size
+        # Each replica owns its share of the group's tokens (its own requests), whole pages.
+        share = self.group.capacity_tokens // size
+        self.kv_capacity_tokens_merged = share // self.page_size * self.page_size
         self.merged = False
-        self.mirror = None  # the peer's KV of our kept layers, at the peer's slot numbers
-        self.peer_backend = None  # SGLang's attention over the mirror: batches run uncut
-        self.peer_micro_backend = None  # the new rows only: micro-batches (attention.py)
-        self._peer_rows = types.SimpleNamespace(req_to_token=None)
+        # Merged: every other member's KV of our kept layers, at that member's slot numbers
+        # (member rank -> _Mirror); whole: none.
+        self.mirrors: dict[int, _Mirror] = {}
         self._host_weights: dict[int, torch.Tensor] = {}  # id(param) -> data while dropped
         self.dropped_weight_bytes = 0
         self.transitions: list[dict[str, Any]] = []
@@ -186,8 +197,8 @@ class KunServeReplica(GroupMember):
             self.faults.arm_from_env()
         self._metrics = _Metrics(replica) if MemberMetrics.enabled(scheduler) else None
         self._publish_metrics()
-        super().__init__(scheduler, PeerLink(self.rank, cfg.pair_port(pair[0] // 2),
-                                             replicas=pair),
+        super().__init__(scheduler, PeerLink(self.rank, cfg.group_port(replica // size),
+                                             replicas=members),
                          "kunserve", lambda: int(self.pool.size))
         self.auto = None  # --kunserve-auto: the controller's side (auto.py)
         if cfg.auto is not None:
@@ -209,10 +220,19 @@ class KunServeReplica(GroupMember):
         """The decoder layers the peer holds in a merged group, in order."""
         return [i for i in range(self.num_layers) if i not in self.member.layers]
 
+    @property
+    def last(self) -> bool:
+        return self.member.layers.stop == self.num_layers
+
+    @property
+    def mirror_tokens(self) -> int:
+        """The mirrors' capacity, all other members' together (0 whole)."""
+        return sum(int(m.pool.size) for m in self.mirrors.values())
+
     def _dropped_modules(self) -> list[torch.nn.Module]:
         out = [self.model.layers[i] for i in self.dropped_layers]
-        if self.front:
-            out.append(self.model.norm)  # the back member normalizes the front's output
+        if not self.last:
+            out.append(self.model.norm)  # the last member normalizes the group's output
         return out
 
     # ---- status ----
@@ -223,9 +243,9 @@ class KunServeReplica(GroupMember):
         layers = self.member.layers if self.merged else range(self.num_layers)
         own = int(self.pool.size)
         used = held_kv_tokens(self.scheduler)
-        peer = int(self.mirror.size) if self.mirror is not None else 0
-        pool_bytes = int(sum(self.pool.get_kv_size_bytes())) + (
-            int(sum(self.mirror.get_kv_size_bytes())) if self.mirror is not None else 0)
+        peer = self.mirror_tokens
+        pool_bytes = int(sum(self.pool.get_kv_size_bytes())) + sum(
+            int(sum(m.pool.get_kv_size_bytes())) for m in self.mirrors.values())
         kv_bytes_per_token = len(layers) * self.planner.kv_bytes_per_token_per_layer
         return {
             **self.group_status(self.merged),
@@ -277,10 +297,10 @@ class KunServeReplica(GroupMember):
         if self._metrics is None:
             return
         m = self._metrics
-        m.group_size.set(2 if self.merged else 1)
+        m.group_size.set(self.link.size if self.merged else 1)
         m.layers_held.set(len(self.member.layers) if self.merged else self.num_layers)
         m.kv_capacity_tokens.set(self.pool.size)
-        m.peer_kv_capacity_tokens.set(self.mirror.size if self.mirror is not None else 0)
+        m.peer_kv_capacity_tokens.set(self.mirror_tokens)
         if action is not None:
             m.transitions(action).inc()
 
@@ -291,7 +311,9 @@ class KunServeReplica(GroupMember):
             f"expected {layers}")
         want = self.kv_capacity_tokens_merged if self.merged else self.kv_capacity_tokens_whole
         assert self.pool.size == want, f"pool {self.pool.size} tokens, expected {want}"
-        assert (self.mirror is not None) == self.merged
+        want_mirrors = set(self.link.others) if self.merged else set()
+        assert set(self.mirrors) == want_mirrors, (
+            f"mirrors for members {sorted(self.mirrors)}, expected {sorted(want_mirrors)}")
         if self.merged_chunked_prefill is not None:
             chunking = (self.scheduler.chunked_prefill_size, self.scheduler.is_mixed_chunk)
             want_chunking = ((self.merged_chunked_prefill, True) if self.merged
@@ -300,10 +322,11 @@ class KunServeReplica(GroupMember):
         KVResizer(self.scheduler).check_integrity()
         super().check_integrity()
         if self.merged:
-            kv = sum(self.pool.get_kv_size_bytes()) + sum(self.mirror.get_kv_size_bytes())
-            rows_kv = (self.pool.size + self.mirror.size) * self.member.kv_bytes_per_token
+            kv = sum(self.pool.get_kv_size_bytes()) + sum(
+                sum(m.pool.get_kv_size_bytes()) for m in self.mirrors.values())
+            rows_kv = (self.pool.size + self.mirror_tokens) * self.member.kv_bytes_per_token
             # Each pool carries one padding page per layer beyond its tokens.
-            padding = 2 * self.page_size * self.member.kv_bytes_per_token
+            padding = self.link.size * self.page_size * self.member.kv_bytes_per_token
             assert kv <= rows_kv + padding and rows_kv <= self.member.budget.kv_bytes, (
                 f"KV {kv} bytes for {rows_kv} of tokens, budget's KV {self.member.budget.kv_bytes}")
 
@@ -325,14 +348,20 @@ class KunServeReplica(GroupMember):
                              body=self.status() if body is None else body, replica=self.replica)
 
     def _group_error(self, group: list[int] | None) -> str | None:
-        """Why a transition request cannot name ``group`` (None: it names a pair of this
-        launch, or none on a launch of one pair). Every replica finds the same."""
-        pairs = [[2 * i, 2 * i + 1] for i in range(self.pairs)]
+        """Why a transition request cannot name ``group`` (None: it names a group of this
+        launch, or none on a launch of one group). Every replica finds the same."""
+        size = self.link.size
+        groups = [list(range(size * i, size * i + size)) for i in range(self.groups)]
+        noun = "pair" if size == 2 else "group"
         if group is None:
-            return None if self.pairs == 1 else (
-                f"name the pair to change, e.g. {{\"group\": [0, 1]}}: the pairs are {pairs}")
-        if list(group) not in pairs:
-            return f"no pair {list(group)}: the pairs are {pairs}"
+            return None if self.groups == 1 else (
+                f"name the {noun} to change, e.g. {{\"group\": {groups[0]}}}: the {noun}s are "
+                f"{groups}")
+        if len(group) != size:
+            what = "a pair of replicas" if size == 2 else f"a group of {size} replicas"
+            return f"'group' must name {what}, got {list(group)}"
+        if list(group) not in groups:
+            return f"no {noun} {list(group)}: the {noun}s are {groups}"
         return None
 
     def transition(self, merge: bool, trigger: str = "operator",
@@ -390,13 +419,13 @@ class KunServeReplica(GroupMember):
         layers = self.member.layers if self.merged else range(self.num_layers)
         return {"group": self.group_status(self.merged)["group"],
                 "layers": [layers.start, layers.stop], "kv_capacity_tokens": int(self.pool.size),
-                "peer_kv_capacity_tokens": int(self.mirror.size) if self.mirror is not None
-                else 0, "auto": self.auto is not None}
+                "peer_kv_capacity_tokens": self.mirror_tokens, "auto": self.auto is not None}
 
     def _refusal(self, merge: bool) -> str | None:
         if merge == self.merged:
-            return (f"replica {self.replica} is already merged with replica "
-                    f"{self.link.replicas[self.link.peer]}"
+            others = [self.link.replicas[m] for m in self.link.others]
+            return (f"replica {self.replica} is already merged with "
+                    + (f"replica {others[0]}" if len(others) == 1 else f"replicas {others}")
                     if merge else f"replica {self.replica} is not merged")
         if not merge:
             resizer = KVResizer(self.scheduler)
@@ -406,79 +435,90 @@ class KunServeReplica(GroupMember):
                         f"restore waits until fewer are held")
         return None
 
-    def _in_turn(self, send, recv) -> None:
-        """The front member sends first, so two large sends never wait on each other."""
-        for step in ((send, recv) if self.rank == 0 else (recv, send)):
+    def _in_turn(self, other: int, send, recv) -> None:
+        """Of two members, the earlier stage sends first, so two large sends never wait on
+        each other."""
+        for step in ((send, recv) if self.rank < other else (recv, send)):
             step()
 
-    def _rows_of_both(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """(our allocated rows, the peer's): the KV rows either pool must carry, exchanged
-        first so that a KV move sends only those."""
-        ours, theirs = allocated_rows(self.scheduler), []
+    def _others_in_turn(self) -> list[int]:
+        """The other members in the order this member exchanges with them: every member walks
+        the group's pairs of members in one order ((0, 1), (0, 2), ..., (1, 2), ...), taking
+        those it is in, so the earliest pair not yet done always has both members ready (no
+        member waits on one that waits on it)."""
+        return [b if a == self.rank else a
+                for a, b in itertools.combinations(range(self.link.size), 2)
+                if self.rank in (a, b)]
+
+    def _rows_with(self, other: int, ours: torch.Tensor) -> torch.Tensor:
+        """Member ``other``'s allocated rows for ours: the KV rows either pool must carry,
+        exchanged first so that a KV move sends only those."""
+        theirs = []
 
         def send() -> None:
-            self.link.send(self.link.control, {"rows": ours})
+            self.link.send_to(self.link.control, other, {"rows": ours})
 
         def recv() -> None:
-            got, _ = self.link.recv(self.link.control)
+            got, _ = self.link.recv_from(self.link.control, other)
             theirs.append(got["rows"].long())
 
-        self._in_turn(send, recv)
-        return ours, theirs[0]
+        self._in_turn(other, send, recv)
+        return theirs[0]
 
-    def _exchange_layers(self, send_k: list, send_v: list, send_rows: torch.Tensor,
-                         recv_k: list, recv_v: list, recv_rows: torch.Tensor) -> int:
-        """Send rows ``send_rows`` of our K/V buffers of some layers and receive the peer's
-        into rows ``recv_rows`` of ``recv_*``, one layer (K and V) per message: only allocated
-        rows move (at a restore the peer's mirror is mostly free). Returns the bytes sent and
-        received."""
+    def _exchange_layers(self, other: int, send_k: list, send_v: list,
+                         send_rows: torch.Tensor, recv_k: list, recv_v: list,
+                         recv_rows: torch.Tensor) -> int:
+        """Send rows ``send_rows`` of our K/V buffers of some layers to member ``other`` and
+        receive its into rows ``recv_rows`` of ``recv_*``, one layer (K and V) per message:
+        only allocated rows move (at a restore the mirrors are mostly free). Returns the bytes
+        sent and received."""
         moved = 0
 
         def send() -> None:
             nonlocal moved
             for k, v in zip(send_k, send_v):
                 rows_k, rows_v = k.index_select(0, send_rows), v.index_select(0, send_rows)
-                self.link.send(self.link.control, {"k": rows_k, "v": rows_v})
+                self.link.send_to(self.link.control, other, {"k": rows_k, "v": rows_v})
                 moved += sum(t.numel() * t.element_size() for t in (rows_k, rows_v))
 
         def recv() -> None:
             nonlocal moved
             for k, v in zip(recv_k, recv_v):
-                got, _ = self.link.recv(self.link.control)
+                got, _ = self.link.recv_from(self.link.control, other)
                 k.index_copy_(0, recv_rows, got["k"])
                 v.index_copy_(0, recv_rows, got["v"])
                 moved += sum(t.numel() * t.element_size() for t in got.values())
 
-        self._in_turn(send, recv)
+        self._in_turn(other, send, recv)
         return moved
 
-    # drop: phase 1 gives the peer our KV of the layers we drop (its kept layers) and takes its
-    # KV of our kept layers into the mirror; phase 2 cuts our pool to the kept layers, grows it
-    # and moves the dropped weights to the host copy.
+    # drop: phase 1 gives every other member our KV of its kept layers (layers we drop) and
+    # takes its KV of our kept layers into its mirror here; phase 2 cuts our pool to the kept
+    # layers, grows it and moves the dropped weights to the host copy.
 
     def _merge_move_kv(self) -> None:
-        from sglang.srt.layers.attention.torch_native_backend import TorchNativeAttnBackend
         from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool
 
         kept, pool = self.member.layers, self.pool
-        mirror = MHATokenToKVPool(
-            size=self.kv_capacity_tokens_merged, page_size=self.page_size, dtype=pool.dtype,
-            head_num=pool.head_num, head_dim=pool.head_dim, layer_num=len(kept),
-            device=pool.device, enable_memory_saver=False, v_head_dim=pool.v_head_dim,
-            start_layer=kept.start, end_layer=kept.stop, enable_alt_stream=False)
-        dropped = self.dropped_layers
-        ours, theirs = self._rows_of_both()
-        self._moved_bytes = self._exchange_layers(
-            [pool.k_buffer[i] for i in dropped], [pool.v_buffer[i] for i in dropped], ours,
-            mirror.k_buffer, mirror.v_buffer, theirs)
-        self.mirror = mirror
-        self.peer_backend = TorchNativeAttnBackend(types.SimpleNamespace(
-            device=self.runner.device, req_to_token_pool=self._peer_rows,
-            token_to_kv_pool=mirror))
-        self.peer_micro_backend = new_rows_backend(self.runner.device, self._peer_rows, mirror)
+        mirrors = {}
+        ours, self._moved_bytes = allocated_rows(self.scheduler), 0
+        for other in self._others_in_turn():
+            mirror = MHATokenToKVPool(
+                size=self.kv_capacity_tokens_merged, page_size=self.page_size,
+                dtype=pool.dtype, head_num=pool.head_num, head_dim=pool.head_dim,
+                layer_num=len(kept), device=pool.device, enable_memory_saver=False,
+                v_head_dim=pool.v_head_dim, start_layer=kept.start, end_layer=kept.stop,
+                enable_alt_stream=False)
+            theirs = self._rows_with(other, ours)
+            layers = self.group.members[other].layers
+            self._moved_bytes += self._exchange_layers(
+                other, [pool.k_buffer[i] for i in layers], [pool.v_buffer[i] for i in layers],
+                ours, mirror.k_buffer, mirror.v_buffer, theirs)
+            mirrors[other] = _Mirror.over(mirror, self.runner.device)
+        self.mirrors = mirrors
 
     def _discard_mirror(self) -> None:
-        self.mirror = self.peer_backend = self.peer_micro_backend = None
+        self.mirrors = {}
 
     def _merge_local(self) -> None:
         kept, pool = self.member.layers, self.pool
@@ -510,35 +550,37 @@ class KunServeReplica(GroupMember):
         self.merged = False
         self._admit()
 
-    # restore: phase 1 takes our KV of the dropped layers back from the peer's mirror (and
-    # gives it its own), puts every layer back in our pool at the merged size and the weights
-    # back; phase 2 shrinks the pool to the whole capacity, moving live KV below the boundary
-    # in every layer (the morph resizer).
+    # restore: phase 1 takes our KV of the dropped layers back from the other members' mirrors
+    # (and gives each its own from ours), puts every layer back in our pool at the merged size
+    # and the weights back; phase 2 shrinks the pool to the whole capacity, moving live KV
+    # below the boundary in every layer (the morph resizer).
 
     def _split_move_kv(self) -> None:
         self._merged_mirror = None
         pool, kept = self.pool, self.member.layers
         rows, shape = pool.k_buffer[0].shape[0], pool.k_buffer[0].shape[1:]
-        dropped = self.dropped_layers
         # Only our allocated rows come back, so the buffers are not zeroed: a free row is
         # written before anything reads it (SGLang leaves freed rows stale too), and zeroing
         # the whole merged size cost more than the move itself (0.37 s of a 1.0-s restore).
-        fused = [torch.empty((2, rows, *shape), dtype=pool.k_buffer[0].dtype,
-                             device=pool.k_buffer[0].device) for _ in dropped]
-        ours, theirs = self._rows_of_both()
-        self._moved_bytes = self._exchange_layers(
-            self.mirror.k_buffer, self.mirror.v_buffer, theirs, [f[0] for f in fused],
-            [f[1] for f in fused], ours)
+        fused = {i: torch.empty((2, rows, *shape), dtype=pool.k_buffer[0].dtype,
+                                device=pool.k_buffer[0].device) for i in self.dropped_layers}
+        ours, self._moved_bytes = allocated_rows(self.scheduler), 0
+        for other in self._others_in_turn():
+            theirs = self._rows_with(other, ours)
+            mirror = self.mirrors[other].pool
+            layers = self.group.members[other].layers
+            self._moved_bytes += self._exchange_layers(
+                other, mirror.k_buffer, mirror.v_buffer, theirs,
+                [fused[i][0] for i in layers], [fused[i][1] for i in layers], ours)
         self._merged_layers = _pool_layers(pool)
         k_all, v_all = [None] * self.num_layers, [None] * self.num_layers
-        for i, f in zip(dropped, fused):
+        for i, f in fused.items():
             k_all[i], v_all[i] = f[0], f[1]
         for i in kept:
             k_all[i], v_all[i] = pool.k_buffer[i - kept.start], pool.v_buffer[i - kept.start]
         _set_pool_layers(pool, range(self.num_layers), k_all, v_all)
         self._give_weights_back()
-        self._merged_mirror = (self.mirror, self.peer_backend, self.peer_micro_backend)
-        self.mirror = self.peer_backend = self.peer_micro_backend = None
+        self._merged_mirror, self.mirrors = self.mirrors, {}
         self.merged = False
         self._admit()
 
@@ -549,8 +591,7 @@ class KunServeReplica(GroupMember):
             _restore_pool_layers(self.pool, self._merged_layers)
         self._hold_weights()
         if self._merged_mirror is not None:
-            self.mirror, self.peer_backend, self.peer_micro_backend = self._merged_mirror
-            self._merged_mirror = None
+            self.mirrors, self._merged_mirror = self._merged_mirror, None
         self.merged = True
         self._admit()
 
@@ -616,6 +657,8 @@ class KunServeReplica(GroupMember):
         from sglang.srt.layers.layer_boundary.residual import batch as residual_batch
         from sglang.srt.model_executor.forward_batch_info import PPProxyTensors
 
+        if self.link.size > 2:
+            return self._forward_stages(input_ids, positions, forward_batch, input_embeds)
         model, kept = self.model, self.member.layers
         # The back member's batch may have gone ahead (send_ahead), cut or not: its cut is
         # reused; otherwise it is cut here.
@@ -647,6 +690,38 @@ class KunServeReplica(GroupMember):
             hidden = model.layers[i](positions, hidden, forward_batch)
         return residual_batch.final_norm(hidden, forward_batch, model.norm)
 
+    def _forward_stages(self, input_ids, positions, fb, input_embeds=None):
+        """A merged replica's forward in a group of more than two: the batch goes through the
+        members' layer ranges in stage order, each other member's run by its service thread
+        (this replica waits for each answer with the compute lock released), its own here;
+        the last stage answers final-normed hidden states. Batches run uncut and nothing is
+        sent ahead: each stage waits for the one before it."""
+        from sglang.srt.layers.layer_boundary.residual import batch as residual_batch
+        from sglang.srt.model_executor.forward_batch_info import PPProxyTensors
+
+        model, last = self.model, self.link.size - 1
+        hidden = model.embed_tokens(input_ids) if input_embeds is None else input_embeds
+        handoff = {"hidden_states": hidden}
+        for stage, member in enumerate(self.group.members):
+            if stage != self.rank:
+                self._send_call(fb, positions, input_ids, handoff, member=stage)
+                handoff = self.answer(stage)
+                if stage == last:
+                    return handoff["hidden_states"]
+                continue
+            if stage == 0:
+                residual_batch.start(fb)
+                hidden = handoff["hidden_states"]
+            else:
+                hidden = model.layers[member.layers.start].attn_boundary.from_pp(
+                    PPProxyTensors(handoff), fb)
+            for i in member.layers:
+                hidden = model.layers[i](positions, hidden, fb)
+            if stage == last:
+                return residual_batch.final_norm(hidden, fb, model.norm)
+            handoff = dict(residual_batch.to_pp(hidden, fb).tensors)
+        raise AssertionError("the last stage returns")
+
     def send_ahead(self, forward_batch) -> None:
         """Before ``ModelRunner.forward`` takes the compute lock (scheduler thread): the back
         member sends its batch to the front's layers at once. Its forward would otherwise wait
@@ -657,7 +732,7 @@ class KunServeReplica(GroupMember):
         ``forward_merged`` takes the answer and checks it was this batch's."""
         fb = forward_batch
         mode = fb.forward_mode
-        if (self.front or not self.merged or self._early is not None
+        if (self.front or not self.merged or self._early is not None or self.link.size > 2
                 or not (mode.is_extend() or mode.is_decode())
                 or getattr(fb, "input_embeds", None) is not None):
             return  # the ordinary path (forward_merged sends, or refuses the mode)
@@ -821,7 +896,9 @@ class KunServeReplica(GroupMember):
             self.link.recv(self.link.calls[self.rank])
 
     def _send_call(self, fb, positions, input_ids, tensors: dict[str, torch.Tensor],
-                   micro: bool = False) -> None:
+                   micro: bool = False, member: int | None = None) -> None:
+        """Our batch (its rows of req_to_token with it) to ``member``'s layers (the peer of a
+        pair when None)."""
         mode = fb.forward_mode
         if not (mode.is_extend() or mode.is_decode()):
             raise NotImplementedError(f"KunServe forwards extend and decode batches, not {mode}")
@@ -833,7 +910,8 @@ class KunServeReplica(GroupMember):
         if mode.is_extend():
             bundle["extend_prefix_lens"] = fb.extend_prefix_lens.to(torch.int64)
             bundle["extend_seq_lens"] = fb.extend_seq_lens.to(torch.int64)
-        self.call(self.link.peer, bundle, mode=int(_model_mode(mode)), micro=int(micro))
+        self.call(self.link.peer if member is None else member, bundle,
+                  mode=int(_model_mode(mode)), micro=int(micro))
 
     def _answer(self) -> dict[str, torch.Tensor]:
         """The peer's answer to our last call; the compute lock is released while waiting."""
@@ -847,19 +925,21 @@ class KunServeReplica(GroupMember):
         from sglang.srt.model_executor.forward_batch_info import ForwardMode, PPProxyTensors
         from sglang.srt.model_executor.forward_context import ForwardContext, forward_context
 
-        if not self.merged:
-            raise RuntimeError("a peer batch arrived while this replica is whole")
+        mirror = self.mirrors.get(caller)
+        if not self.merged or mirror is None:
+            raise RuntimeError(f"replica {self.link.replicas[caller]}'s batch arrived while "
+                               f"this replica is whole")
         mode_value, micro = ints["mode"], bool(ints.get("micro"))
         # The peer's rows of req_to_token come with the batch: request i reads row i.
         fb = _layers_batch(ForwardMode(mode_value), t["input_ids"],
                            torch.arange(t["seq_lens"].numel(), dtype=torch.int64),
                            t["seq_lens"], t["out_cache_loc"], t["positions"],
                            t.get("extend_prefix_lens"), t.get("extend_seq_lens"))
-        self._peer_rows.req_to_token = t["req_to_token"]
+        mirror.rows.req_to_token = t["req_to_token"]
         model, kept, positions = self.model, self.member.layers, t["positions"]
         # A micro-batch attends over its new rows only; a batch run uncut runs exactly as it
         # would on a whole replica (SGLang's attention).
-        backend = self.peer_micro_backend if micro else self.peer_backend
+        backend = mirror.micro_backend if micro else mirror.backend
         with forward_context(ForwardContext(attn_backend=backend)):
             if self.front:
                 residual_batch.start(fb)
@@ -870,9 +950,31 @@ class KunServeReplica(GroupMember):
                     fb)
             for i in kept:
                 hidden = model.layers[i](positions, hidden, fb)
-            if self.front:
-                return dict(residual_batch.to_pp(hidden, fb).tensors)
-            return {"hidden_states": residual_batch.final_norm(hidden, fb, model.norm)}
+            if self.last:
+                return {"hidden_states": residual_batch.final_norm(hidden, fb, model.norm)}
+            return dict(residual_batch.to_pp(hidden, fb).tensors)
+
+
+@dataclasses.dataclass
+class _Mirror:
+    """Another member's KV of this replica's kept layers (``pool``, at that member's slot
+    numbers) and the attention over it: ``backend`` SGLang's (batches run uncut),
+    ``micro_backend`` the new rows only (micro-batches, attention.py); ``rows`` carries the
+    req_to_token rows of the batch being run, which arrive with it."""
+
+    pool: Any
+    rows: types.SimpleNamespace
+    backend: Any
+    micro_backend: Any
+
+    @classmethod
+    def over(cls, pool: Any, device: Any) -> "_Mirror":
+        from sglang.srt.layers.attention.torch_native_backend import TorchNativeAttnBackend
+
+        rows = types.SimpleNamespace(req_to_token=None)
+        return cls(pool, rows, TorchNativeAttnBackend(types.SimpleNamespace(
+            device=device, req_to_token_pool=rows, token_to_kv_pool=pool)),
+            new_rows_backend(device, rows, pool))
 
 
 class _Metrics(MemberMetrics):

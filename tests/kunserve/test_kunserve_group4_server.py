@@ -1,0 +1,117 @@
+"""KunServe groups of more than two on live SGLang data-parallel replicas (``--dp-size 4
+--kunserve-group-size 4``): the four replicas drop together to a pipeline of four stages and
+restore, operator-driven.
+
+One server (float32, greedy, CPU, 256-token pools), against the same replicas undropped (each
+prompt served alone first on the replica that serves it later):
+
+- a group that is not the launch's (two replicas, or a replica outside it) is a 400 naming
+  the launch's groups and changes nothing;
+- the drop lands while a prompt streams on two of the replicas: each replica keeps one
+  consecutive quarter of the layers (together every layer, in replica order) and the
+  embedding (it embeds and samples its own requests), drops exactly the bytes the planner
+  planned, its pool grows and it mirrors the three others' KV of its layers; the streams
+  finish with their undropped outputs; a second drop is refused (409) naming the others;
+- merged, a prompt on every replica at once gives its undropped output token for token (each
+  batch runs through the four members' layers in order);
+- the restore (no body: the launch's one group) puts back the startup layout exactly, and the
+  outputs are still the undropped ones.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import json
+
+import pytest
+
+# (corpus_ids and tokenizer are that module's fixtures)
+from test_morph_runtime_server import Stream, corpus_ids, prompt_ids, tokenizer  # noqa: F401
+from test_kunserve_live import generate_on, post, status
+
+N_NEW = 24
+WHOLE_TOKENS = 256
+PROMPT_TOKENS = 104
+GROUP = [0, 1, 2, 3]
+ALONE = [[0], [1], [2], [3]]
+STREAMED = (1, 3)  # the replicas with a request in flight at the drop
+
+
+@pytest.fixture(scope="module")
+def dp4(server_factory):
+    return server_factory(
+        "--dtype", "float32", "--dp-size", "4", "--enable-kunserve", "--kunserve-group-size",
+        "4", "--max-total-tokens", str(WHOLE_TOKENS), "--api-key", "test-api-key",
+        "--admin-api-key", "test-admin-key")
+
+
+@pytest.fixture(scope="module")
+def prompts(corpus_ids):
+    return [[prompt_ids(corpus_ids, seed=90 + 2 * r + i, n_tokens=PROMPT_TOKENS)
+             for i in range(2)] for r in GROUP]
+
+
+@pytest.fixture(scope="module")
+def undropped(dp4, prompts):
+    assert status(dp4)["groups"] == ALONE
+    return [[generate_on(dp4, ids, r, n_new=N_NEW) for ids in prompts[r]] for r in GROUP]
+
+
+def on_every_replica(server, prompts, i: int) -> list[list[int]]:
+    """Prompt ``i`` of every replica at once, each on its replica."""
+    with concurrent.futures.ThreadPoolExecutor(len(GROUP)) as pool:
+        return list(pool.map(lambda r: generate_on(server, prompts[r][i], r, n_new=N_NEW),
+                             GROUP))
+
+
+def test_a_group_of_four_drops_to_four_stages_and_restores(dp4, prompts, undropped):
+    before = status(dp4)
+    num_layers = before["replicas"][0]["num_layers"]
+    assert before["groups"] == ALONE
+    assert all(rep["layers"] == [0, num_layers] for rep in before["replicas"])
+    for body, message in (
+            ({"group": [0, 1]}, "'group' must name a group of 4 replicas, got [0, 1]"),
+            ({"group": [0, 1, 2, 4]}, "no group [0, 1, 2, 4]: the groups are [[0, 1, 2, 3]]")):
+        r = post(dp4, "drop", json=body)
+        assert r.status_code == 400 and r.json()["error"] == message, r.text
+    after = status(dp4)
+    assert after["groups"] == ALONE
+    assert [rep["transitions"] for rep in after["replicas"]] == [[]] * 4
+
+    streams = [Stream(dp4, prompts[r][0], N_NEW, routed_dp_rank=r) for r in STREAMED]
+    for stream in streams:
+        stream.wait_for(3)
+    r = post(dp4, "drop", json={"group": GROUP})
+    assert r.status_code == 200, r.text
+    s = r.json()
+    assert s["groups"] == [GROUP]
+    layers = [rep["layers"] for rep in s["replicas"]]
+    # Four consecutive stages, in replica order, that hold every layer between them.
+    assert layers[0][0] == 0 and layers[-1][1] == num_layers, layers
+    assert all(a[1] == b[0] and a[0] < a[1] for a, b in zip(layers, layers[1:])), layers
+    for rep in s["replicas"]:
+        merged = rep["kv_capacity_tokens_merged"]
+        assert rep["kv_capacity_tokens"] == merged > WHOLE_TOKENS
+        assert rep["peer_kv_capacity_tokens"] == 3 * merged  # a mirror per other member
+        assert rep["dropped_weight_bytes"] == rep["planned_freed_bytes"] > 0
+        drop = rep["transitions"][-1]
+        assert (drop["action"], drop["layers"]) == ("drop", rep["layers"])
+        assert drop["kv_capacity_tokens"] == [WHOLE_TOKENS, merged]
+    assert sum(rep["transitions"][-1]["requests_in_flight"] for rep in s["replicas"]) >= 1
+    assert [stream.join() for stream in streams] == [undropped[r][0] for r in STREAMED]
+
+    assert on_every_replica(dp4, prompts, 1) == [undropped[r][1] for r in GROUP]
+    r = post(dp4, "drop", json={"group": GROUP})
+    assert r.status_code == 409 and "is already merged with replicas [" in r.json()["error"], (
+        r.text)
+
+    r = post(dp4, "restore")
+    assert r.status_code == 200, r.text
+    s = r.json()
+    assert s["groups"] == ALONE, json.dumps(s)
+    for rep in s["replicas"]:
+        assert rep["layers"] == [0, num_layers]
+        assert rep["kv_capacity_tokens"] == WHOLE_TOKENS
+        assert rep["peer_kv_capacity_tokens"] == rep["dropped_weight_bytes"] == 0
+        assert [t["action"] for t in rep["transitions"]] == ["drop", "restore"]
+    assert on_every_replica(dp4, prompts, 0) == [undropped[r][0] for r in GROUP]
