@@ -86,7 +86,8 @@ def add_routes(app: Any) -> None:
         """Split a group: each replica takes back every layer and its own KV, and serves on its
         own again. Requests in flight keep running.
 
-        Body: as for the drop.
+        Body: ``{"group": [2, 3]}``, the group (replicas G*i .. G*i + G - 1); none, or an
+        empty JSON object, on a launch of one group.
 
         Answers: 200 with the new status (as ``GET /kunserve/status``); 400 with
         ``{"error": ...}`` as for the drop; 409 when a replica refuses (not merged, or it
