@@ -229,6 +229,11 @@ class KunServeReplica(GroupMember):
         """The mirrors' capacity, all other members' together (0 whole)."""
         return sum(int(m.pool.size) for m in self.mirrors.values())
 
+    @property
+    def mirror_pool_bytes(self) -> int:
+        """The mirrors' buffers, padding pages included (0 whole)."""
+        return sum(int(sum(m.pool.get_kv_size_bytes())) for m in self.mirrors.values())
+
     def _dropped_modules(self) -> list[torch.nn.Module]:
         out = [self.model.layers[i] for i in self.dropped_layers]
         if not self.last:
@@ -244,8 +249,7 @@ class KunServeReplica(GroupMember):
         own = int(self.pool.size)
         used = held_kv_tokens(self.scheduler)
         peer = self.mirror_tokens
-        pool_bytes = int(sum(self.pool.get_kv_size_bytes())) + sum(
-            int(sum(m.pool.get_kv_size_bytes())) for m in self.mirrors.values())
+        pool_bytes = int(sum(self.pool.get_kv_size_bytes())) + self.mirror_pool_bytes
         kv_bytes_per_token = len(layers) * self.planner.kv_bytes_per_token_per_layer
         return {
             **self.group_status(self.merged),
@@ -322,8 +326,7 @@ class KunServeReplica(GroupMember):
         KVResizer(self.scheduler).check_integrity()
         super().check_integrity()
         if self.merged:
-            kv = sum(self.pool.get_kv_size_bytes()) + sum(
-                sum(m.pool.get_kv_size_bytes()) for m in self.mirrors.values())
+            kv = sum(self.pool.get_kv_size_bytes()) + self.mirror_pool_bytes
             rows_kv = (self.pool.size + self.mirror_tokens) * self.member.kv_bytes_per_token
             # Each pool carries one padding page per layer beyond its tokens.
             padding = self.link.size * self.page_size * self.member.kv_bytes_per_token
@@ -654,12 +657,9 @@ class KunServeReplica(GroupMember):
                        pp_proxy_tensors=None):
         """LlamaModel.forward of a merged replica: the kept layers here, the others on the
         peer. Returns what LlamaModel.forward returns (final-normed hidden states)."""
-        from sglang.srt.layers.layer_boundary.residual import batch as residual_batch
-        from sglang.srt.model_executor.forward_batch_info import PPProxyTensors
-
         if self.link.size > 2:
             return self._forward_stages(input_ids, positions, forward_batch, input_embeds)
-        model, kept = self.model, self.member.layers
+        model = self.model
         # The back member's batch may have gone ahead (send_ahead), cut or not: its cut is
         # reused; otherwise it is cut here.
         ahead = None if self.front else self._take_ahead(forward_batch, positions, input_ids)
@@ -674,21 +674,13 @@ class KunServeReplica(GroupMember):
                     else self._back_micro(parts, sent_first=ahead is not None))
         if self.front:
             hidden = model.embed_tokens(input_ids) if input_embeds is None else input_embeds
-            residual_batch.start(forward_batch)
-            for i in kept:
-                hidden = model.layers[i](positions, hidden, forward_batch)
-            handoff = residual_batch.to_pp(hidden, forward_batch)
-            self._send_call(forward_batch, positions, input_ids, handoff.tensors)
+            handoff = self._own_stage(forward_batch, positions, {"hidden_states": hidden})
+            self._send_call(forward_batch, positions, input_ids, handoff)
             return self._answer()["hidden_states"]
         if ahead is None:
             hidden = model.embed_tokens(input_ids) if input_embeds is None else input_embeds
             self._send_call(forward_batch, positions, input_ids, {"hidden_states": hidden})
-        out = self._answer()
-        hidden = model.layers[kept.start].attn_boundary.from_pp(PPProxyTensors(out),
-                                                                forward_batch)
-        for i in kept:
-            hidden = model.layers[i](positions, hidden, forward_batch)
-        return residual_batch.final_norm(hidden, forward_batch, model.norm)
+        return self._own_stage(forward_batch, positions, self._answer())["hidden_states"]
 
     def _forward_stages(self, input_ids, positions, fb, input_embeds=None):
         """A merged replica's forward in a group of more than two: the batch goes through the
@@ -696,31 +688,39 @@ class KunServeReplica(GroupMember):
         (this replica waits for each answer with the compute lock released), its own here;
         the last stage answers final-normed hidden states. Batches run uncut and nothing is
         sent ahead: each stage waits for the one before it."""
+        hidden = self.model.embed_tokens(input_ids) if input_embeds is None else input_embeds
+        handoff = {"hidden_states": hidden}
+        for stage in range(self.link.size):
+            if stage == self.rank:
+                handoff = self._own_stage(fb, positions, handoff)
+            else:
+                self._send_call(fb, positions, input_ids, handoff, member=stage)
+                handoff = self.answer(stage)
+        return handoff["hidden_states"]  # the last stage's: final-normed
+
+    def _own_stage(self, fb, positions, handoff: dict[str, torch.Tensor]
+                   ) -> dict[str, torch.Tensor]:
+        """This member's kept layers on a batch at its stage, in the forward context the
+        caller set (this replica's pool, or a mirror): the first stage starts the residual
+        stream from ``handoff["hidden_states"]`` (the embedded batch), a later one takes the
+        PP hand-off (hidden states and residual; other entries of ``handoff`` are ignored).
+        Returns the hand-off for the next stage, or, from the last stage,
+        ``{"hidden_states": ...}`` final-normed."""
         from sglang.srt.layers.layer_boundary.residual import batch as residual_batch
         from sglang.srt.model_executor.forward_batch_info import PPProxyTensors
 
-        model, last = self.model, self.link.size - 1
-        hidden = model.embed_tokens(input_ids) if input_embeds is None else input_embeds
-        handoff = {"hidden_states": hidden}
-        for stage, member in enumerate(self.group.members):
-            if stage != self.rank:
-                self._send_call(fb, positions, input_ids, handoff, member=stage)
-                handoff = self.answer(stage)
-                if stage == last:
-                    return handoff["hidden_states"]
-                continue
-            if stage == 0:
-                residual_batch.start(fb)
-                hidden = handoff["hidden_states"]
-            else:
-                hidden = model.layers[member.layers.start].attn_boundary.from_pp(
-                    PPProxyTensors(handoff), fb)
-            for i in member.layers:
-                hidden = model.layers[i](positions, hidden, fb)
-            if stage == last:
-                return residual_batch.final_norm(hidden, fb, model.norm)
-            handoff = dict(residual_batch.to_pp(hidden, fb).tensors)
-        raise AssertionError("the last stage returns")
+        model, kept = self.model, self.member.layers
+        if self.front:
+            residual_batch.start(fb)
+            hidden = handoff["hidden_states"]
+        else:
+            hidden = model.layers[kept.start].attn_boundary.from_pp(PPProxyTensors(
+                {k: handoff[k] for k in ("hidden_states", "residual") if k in handoff}), fb)
+        for i in kept:
+            hidden = model.layers[i](positions, hidden, fb)
+        if self.last:
+            return {"hidden_states": residual_batch.final_norm(hidden, fb, model.norm)}
+        return dict(residual_batch.to_pp(hidden, fb).tensors)
 
     def send_ahead(self, forward_batch) -> None:
         """Before ``ModelRunner.forward`` takes the compute lock (scheduler thread): the back
@@ -921,8 +921,7 @@ class KunServeReplica(GroupMember):
 
     def _run_for_peer(self, caller: int, t: dict[str, torch.Tensor],
                       ints: dict[str, int]) -> dict[str, Any]:
-        from sglang.srt.layers.layer_boundary.residual import batch as residual_batch
-        from sglang.srt.model_executor.forward_batch_info import ForwardMode, PPProxyTensors
+        from sglang.srt.model_executor.forward_batch_info import ForwardMode
         from sglang.srt.model_executor.forward_context import ForwardContext, forward_context
 
         mirror = self.mirrors.get(caller)
@@ -936,23 +935,11 @@ class KunServeReplica(GroupMember):
                            t["seq_lens"], t["out_cache_loc"], t["positions"],
                            t.get("extend_prefix_lens"), t.get("extend_seq_lens"))
         mirror.rows.req_to_token = t["req_to_token"]
-        model, kept, positions = self.model, self.member.layers, t["positions"]
         # A micro-batch attends over its new rows only; a batch run uncut runs exactly as it
         # would on a whole replica (SGLang's attention).
         backend = mirror.micro_backend if micro else mirror.backend
         with forward_context(ForwardContext(attn_backend=backend)):
-            if self.front:
-                residual_batch.start(fb)
-                hidden = t["hidden_states"]
-            else:
-                hidden = model.layers[kept.start].attn_boundary.from_pp(
-                    PPProxyTensors({k: t[k] for k in ("hidden_states", "residual") if k in t}),
-                    fb)
-            for i in kept:
-                hidden = model.layers[i](positions, hidden, fb)
-            if self.last:
-                return {"hidden_states": residual_batch.final_norm(hidden, fb, model.norm)}
-            return dict(residual_batch.to_pp(hidden, fb).tensors)
+            return self._own_stage(fb, t["positions"], t)
 
 
 @dataclasses.dataclass
