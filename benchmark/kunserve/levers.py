@@ -8,8 +8,9 @@ Levers: admission control while merged (a merged pair runs at most N requests; t
 wait), how far from its end a running request counts as about to free its KV (the drop's
 ``finishing_steps``), the controller's restore thresholds, and the costs themselves set to
 what a better implementation would pay (transitions free; a merged decode step as cheap as a
-whole replica's; both; a merged prefill as a whole replica's or pipelined). Each row gives, per round and then as the median over the rounds, the
-targets' ratios of KunServe to plain DP 2, both simulated with the same calibration:
+whole replica's; both; a merged prefill as a whole replica's or pipelined). Each row gives,
+per round and then as the median over the rounds, the targets' ratios of KunServe to plain
+DP 2, both simulated with the same calibration:
 P99 TTFT (DP 2 / KunServe; goal >= 5), P50 TPOT change (goal <= +30%), E2E P95 change (goal
 <= 0) and TPOT P95 change.
 """

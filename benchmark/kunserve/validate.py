@@ -23,7 +23,6 @@ one of these calibrations, side by side:
   prefill taking what the KunServe arm's merged prefill forwards took over its unmerged fit
   (median over the rounds), as one batch through the stages instead of the paper's
   overlapping micro-batches (``sim.Calibration.merged_prefill_factor``).
-
 - ``replay+transitions, per-replica queues``: ``replay+transitions`` with the merged pair
   scheduled as the live one is, each replica admitting and batching its own requests within
   its half of the pair's KV, both feeding the pair's pipeline (the other rows: one queue and
@@ -61,15 +60,21 @@ from sglang_morph.models.memory import MemoryModel
 from sglang_morph.models.spec import ModelSpec
 
 ARMS = ("dp2", "kunserve")
-CALIBRATIONS = ("idle", "replay", "replay+transitions", "replay+transitions+merged",
-                "replay+transitions+merged prefill", "replay+transitions, merged prefill only")
+PREFILL_ONLY = "replay+transitions, merged prefill only"
+# What each calibration beyond ``idle`` takes from the KunServe arm, on top of the plain arm's
+# forwards: (its transition times, its merged decode step, its merged prefill).
+CALIBRATIONS = {"idle": None, "replay": (False, False, False),
+                "replay+transitions": (True, False, False),
+                "replay+transitions+merged": (True, True, False),
+                "replay+transitions+merged prefill": (True, True, True),
+                PREFILL_ONLY: (True, False, True)}
 PER_REPLICA = "replay+transitions, per-replica queues"
 PER_REPLICA_PREFILL = "replay+transitions+merged prefill, per-replica queues"
 # Each row: its name, its calibration, and how the simulated pair schedules while merged
 # (``sim.MERGED_QUEUES``): one queue for the pair, or each replica its own, as live.
-ROWS = tuple((c, c, "pair") for c in CALIBRATIONS[:5]) + (
+ROWS = tuple((c, c, "pair") for c in CALIBRATIONS if c != PREFILL_ONLY) + (
     (PER_REPLICA, "replay+transitions", "member"),
-    (PER_REPLICA_PREFILL, "replay+transitions, merged prefill only", "member"))
+    (PER_REPLICA_PREFILL, PREFILL_ONLY, "member"))
 CHECKED = ("ttft_s_p50", "ttft_s_p99", "tpot_s_p50")
 SHOWN = ("ttft_s_p50", "ttft_s_p95", "ttft_s_p99", "tpot_s_p50", "tpot_s_p95", "e2e_s_p50",
          "e2e_s_p95")
@@ -168,8 +173,9 @@ def planner_for(spec: ModelSpec, kv_tokens_per_replica: int, max_group_size: int
 def calibration(name: str, rnd: LiveRound, spec: ModelSpec, rounds: Sequence[LiveRound],
                 results: Path = KS.RESULTS) -> KS.Calibration:
     idle = KS.Calibration.load(results, spec)
-    if name == "idle":
+    if CALIBRATIONS[name] is None:
         return idle
+    transitions, merged_decode, merged_prefill = CALIBRATIONS[name]
     fitted = PhaseCosts.from_json(rnd.forwards["fit"])
     gap_s = rnd.forwards["step_gap_s"]["median"] or 0.0
     # The schedulers' own work between two forwards is paid once per forward, like gamma.
@@ -178,27 +184,24 @@ def calibration(name: str, rnd: LiveRound, spec: ModelSpec, rounds: Sequence[Liv
                        f"{rnd.path}: the dp2 arm's forwards + {gap_s * 1e3:.1f} ms step gap")
     cal = dataclasses.replace(idle, costs=costs)
     cal = dataclasses.replace(cal, front_end_s=front_end_s(rnd, cal, spec))
-    if name == "replay":
-        return cal
-    # Pooled over the rounds: a round without a drop still gets the live durations.
-    drops = [d for r in rounds for d in r.drops_s]
-    restores = [d for r in rounds for d in r.restores_s]
-    cal = dataclasses.replace(cal, drop_s=statistics.median(drops) if drops else None,
-                              restore_s=statistics.median(restores) if restores else None)
-    if name == "replay+transitions":
-        return cal
-    if name != "replay+transitions, merged prefill only":
+    if transitions:
+        # Pooled over the rounds: a round without a drop still gets the live durations.
+        drops = [d for r in rounds for d in r.drops_s]
+        restores = [d for r in rounds for d in r.restores_s]
+        cal = dataclasses.replace(cal, drop_s=statistics.median(drops) if drops else None,
+                                  restore_s=statistics.median(restores) if restores else None)
+    if merged_decode:
         ratios = [r.merged_decode_ratio for r in rounds if r.merged_decode_ratio is not None]
         cal = dataclasses.replace(cal, merged_step_factor=statistics.median(ratios) if ratios
                                   else 1.0)
-    if name == "replay+transitions+merged":
-        return cal
-    ratios = [r.merged_prefill_ratio for r in rounds if r.merged_prefill_ratio is not None]
-    if not ratios:
-        raise Unavailable("no round has a merged prefill ratio (no drop, or forward logs "
-                          "fitted before it was measured: python -m benchmark.replay.forwards "
-                          "fits them again)")
-    return dataclasses.replace(cal, merged_prefill_factor=statistics.median(ratios))
+    if merged_prefill:
+        ratios = [r.merged_prefill_ratio for r in rounds if r.merged_prefill_ratio is not None]
+        if not ratios:
+            raise Unavailable("no round has a merged prefill ratio (no drop, or forward logs "
+                              "fitted before it was measured: python -m "
+                              "benchmark.replay.forwards fits them again)")
+        cal = dataclasses.replace(cal, merged_prefill_factor=statistics.median(ratios))
+    return cal
 
 
 def front_end_s(rnd: LiveRound, cal: KS.Calibration, spec: ModelSpec) -> float:
