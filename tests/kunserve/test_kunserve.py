@@ -259,6 +259,35 @@ def test_no_drop_needed_and_no_plan_fallbacks(planner):
         ReplicaDemand(0, 5, 4)
 
 
+def test_a_live_group_merges_all_its_members_or_none(planner):
+    """``whole_group`` (a live group: its link fixes the members): where the greedy merges
+    only the overloaded pair, the whole group merges; a calm view merges nothing; a demand
+    the whole group cannot hold either is a fallback whose deepest grouping is that group.
+    For two replicas it is the greedy's plan."""
+    full = planner.full_replica().kv_capacity_tokens
+    busy = [ReplicaDemand(0, 0, full + full // 4), ReplicaDemand(1, 0, full + full // 4),
+            ReplicaDemand(2, 0, 10), ReplicaDemand(3, 0, 10)]
+    assert [g.replicas for g in plan_drop(planner, busy).groups] == [(0, 1), (2,), (3,)]
+    plan = plan_drop(planner, busy, whole_group=True)
+    assert [g.replicas for g in plan.groups] == [(0, 1, 2, 3)]
+    assert plan.groups[0] == make_group(planner, (0, 1, 2, 3))
+    assert plan.merges == (((0,), (1,)), ((0, 1), (2,)), ((0, 1, 2), (3,)))
+    assert plan.demand_tokens == sum(d.kv_demand_tokens for d in busy)
+    calm = plan_drop(planner, [ReplicaDemand(r, 10, full) for r in range(4)], whole_group=True)
+    assert not calm.merges and [g.size for g in calm.groups] == [1] * 4
+    huge = plan_drop(planner, [ReplicaDemand(r, 0, 100 * full) for r in range(4)],
+                     whole_group=True)
+    assert isinstance(huge, KvCentricFallback)
+    assert [g.replicas for g in huge.deepest.groups] == [(0, 1, 2, 3)]
+    for view in ([ReplicaDemand(0, 0, 2 * full), ReplicaDemand(1, 0, 10)],
+                 [ReplicaDemand(0, 0, 100 * full), ReplicaDemand(1, 0, 10)],
+                 [ReplicaDemand(0, 0, 10), ReplicaDemand(1, 0, 10)]):
+        assert plan_drop(planner, view, whole_group=True) == plan_drop(planner, view)
+    shallow = DropPlannerConfig(planner.memory, BUDGET_BYTES, max_group_size=2)
+    with pytest.raises(ValueError, match="a group of 4 is deeper than the planner's limit of 2"):
+        plan_drop(shallow, busy, whole_group=True)
+
+
 def test_restore_homes_every_request_or_refuses(planner):
     group = make_group(planner, (0, 1))
     full = planner.full_replica().kv_capacity_tokens
@@ -674,6 +703,22 @@ def test_controller_drops_after_persisting_overload_only(planner):
     ctl.decide(_view(0, planner, **growing))
     ctl.decide(_view(1, planner, [10] * 2, [0, 0]))
     assert ctl.decide(_view(2, planner, **growing)) is None
+
+
+def test_a_live_groups_controller_drops_the_whole_group(planner):
+    """``whole_group``: one overloaded member of four drops all four (the live group's only
+    layout besides whole replicas); the dwell then holds every member."""
+    full = planner.full_replica().kv_capacity_tokens
+    cfg = ControllerConfig(drop_persist=1, min_dwell_s=5)
+    view = _view(0, planner, [full // 2] * 4, [full, 0, 0, 0])
+    assert [g.replicas for g in KunServeController(planner, cfg).decide(view).plan.groups] == [
+        (0, 1), (2,), (3,)]
+    ctl = KunServeController(planner, cfg, whole_group=True)
+    action = ctl.decide(view)
+    assert [g.replicas for g in action.plan.groups] == [(0, 1, 2, 3)]
+    assert "over replica 0's capacity" in action.reason
+    ctl.applied(action, 0.0)
+    assert ctl._dwelt([3], 4.0) is False and ctl._dwelt([3], 5.0) is True
 
 
 def test_controller_drops_at_once_for_a_queue_the_pool_cannot_take(planner):

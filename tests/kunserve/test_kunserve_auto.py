@@ -1,7 +1,8 @@
 """KunServe's automatic control (``--kunserve-auto``) without a server: bad
 ``--kunserve-auto`` / ``--kunserve-auto-config`` values are a CLI error naming the flag and the
-problem and attach nothing; a replica's view and the leader's and follower's steps on stand-ins.
-Live, on four replicas (two pairs): ``test_kunserve_pairs_server.py``.
+problem and attach nothing; a replica's view and the leader's and followers' steps on
+stand-ins (a pair, a group of four). Live, on four replicas (two pairs):
+``test_kunserve_pairs_server.py``; a group of four: ``test_kunserve_group4_server.py``.
 """
 
 from __future__ import annotations
@@ -120,12 +121,12 @@ def test_auto_config_defaults_and_overrides():
     assert from_cli(argparse.Namespace(enable_kunserve=True)).auto is None  # operator only
 
 
-class _Pair:
-    """Two stand-in replicas of one pair for ``AutoControl``: a real in-memory store as the
-    link's mailbox, each replica's view set by the test, and voted transitions reduced to
-    their record (the test says which outcome each has)."""
+class _Group:
+    """Stand-in replicas of one group (a pair by default) for ``AutoControl``: a real
+    in-memory store as the link's mailbox, each replica's view set by the test, and voted
+    transitions reduced to their record (the test says which outcome each has)."""
 
-    def __init__(self, planner, cfg):
+    def __init__(self, planner, cfg, size: int = 2):
         import types
 
         from torch.distributed import HashStore
@@ -139,8 +140,9 @@ class _Pair:
             rank=rank, link=types.SimpleNamespace(mailbox=mailbox), planner=planner,
             scheduler=types.SimpleNamespace(server_args=None, waiting_queue=[],
                                             running_batch=None), merged=False,
-            group=types.SimpleNamespace(replicas=(0, 1)), last_transition=None, view=None,
-            elastic_state=lambda: {}, check_integrity=lambda: None) for rank in (0, 1)]
+            group=types.SimpleNamespace(replicas=tuple(range(size))), last_transition=None,
+            view=None, elastic_state=lambda: {}, check_integrity=lambda: None)
+            for rank in range(size)]
         for r in self.replicas:
             r.transition = lambda merge, trigger, reason, r=r: self._transition(r, merge,
                                                                                 trigger, reason)
@@ -163,7 +165,7 @@ class _Pair:
 
     def step(self, advance_s: float) -> None:
         self.now_s += advance_s
-        for a in reversed(self.autos):  # the follower publishes, then the leader decides
+        for a in reversed(self.autos):  # the followers publish, then the leader decides
             a.on_step()
 
 
@@ -174,18 +176,19 @@ def _views(planner, growth: int) -> dict[str, int]:
             "waiting_reqs": 0, "queue_refused": 0}
 
 
-def _calm_pair(planner, monkeypatch, interval_ms: float):
-    """A pair whose views (set by the test) show both replicas half full, nothing growing."""
+def _calm_group(planner, monkeypatch, interval_ms: float, size: int = 2):
+    """A group (a pair by default) whose views (set by the test) show every replica half
+    full, nothing growing."""
     from sglang_morph.kunserve.controller import ControllerConfig
     from sglang_morph.kunserve.live import auto
 
     monkeypatch.setattr(auto, "local_view", lambda replica, *_: dict(replica.view))
     cfg = kunserve_config.AutoControlConfig(
         interval_ms=interval_ms, controller=ControllerConfig(drop_persist=2, min_dwell_s=5.0))
-    pair = _Pair(planner, cfg)
-    for r in pair.replicas:
+    group = _Group(planner, cfg, size)
+    for r in group.replicas:
         r.view = _views(planner, growth=0)
-    return pair, cfg
+    return group, cfg
 
 
 def test_the_leader_decides_on_the_elastic_loop_and_the_follower_enters_its_proposal(
@@ -193,7 +196,7 @@ def test_the_leader_decides_on_the_elastic_loop_and_the_follower_enters_its_prop
     from sglang_morph.elastic.record import recorder
     from sglang_morph.kunserve.live import auto
 
-    pair, cfg = _calm_pair(planner, monkeypatch, interval_ms=100)
+    pair, cfg = _calm_group(planner, monkeypatch, interval_ms=100)
     leader, follower = pair.autos
     pair.step(0.0)
     assert (leader.views, follower.views, leader.proposals) == (1, 1, 0)
@@ -238,7 +241,7 @@ def test_a_queue_sglang_refuses_drops_without_waiting_for_the_interval(planner, 
     interval later (the wait that was the slowest request's in the replay)."""
     import types
 
-    pair, _ = _calm_pair(planner, monkeypatch, interval_ms=250)
+    pair, _ = _calm_group(planner, monkeypatch, interval_ms=250)
     leader, follower = pair.autos
     pair.step(0.0)
     pair.step(0.02)
@@ -258,3 +261,38 @@ def test_a_queue_sglang_refuses_drops_without_waiting_for_the_interval(planner, 
     # Still refused at the next step: no second early observation (only the rising edge).
     pair.step(0.02)
     assert (follower.views, leader.views) == (2, 2)
+
+
+def test_a_group_of_four_decides_on_every_members_view(planner, monkeypatch):
+    """The leader decides on the views of all three followers: none while one has not
+    published or published from before the last transition; a queue refused on the last
+    member drops the whole group at once, and every follower enters the proposal."""
+    import types
+
+    group, _ = _calm_group(planner, monkeypatch, interval_ms=250, size=4)
+    leader, *followers = group.autos
+    followers[0].on_step()  # one follower publishes, the two others have not yet
+    leader.on_step()
+    assert (leader.views, leader.proposals, followers[0].views) == (0, 0, 1)
+    group.step(0.3)
+    assert leader.views == 1 and [f.views for f in followers] == [2, 1, 1]
+    assert len(leader._views) == 4
+
+    full = planner.full_replica().kv_capacity_tokens
+    refused = group.replicas[3]
+    refused.view = dict(refused.view, waiting_tokens=full, waiting_reqs=1, queue_refused=1)
+    refused.scheduler.waiting_queue = ["a prompt"]
+    refused.scheduler.running_batch = types.SimpleNamespace(batch_is_full=True, reqs=["r"])
+    group.step(0.02)
+    assert leader.proposals == 1 and leader.last_decision["merge"] is True
+    assert "over replica 3's capacity" in leader.last_decision["reason"]
+    assert [e[0] for e in group.entered] == [0]
+    group.step(0.02)  # the followers poll the proposal between their batches
+    assert sorted(e[0] for e in group.entered) == [0, 1, 2, 3]
+    assert all(merge and trigger == "auto" for _, merge, trigger in group.entered)
+    assert leader.errors == 0 and all(f.errors == 0 for f in followers)
+
+    group.replicas[2].view = dict(group.replicas[2].view, epoch=1)  # one follower behind
+    before = leader.stale_views
+    group.step(0.3)
+    assert leader.stale_views == before + 1

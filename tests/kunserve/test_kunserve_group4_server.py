@@ -1,9 +1,11 @@
 """KunServe groups of more than two on live SGLang data-parallel replicas (``--dp-size 4
---kunserve-group-size 4``): the four replicas drop together to a pipeline of four stages and
-restore, operator-driven.
+--kunserve-group-size 4 --kunserve-auto``): the four replicas drop together to a pipeline of
+four stages and restore, operator-driven and automatically.
 
 One server (float32, greedy, CPU, 256-token pools), against the same replicas undropped (each
-prompt served alone first on the replica that serves it later):
+prompt served alone first on the replica that serves it later). Its controller never restores
+by itself (``restore_persist``), so that the operator's drop stays until the operator's
+restore:
 
 - a group that is not the launch's (two replicas, or a replica outside it) is a 400 naming
   the launch's groups and changes nothing;
@@ -15,7 +17,10 @@ prompt served alone first on the replica that serves it later):
 - merged, a prompt on every replica at once gives its undropped output token for token (each
   batch runs through the four members' layers in order);
 - the restore (no body: the launch's one group) puts back the startup layout exactly, and the
-  outputs are still the undropped ones.
+  outputs are still the undropped ones;
+- a burst that one replica's pool cannot admit drops the whole group by itself (the leader's
+  controller on every member's view; every replica's log says "auto" and names the
+  overloaded replica); the burst's outputs equal the replica's whole ones.
 """
 
 from __future__ import annotations
@@ -27,6 +32,7 @@ import pytest
 
 # (corpus_ids and tokenizer are that module's fixtures)
 from test_morph_runtime_server import Stream, corpus_ids, prompt_ids, tokenizer  # noqa: F401
+from test_kunserve_auto import AUTO as AUTO_DEFAULTS
 from test_kunserve_live import generate_on, post, status
 
 N_NEW = 24
@@ -35,13 +41,18 @@ PROMPT_TOKENS = 104
 GROUP = [0, 1, 2, 3]
 ALONE = [[0], [1], [2], [3]]
 STREAMED = (1, 3)  # the replicas with a request in flight at the drop
+BURSTED, BURST = 2, 3  # three prompts at once on replica 2: 384 tokens of demand on 256
+# Every running request counts toward the demand (a late third request must still drop: see
+# test_kunserve_pairs_server.py); no automatic restore (a million calm views in a row).
+AUTO = {**AUTO_DEFAULTS, "finishing_steps": 0, "restore_persist": 10**6}
 
 
 @pytest.fixture(scope="module")
 def dp4(server_factory):
     return server_factory(
         "--dtype", "float32", "--dp-size", "4", "--enable-kunserve", "--kunserve-group-size",
-        "4", "--max-total-tokens", str(WHOLE_TOKENS), "--api-key", "test-api-key",
+        "4", "--kunserve-auto", "--kunserve-auto-config", json.dumps(AUTO),
+        "--max-total-tokens", str(WHOLE_TOKENS), "--api-key", "test-api-key",
         "--admin-api-key", "test-admin-key")
 
 
@@ -115,3 +126,28 @@ def test_a_group_of_four_drops_to_four_stages_and_restores(dp4, prompts, undropp
         assert rep["peer_kv_capacity_tokens"] == rep["dropped_weight_bytes"] == 0
         assert [t["action"] for t in rep["transitions"]] == ["drop", "restore"]
     assert on_every_replica(dp4, prompts, 0) == [undropped[r][0] for r in GROUP]
+
+
+def test_a_queue_one_replica_cannot_admit_drops_the_whole_group_by_itself(dp4, corpus_ids):
+    s = status(dp4)
+    assert s["groups"] == ALONE
+    assert [rep["auto"]["role"] for rep in s["replicas"]] == ["leader"] + ["follower"] * 3
+    assert all(rep["auto"]["views"] > 0 for rep in s["replicas"])
+    burst = [prompt_ids(corpus_ids, seed=120 + i, n_tokens=PROMPT_TOKENS) for i in range(BURST)]
+    whole = [generate_on(dp4, ids, BURSTED, n_new=N_NEW) for ids in burst]  # one at a time
+    assert status(dp4)["groups"] == ALONE  # each alone fits the pool: no drop
+
+    with concurrent.futures.ThreadPoolExecutor(BURST) as pool:
+        outs = list(pool.map(lambda ids: generate_on(dp4, ids, BURSTED, n_new=N_NEW), burst))
+    assert outs == whole
+    s = status(dp4)
+    assert s["groups"] == [GROUP], json.dumps(s)
+    for rep in s["replicas"]:
+        drop = rep["transitions"][-1]
+        assert (drop["action"], drop["trigger"]) == ("drop", "auto"), drop
+        assert f"over replica {BURSTED}'s capacity" in drop["reason"], drop
+        assert rep["kv_capacity_tokens"] == rep["kv_capacity_tokens_merged"] > WHOLE_TOKENS
+    assert s["replicas"][0]["auto"]["proposals"] == 1
+
+    r = post(dp4, "restore")
+    assert r.status_code == 200 and r.json()["groups"] == ALONE, r.text

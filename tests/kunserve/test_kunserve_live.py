@@ -134,6 +134,10 @@ def test_each_group_gets_its_own_link_port():
     server_args = launch_args(dp_size=8)
     kunserve_config.attach(server_args, four)
     assert (four.group_size, kunserve_config.groups(server_args)) == (4, 2)
+    auto_four = from_cli(argparse.Namespace(enable_kunserve=True, kunserve_group_size=4,
+                                            kunserve_auto=True, kunserve_link_port=4000),
+                         dp_size=4)
+    assert (auto_four.group_size, auto_four.auto) == (4, kunserve_config.AutoControlConfig())
 
 
 @pytest.mark.parametrize("flags, dp_size, message", [
@@ -142,8 +146,6 @@ def test_each_group_gets_its_own_link_port():
     (dict(kunserve_group_size=1), 4, "--kunserve-group-size must be an integer in [2, 8], "
                                      "got 1"),
     (dict(kunserve_group_size=16), 16, "--kunserve-group-size must be an integer in [2, 8]"),
-    (dict(kunserve_group_size=4, kunserve_auto=True), 4,
-     "--kunserve-auto drives groups of two only yet"),
 ])
 def test_a_group_size_the_launch_cannot_serve_is_refused(flags, dp_size, message):
     server_args = launch_args(dp_size=dp_size)

@@ -1,24 +1,26 @@
-"""``--kunserve-auto``: the KunServe controller drives each live pair's drop and restore.
+"""``--kunserve-auto``: the KunServe controller drives each live group's drop and restore.
 
-Each pair of replicas (``2i``, ``2i + 1``; below "replica 0" and "replica 1") has its own
-leader, controller and mailbox: under SGLang's data-parallel dispatch a request stays on its
-replica, so a pair's demand is its own members' and the pairs decide independently, each
-leader running the drop planner over its pair's two replicas (the links fix the groups a
-replica may join: its pair).
+Each group of replicas (a pair ``2i``, ``2i + 1`` by default, or ``--kunserve-group-size``
+consecutive ones; below "member 0" is the group's first, its *leader*, the others its
+*followers*) has its own leader, controller and mailbox: under SGLang's data-parallel dispatch
+a request stays on its replica, so a group's demand is its own members' and the groups decide
+independently, each leader running the drop planner over its group's replicas. The links fix
+the groups a replica may join, so the planner merges the whole group or nothing
+(``plan_drop``'s ``whole_group``; for a pair that is its greedy plan).
 
-Design (leader and follower on the elastic core's ``ElasticLoop``, no new process): every
-``interval_ms`` replica 1 publishes its view (KV capacity and use, the remaining outputs of its
-running requests, its queue; at once, and a counter bumped, when SGLang has just refused its
-queue for lack of KV, which replica 0 checks every few milliseconds between its batches) to
-replica 0 through the link's mailbox (keys in the link's
-TCPStore: written and read without either side waiting; gloo's recv cannot be polled). Replica
-0 builds the ``ClusterView`` of both from its own view and replica 1's latest, runs
+Design (leader and followers on the elastic core's ``ElasticLoop``, no new process): every
+``interval_ms`` each follower publishes its view (KV capacity and use, the remaining outputs of
+its running requests, its queue; at once, and a shared counter bumped, when SGLang has just
+refused its queue for lack of KV, which the leader checks every few milliseconds between its
+batches) to the leader through the link's mailbox (keys in the link's TCPStore: written and
+read without either side waiting; gloo's recv cannot be polled). The leader builds the
+``ClusterView`` of the group from its own view and each follower's latest, runs
 ``KunServeController.decide`` and, for a drop or a restore, writes a *proposal* (the direction
-and the controller's reason) and enters the transition; replica 1 reads proposals between its
-batches (every loop of its scheduler, at most every ``_FOLLOW_POLL_S``) and enters the same
+and the controller's reason) and enters the transition; every follower reads proposals between
+its batches (every loop of its scheduler, at most every ``_FOLLOW_POLL_S``) and enters the same
 transition. The transition is the operator's (``KunServeReplica.transition``): the vote, the
 two phases and their undo, the refusals (a restore waits while a replica holds more than a
-whole replica can), the log. So an automatic transition completes on both replicas or changes
+whole replica can), the log. So an automatic transition completes on every member or changes
 nothing, exactly as a POST.
 
 Why a leader and not both deciding from an exchanged view: an exchange would be a rendezvous
@@ -26,16 +28,16 @@ every interval, each replica waiting up to a whole batch of the other's (a long 
 seconds here). With a leader the replicas wait for each other only in a transition, and only
 one controller keeps hysteresis state.
 
-Ordering with operator POSTs: both replicas enter exactly one transition per proposal and
-one per POST (the data-parallel controller sends a POST to both), and every transition begins
-with the vote on the link's control group, so the votes pair up in order even when a proposal
-and a POST cross (a replica answering a POST may vote with the other answering a proposal).
-The replicas' state is always the same (a transition happens on both or neither), so a
-crossed pair either asks the same thing of both, or one of them refuses ("already merged",
-"not merged") and the pair changes nothing.
+Ordering with operator POSTs: every member enters exactly one transition per proposal and
+one per POST (the data-parallel controller sends a POST to every replica), and every
+transition begins with the vote on the link's control group, so the votes line up in order
+even when a proposal and a POST cross (a replica answering a POST may vote with another
+answering a proposal). The members' state is always the same (a transition happens on all or
+none), so a crossed vote either asks the same thing of all, or one of them refuses ("already
+merged", "not merged") and the group changes nothing.
 
-A view from replica 1 older than the last transition (its count of transitions differs from
-replica 0's) is not used: it describes the layout before.
+A follower's view older than the last transition (its count of transitions differs from the
+leader's) is not used: it describes the layout before.
 """
 
 from __future__ import annotations
@@ -60,7 +62,11 @@ logger = logging.getLogger("sglang_morph.kunserve")
 # The follower reads the proposal counter at most this often (one store round trip on
 # 127.0.0.1); the leader waits in the vote meanwhile.
 _FOLLOW_POLL_S = 0.01
-_VIEW_KEY, _COUNT_KEY, _BLOCKED_KEY = "view1", "proposals", "view1_blocked"
+_COUNT_KEY, _BLOCKED_KEY = "proposals", "views_blocked"
+
+
+def _view_key(rank: int) -> str:
+    return f"view{rank}"
 
 
 def local_view(replica: Any, finishing_steps: int = 0) -> dict[str, int]:
@@ -133,10 +139,10 @@ def snapshot(replica: int, view: dict[str, int]) -> ReplicaSnapshot:
 
 class AutoControl:
     """One replica's side of the automatic control, run by the elastic core's ``ElasticLoop``
-    every ``interval_ms``: the follower's observation publishes its view; the leader's builds
-    the ``ClusterView`` of both, decides, and applies by proposing (see the module docstring).
-    Invariant: the follower has entered one transition for each proposal the leader wrote
-    before its last poll, in order."""
+    every ``interval_ms``: a follower's observation publishes its view; the leader's builds
+    the ``ClusterView`` of the group, decides, and applies by proposing (see the module
+    docstring). Invariant: each follower has entered one transition for each proposal the
+    leader wrote before its last poll, in order."""
 
     def __init__(self, replica: Any, cfg: AutoControlConfig):
         from sglang_morph.elastic.loop import ElasticLoop
@@ -145,11 +151,11 @@ class AutoControl:
         self.replica, self.cfg = replica, cfg
         self.leader = replica.rank == 0
         self.mailbox = replica.link.mailbox
-        self.controller = (KunServeController(replica.planner, cfg.controller)
-                           if self.leader else None)
+        self.controller = (KunServeController(replica.planner, cfg.controller,
+                                              whole_group=True) if self.leader else None)
         self._next_poll_s = 0.0
         self._retry_at_s = 0.0
-        self._views: list[dict[str, int]] = []  # the pair of views the last decision saw
+        self._views: list[dict[str, int]] = []  # the members' views the last decision saw
         self._proposed: Any = None  # the controller's action the last proposal carried
         self.proposals = 0  # written (leader) or entered (follower)
         self.views = 0  # views decided on (leader) or published (follower)
@@ -158,9 +164,9 @@ class AutoControl:
         self.last_decision: dict[str, Any] | None = None
         self.errors = 0
         # A refused queue is seen at once (``on_step``): this replica's, and, on the leader,
-        # the follower's through a counter it bumps when its published view turns refused.
+        # a follower's through a counter each bumps when its published view turns refused.
         self._blocked = self._published_blocked = False
-        self._peer_blocked = 0
+        self._followers_blocked = 0
         self.loop = ElasticLoop(_AsMechanism(self), _Decider(self), recorder(replica.scheduler),
                                 cfg.interval_ms / 1000)
 
@@ -186,9 +192,9 @@ class AutoControl:
                 self._next_poll_s = now + _FOLLOW_POLL_S
                 if not self.leader:
                     self._follow()
-                elif (peer_blocked := self.mailbox.add(_BLOCKED_KEY, 0)) != self._peer_blocked:
-                    self._peer_blocked = peer_blocked
-                    self.loop.observe_now()  # the follower's queue was refused
+                elif (blocked := self.mailbox.add(_BLOCKED_KEY, 0)) != self._followers_blocked:
+                    self._followers_blocked = blocked
+                    self.loop.observe_now()  # a follower's queue was refused
             self.loop.on_step()
         except Exception:  # a broken mailbox must not stop serving; the POST routes remain
             self.errors += 1
@@ -211,32 +217,34 @@ class AutoControl:
                                   "reason": proposal["reason"], "status_code": code}
 
     def observe(self) -> ClusterView | None:
-        """The follower publishes its view (and decides nothing: None). The leader's view of
-        the pair, or None while replica 1 has published none or only one from before the last
-        transition."""
+        """A follower publishes its view (and decides nothing: None). The leader's view of
+        the group, or None while a follower has published none or only one from before the
+        last transition."""
         own = local_view(self.replica, self.cfg.controller.finishing_steps)
         if not self.leader:
-            self.mailbox.set(_VIEW_KEY, json.dumps(own))
+            self.mailbox.set(_view_key(self.replica.rank), json.dumps(own))
             if own["queue_refused"] and not self._published_blocked:
                 self.mailbox.add(_BLOCKED_KEY, 1)  # after the view: the leader reads it next
             self._published_blocked = bool(own["queue_refused"])
             self.views += 1
             return None
-        if not self.mailbox.check([_VIEW_KEY]):
-            return None  # replica 1 has not published yet
-        peer = json.loads(self.mailbox.get(_VIEW_KEY))
-        if peer["epoch"] != own["epoch"]:
+        replicas = self.replica.group.replicas
+        keys = [_view_key(rank) for rank in range(1, len(replicas))]
+        if not self.mailbox.check(keys):
+            return None  # a follower has not published yet
+        views = [own] + [json.loads(self.mailbox.get(key)) for key in keys]
+        if any(view["epoch"] != own["epoch"] for view in views):
             self.stale_views += 1
             return None
         self.views += 1
-        self._views = [own, peer]
-        front, back = self.replica.group.replicas
-        return ClusterView(self.loop.clock(), (snapshot(front, own), snapshot(back, peer)),
+        self._views = views
+        return ClusterView(self.loop.clock(),
+                           tuple(snapshot(r, view) for r, view in zip(replicas, views)),
                            (self.replica.group,) if self.replica.merged else ())
 
     def decide(self, view: ClusterView | None) -> Any:
-        """The controller's drop or restore for the pair, or None (nothing to do, a KV-centric
-        fallback, or the wait after a refused or failed automatic transition)."""
+        """The controller's drop or restore for the group, or None (nothing to do, a
+        KV-centric fallback, or the wait after a refused or failed automatic transition)."""
         if view is None:
             return None
         action = self.controller.decide(view)
@@ -250,17 +258,17 @@ class AutoControl:
         if isinstance(action, Drop) and not any(g.replicas == self.replica.group.replicas
                                                 for g in action.plan.groups):
             raise RuntimeError(f"the controller planned groups {action.plan.groups}, not the "
-                               f"live pair")
+                               f"live group")
         if self.loop.clock() < self._retry_at_s:
             return None  # the last automatic transition was refused or failed: wait
         return action
 
     def propose(self, action: Any) -> Transition:
-        """The leader writes the proposal, then enters the pair's transition (the follower
-        enters it at its next poll); the transition, as the pair recorded it."""
+        """The leader writes the proposal, then enters the group's transition (each follower
+        enters it at its next poll); the transition, as the group recorded it."""
         merge = isinstance(action, Drop)
         self.proposals += 1
-        # The proposal before the count: the follower never sees a count without its key.
+        # The proposal before the count: a follower never sees a count without its key.
         self.mailbox.set(f"proposal{self.proposals}",
                          json.dumps({"merge": merge, "reason": action.reason}))
         self.mailbox.add(_COUNT_KEY, 1)
@@ -282,7 +290,7 @@ class AutoControl:
 
 class _AsMechanism:
     """The automatic control under the elastic core's ``ElasticMechanism`` names. A transition
-    is the pair's voted one: it records itself on both replicas and checks the replica's
+    is the group's voted one: it records itself on every member and checks the replica's
     integrity once applied (``KunServeReplica._applied``)."""
 
     name = "kunserve"
