@@ -80,6 +80,14 @@ MICRO_BATCH_CUTS = ("cost", "tokens")
 MIN_CHUNK_TOKENS = 16
 
 
+def _check_group_size(g: Any) -> int:
+    """``g`` if it is a group size the live groups serve (else the flag's error)."""
+    if not (is_int(g) and 2 <= g <= MAX_GROUP_SIZE):
+        raise KunServeConfigError(f"--kunserve-group-size must be an integer in "
+                                  f"[2, {MAX_GROUP_SIZE}], got {g!r}")
+    return g
+
+
 @dataclasses.dataclass(frozen=True)
 class KunServeLiveConfig:
     enabled: bool = False
@@ -104,14 +112,7 @@ class KunServeLiveConfig:
     merged_chunked_prefill: int | None = None
 
     def __post_init__(self) -> None:
-        g = self.group_size
-        if not (is_int(g) and 2 <= g <= MAX_GROUP_SIZE):
-            raise KunServeConfigError(f"--kunserve-group-size must be an integer in "
-                                      f"[2, {MAX_GROUP_SIZE}], got {g!r}")
-        if g > 2 and self.auto is not None:
-            raise KunServeConfigError(f"--kunserve-auto drives groups of two only yet; with "
-                                      f"--kunserve-group-size {g} the groups drop and restore "
-                                      f"through POST /kunserve/drop and /kunserve/restore")
+        _check_group_size(self.group_size)
         m = self.micro_batches
         if not (is_int(m) and 1 <= m <= MAX_MICRO_BATCHES):
             raise KunServeConfigError(f"--kunserve-micro-batches must be an integer in "
@@ -162,15 +163,14 @@ class KunServeLiveConfig:
             return cls()
         if auto_json is not None and not auto:
             raise KunServeConfigError("--kunserve-auto-config needs --kunserve-auto")
+        group_size = 2 if group_size is None else _check_group_size(group_size)
         # An odd --dp-size is check_launch's to refuse (it names --dp-size, whatever the group).
-        if (group_size is not None and is_int(group_size) and group_size >= 2
-                and dp_size % group_size and dp_size % 2 == 0):
+        if dp_size % group_size and dp_size % 2 == 0:
             raise KunServeConfigError(
                 f"--enable-kunserve with --kunserve-group-size {group_size} needs a --dp-size "
                 f"that is a multiple of it (got {dp_size}): replicas serve in groups of "
                 f"{group_size} consecutive ones")
-        group_size = 2 if group_size is None else group_size
-        groups = max(1, dp_size // group_size) if is_int(group_size) and group_size > 0 else 1
+        groups = max(1, dp_size // group_size)
         port = getattr(args, "kunserve_link_port", None)
         if port is None:
             port = free_late_bind_ports(groups)
@@ -198,16 +198,15 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
         "--kunserve-group-size", type=int, default=None, metavar="G",
         help="Replicas per group (default 2, pairs): G consecutive replicas drop together to a "
         "pipeline of G stages, each keeping 1/G of the layers (--dp-size a multiple of G; "
-        f"at most {MAX_GROUP_SIZE}). Groups of more than two drop and restore through the "
-        "POST routes (no --kunserve-auto) and run their batches uncut.")
+        f"at most {MAX_GROUP_SIZE}). Groups of more than two run their batches uncut.")
     group.add_argument(
         "--kunserve-link-port", type=int, default=None, metavar="PORT",
         help="TCP port of the first group's gloo link rendezvous on 127.0.0.1; group i uses "
         "PORT + i (default: consecutive free ports picked at launch).")
     group.add_argument(
         "--kunserve-auto", action="store_true",
-        help="Drop and restore automatically: the first replica of each pair runs the KunServe "
-        "controller on both replicas' KV use and queues (the POST routes keep working).")
+        help="Drop and restore automatically: the first replica of each group runs the "
+        "KunServe controller on its members' KV use and queues (the POST routes keep working).")
     group.add_argument(
         "--kunserve-auto-config", default=None, metavar="JSON",
         help="The controller's thresholds as a JSON object, e.g. '{\"interval_ms\": 250, "
