@@ -137,7 +137,12 @@ def test_every_member_applies_every_phase_in_order():
         assert rec.outcome is Outcome.APPLIED and rec.error == ""
         assert rec.mechanism == "test" and rec.action == "grow" and rec.reason == "a test"
         assert (rec.capacity_before_tokens, rec.capacity_after_tokens) == (0, 4)
-        assert rec.detail == {"trigger": "test", "state": sorted(m.state)}
+        steps = rec.detail["step_seconds"]
+        assert list(steps) == ["vote"] + [name for p in PHASES
+                                          for name in (p, f"{p} exchange")] + ["last step"]
+        assert all(s >= 0 for s in steps.values()) and sum(steps.values()) <= rec.duration_s
+        assert rec.detail == {"trigger": "test", "step_seconds": steps,
+                              "state": sorted(m.state)}
         assert recorder.recent("test") == [rec]
 
 
@@ -149,7 +154,8 @@ def test_a_refusal_on_any_member_changes_nothing(refusing):
     for m, rec, recorder in zip(members, records, recorders):
         assert m.log == [] and m.state == set()
         assert rec.outcome is Outcome.REFUSED
-        assert rec.detail == {"trigger": "test"}
+        assert set(rec.detail) == {"trigger", "step_seconds"}
+        assert list(rec.detail["step_seconds"]) == ["vote"]  # nothing else ran
         if m.rank == refusing:
             assert rec.error == f"replica {refusing} is busy"
         else:
@@ -180,6 +186,8 @@ def test_a_failure_in_phase_k_on_member_m_undoes_everything_everywhere(k, failin
         assert m.state == set()
         assert rec.outcome is Outcome.FAILED
         assert rec.capacity_before_tokens == rec.capacity_after_tokens == 0
+        assert list(rec.detail["step_seconds"]) == ["vote"] + [
+            step for p in PHASES[:k + 1] for step in (p, f"{p} exchange")] + ["undo"]
         cause = (f"replica {failing} failed in {name}: "
                  f"RuntimeError: {name} broke on member {failing}")
         if m.rank == failing:

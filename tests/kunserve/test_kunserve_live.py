@@ -320,6 +320,10 @@ def test_drop_with_requests_in_flight_serves_undropped_outputs(dp2, prompts, und
         assert t["action"] == "drop" and t["kv_capacity_tokens"] == [
             WHOLE_TOKENS, rep["kv_capacity_tokens"]]
         assert t["requests_in_flight"] == 1 and t["kv_moved_bytes"] > 0
+        steps = t["step_seconds"]
+        assert list(steps) == ["vote", "the KV move", "the KV move exchange", "the layer drop",
+                               "the layer drop exchange"]
+        assert sum(steps.values()) - steps["vote"] <= t["duration_s"] + 1e-3
     # The second round reuses the first's prefixes from the radix cache.
     one_by_one, together = all_outputs(dp2, prompts)
     assert one_by_one == [undropped, undropped]
@@ -369,6 +373,8 @@ def test_restore_with_requests_in_flight_gives_whole_replicas_back(dp2, prompts,
         # Only allocated rows came back: far less than the mirrors' whole rows (both ways).
         whole_mirrors = 2 * (rep["kv_capacity_tokens_merged"] + 1) * 15 * layer_token
         assert 0 < rep["transitions"][1]["kv_moved_bytes"] < whole_mirrors / 4
+        assert list(rep["transitions"][1]["step_seconds"]) == [
+            "vote", "the KV move back", "the KV move back exchange", "last step"]
     assert [generate_on(dp2, ids, r) for r in (0, 1) for ids in prompts] == undropped * 2
     metrics = requests.get(f"{dp2.url}/metrics", headers=USER, timeout=60).text
     for replica in ("0", "1"):

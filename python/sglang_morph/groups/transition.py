@@ -13,7 +13,15 @@ control request, or a leader's proposal) and runs ``GroupTransitions.run``:
    phase (e.g. a local resize already checked in the vote); it is neither exchanged nor
    undone, so its failure leaves the phases applied and says so in the error;
 4. **record**: one ``elastic.contract.Transition`` (APPLIED, REFUSED or FAILED, with the error
-   text) in the scheduler's ``TransitionRecorder``, returned to the caller.
+   text and ``detail["step_seconds"]``: where this member's time went) in the scheduler's
+   ``TransitionRecorder``, returned to the caller.
+
+``step_seconds`` (also ``GroupTransitions.step_seconds`` once ``run`` returns) names, in
+order: ``vote`` (this member's vote until every member's is in: the wait for the slowest
+member to reach the transition), each phase that ran (its ``do`` on this member) followed by
+``<phase> exchange`` (the wait for every member's outcome: the slowest member's ``do``), then
+``undo`` or ``last step`` when they ran. A transition's cost on the group is the sum of the
+slowest member's.
 
 Invariants: every member reaches the same outcome for the vote and for each phase (they
 decide from the same all-gathered values); a phase's ``undo`` reverts whatever its ``do``
@@ -87,6 +95,7 @@ class GroupTransitions:
                  capacity_tokens: Callable[[], int]):
         self.gather, self.rank, self.replicas = gather, rank, tuple(replicas)
         self.mechanism, self.recorder, self.capacity_tokens = mechanism, recorder, capacity_tokens
+        self.step_seconds: dict[str, float] = {}  # the last transition's (see the module doc)
 
     @property
     def replica(self) -> int:
@@ -99,8 +108,10 @@ class GroupTransitions:
         counted) and returns the record's detail; what it raises propagates unrecorded."""
         started = time.perf_counter()
         before = int(self.capacity_tokens())
+        self.step_seconds = {}
         outcome, error, voted_at = self._run(t)
-        detail = dict(t.detail)
+        detail = {**t.detail, "step_seconds": {k: round(v, 6)
+                                               for k, v in self.step_seconds.items()}}
         if outcome is Outcome.APPLIED and applied is not None:
             detail.update(applied(time.perf_counter() - voted_at))
         record = Transition(
@@ -112,7 +123,8 @@ class GroupTransitions:
 
     def _run(self, t: VotedTransition) -> tuple[Outcome, str, float]:
         """The outcome, its error text ("" when applied) and when the vote ended."""
-        votes = self.gather(t.refusal)
+        with self._timed("vote"):
+            votes = self.gather(t.refusal)
         voted_at = time.perf_counter()
         if any(v is not None for v in votes):
             return Outcome.REFUSED, self._refused_text(t.action, votes), voted_at
@@ -121,21 +133,34 @@ class GroupTransitions:
 
     def _run_phases(self, t: VotedTransition, voted_at: float) -> tuple[Outcome, str, float]:
         for k, phase in enumerate(t.phases):
-            error = self._attempt(phase)
-            outcomes = self.gather(error)
+            with self._timed(phase.name):
+                error = self._attempt(phase)
+            with self._timed(f"{phase.name} exchange"):
+                outcomes = self.gather(error)
             failed = [(r, e) for r, e in enumerate(outcomes) if e is not None]
             if failed:
-                undo_errors = self._undo(t.phases[:k + 1])
+                with self._timed("undo"):
+                    undo_errors = self._undo(t.phases[:k + 1])
                 return Outcome.FAILED, self._failed_text(t.action, phase, failed,
                                                          undo_errors), voted_at
         if t.last is not None:
             try:
-                t.last.do()
+                with self._timed("last step"):
+                    t.last.do()
             except Exception as e:
                 logger.exception("sglang-morph: %s %s: the last step failed on replica %d",
                                  self.mechanism, t.action, self.replica)
                 return Outcome.FAILED, f"{t.action}: {t.last.if_failed}: {_text(e)}", voted_at
         return Outcome.APPLIED, "", voted_at
+
+    @contextlib.contextmanager
+    def _timed(self, step: str):
+        """``step_seconds[step]``: the wall seconds of the block (also when it raises)."""
+        began = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.step_seconds[step] = time.perf_counter() - began
 
     def _attempt(self, phase: Phase) -> str | None:
         try:

@@ -411,7 +411,11 @@ class KunServeReplica(GroupMember):
             "kv_capacity_tokens": [before, int(self.pool.size)],
             "kv_moved_bytes": self._moved_bytes,
             "requests_in_flight": self._in_flight,
-            "dropped_weight_bytes": self.dropped_weight_bytes})
+            "dropped_weight_bytes": self.dropped_weight_bytes,
+            # Where this replica's time went: the vote, each phase and the waits for the
+            # others' (groups/transition.py).
+            "step_seconds": {k: round(v, 4)
+                             for k, v in self.group_transitions.step_seconds.items()}})
         logger.info("sglang-morph: KunServe %s on replica %d: %s", action, self.replica,
                     self.transitions[-1])
         self._publish_metrics(action)
