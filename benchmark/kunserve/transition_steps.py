@@ -67,9 +67,12 @@ def one_round(url: str, replicas: int, streams: int, seed: int) -> list[dict]:
     with concurrent.futures.ThreadPoolExecutor(len(jobs)) as pool:
         futures = [pool.submit(generate, url, *job) for job in jobs]
         deadline = time.monotonic() + 600
-        while min(rep["load"]["running_reqs"] for rep in status(url)["replicas"]) < streams:
+        while (running := [rep["load"]["running_reqs"]
+                           for rep in status(url)["replicas"]]) != [streams] * replicas:
             if time.monotonic() > deadline or any(f.done() for f in futures):
-                raise RuntimeError("the requests did not all run at once; lower --streams")
+                done = [f.exception() or f.result() for f in futures if f.done()]
+                raise RuntimeError(f"the requests did not all run at once (running per "
+                                   f"replica: {running}; finished: {done}); lower --streams")
             time.sleep(0.05)
         post(url, "drop")
         time.sleep(SETTLE_S)
