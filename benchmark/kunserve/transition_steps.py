@@ -30,8 +30,8 @@ import httpx
 from benchmark.harness import load_average, run_meta, running_server, write_results
 
 SERVER_ARGS = ("--dtype", "float32", "--max-total-tokens", "910", "--enable-kunserve")
-PROMPT_TOKENS = 192
-NEW_TOKENS = 160
+PROMPT_TOKENS = 128
+NEW_TOKENS = 256  # outlive both transitions even when a replica admits its requests late
 SETTLE_S = 1.0  # merged before the restore: a few pipelined steps run in between
 
 
