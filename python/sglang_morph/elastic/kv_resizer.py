@@ -434,18 +434,24 @@ class KVResizer:
     def _resize_buffers(self, capacity_tokens: int) -> None:
         """Replace every layer's K/V buffers by ones with ``capacity_tokens + page_size`` rows,
         keeping the leading rows. All new buffers are built before the pool's lists change, so
-        a failure (out of memory) leaves the pool as it was."""
+        a failure (out of memory) leaves the pool as it was.
+
+        The rows past the kept ones are not zeroed: they are free slots, and a slot's KV is
+        written (the forward's ``set_kv_buffer``) before any attention reads it, as SGLang
+        leaves a freed slot's stale KV. Zeroing would touch every new page while the replicas
+        wait (a KunServe drop grows the pool by hundreds of MB); untouched, a page costs its
+        first write instead."""
         pool, rows = self.pool, capacity_tokens + self.page_size
         keep = min(rows, pool.k_buffer[0].shape[0])
         new_k_buffers, new_v_buffers = [], []
         for k, v in zip(pool.k_buffer, pool.v_buffer):
             if k._base is not None and k._base is v._base:
                 # SGLang stores K and V as the halves of one allocation when their shapes match.
-                fused = torch.zeros((2, rows, *k.shape[1:]), dtype=k.dtype, device=k.device)
+                fused = torch.empty((2, rows, *k.shape[1:]), dtype=k.dtype, device=k.device)
                 new_k, new_v = fused[0], fused[1]
             else:
-                new_k = k.new_zeros((rows, *k.shape[1:]))
-                new_v = v.new_zeros((rows, *v.shape[1:]))
+                new_k = k.new_empty((rows, *k.shape[1:]))
+                new_v = v.new_empty((rows, *v.shape[1:]))
             new_k[:keep] = k[:keep]
             new_v[:keep] = v[:keep]
             new_k_buffers.append(new_k)

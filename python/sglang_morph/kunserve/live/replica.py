@@ -509,13 +509,21 @@ class KunServeReplica(GroupMember):
         kept, pool = self.member.layers, self.pool
         mirrors = {}
         ours, self._moved_bytes = allocated_rows(self.scheduler), 0
+        rows = self.kv_capacity_tokens_merged + self.page_size
         for other in self._others_in_turn():
+            # Built at one page, then given unzeroed buffers of the merged size: only the
+            # rows the KV move writes and the forwards write later are ever read (as in the
+            # resizer's grow), and SGLang's zeroed buffers would touch every page of the
+            # mirror while the group waits.
             mirror = MHATokenToKVPool(
-                size=self.kv_capacity_tokens_merged, page_size=self.page_size,
+                size=self.page_size, page_size=self.page_size,
                 dtype=pool.dtype, head_num=pool.head_num, head_dim=pool.head_dim,
                 layer_num=len(kept), device=pool.device, enable_memory_saver=False,
                 v_head_dim=pool.v_head_dim, start_layer=kept.start, end_layer=kept.stop,
                 enable_alt_stream=False)
+            mirror.size = self.kv_capacity_tokens_merged
+            set_pool_buffers(mirror, *([like.new_empty((rows, *like.shape[1:])) for _ in kept]
+                                       for like in (pool.k_buffer[0], pool.v_buffer[0])))
             theirs = self._rows_with(other, ours)
             layers = self.group.members[other].layers
             self._moved_bytes += self._exchange_layers(
