@@ -28,8 +28,8 @@ from pathlib import Path
 import httpx
 
 from benchmark.harness import load_average, run_meta, running_server, write_results
+from benchmark.kunserve.pipeline import server_args
 
-SERVER_ARGS = ("--dtype", "float32", "--max-total-tokens", "910", "--enable-kunserve")
 PROMPT_TOKENS = 128
 NEW_TOKENS = 256  # outlive both transitions even when a replica admits its requests late
 SETTLE_S = 1.0  # merged before the restore: a few pipelined steps run in between
@@ -138,15 +138,15 @@ def main() -> None:
                                  description=__doc__.splitlines()[0])
     ap.add_argument("--out", type=Path, default=Path("benchmark/results/kunserve"))
     ap.add_argument("--group-size", type=int, default=2,
-                    help="replicas in the group, all of the server's (default 2: a pair)")
+                    help="replicas in the group, all of the server's (default 2: a pair; "
+                    "the server is the pipeline benchmark's)")
     ap.add_argument("--rounds", type=int, default=5, help="drop-restore rounds (default 5)")
     ap.add_argument("--streams", type=int, default=2,
                     help="requests per replica running at each transition (default 2)")
     args = ap.parse_args()
     if args.group_size < 2 or args.rounds < 1 or args.streams < 1:
         ap.error("--group-size must be at least 2, --rounds and --streams at least 1")
-    launch = ("--dp-size", str(args.group_size), *SERVER_ARGS,
-              *(("--kunserve-group-size", str(args.group_size)) if args.group_size > 2 else ()))
+    launch = server_args(args.group_size)
     load_before = load_average()
     with tempfile.TemporaryDirectory() as tmp:
         with running_server(launch, Path(tmp) / "server.log", {"OMP_NUM_THREADS": "1"}) as srv:
