@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import argparse
 import concurrent.futures
-import statistics
 import sys
 import tempfile
 import time
@@ -27,7 +26,7 @@ from pathlib import Path
 
 import httpx
 
-from benchmark.harness import load_average, run_meta, running_server, write_results
+from benchmark.harness import load_average, run_meta, running_server, spread, write_results
 from benchmark.kunserve.pipeline import server_args
 
 PROMPT_TOKENS = 128
@@ -92,18 +91,13 @@ def summarize(rounds: list[list[dict]]) -> dict:
         records = [rep[action] for one in rounds for rep in one]
         steps = list(records[0]["step_seconds"])
         out[action] = {
-            "steps_s": {step: _spread([r["step_seconds"][step] for r in records])
+            "steps_s": {step: spread([r["step_seconds"][step] for r in records])
                         for step in steps},
-            "pause_s": _spread([max(rep[action]["duration_s"] for rep in one)
+            "pause_s": spread([max(rep[action]["duration_s"] for rep in one)
                                 for one in rounds]),
-            "kv_moved_bytes": _spread([r["kv_moved_bytes"] for r in records]),
-            "requests_in_flight": _spread([r["requests_in_flight"] for r in records])}
+            "kv_moved_bytes": spread([r["kv_moved_bytes"] for r in records]),
+            "requests_in_flight": spread([r["requests_in_flight"] for r in records])}
     return out
-
-
-def _spread(values: list[float]) -> dict:
-    return {"median": statistics.median(values), "min": min(values), "max": max(values),
-            "n": len(values)}
 
 
 def markdown(result: dict) -> str:
