@@ -79,8 +79,9 @@ def test_routes_with_auth_body_and_answers(docs):
     assert "`GET /kunserve/status`" in sections
     for route in ("`POST /kunserve/drop`", "`POST /kunserve/restore`"):
         assert "- **Auth:** admin-optional:" in sections[route]
-        assert '- **Body:** `{"group": [2, 3]}`, the group' in sections[route]
-        assert "none, or an empty JSON object, on a launch of one group" in sections[route]
+        assert '- **Body:** `{"group": [2, 3]}`, the ' in sections[route]
+        assert ("none, or an empty JSON object, for the whole group on a launch of one group"
+                in sections[route])
 
 
 def test_commands_and_subcommands(docs):

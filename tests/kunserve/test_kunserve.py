@@ -259,35 +259,6 @@ def test_no_drop_needed_and_no_plan_fallbacks(planner):
         ReplicaDemand(0, 5, 4)
 
 
-def test_a_live_group_merges_all_its_members_or_none(planner):
-    """``whole_group`` (a live group: its link fixes the members): where the greedy merges
-    only the overloaded pair, the whole group merges; a calm view merges nothing; a demand
-    the whole group cannot hold either is a fallback whose deepest grouping is that group.
-    For two replicas it is the greedy's plan."""
-    full = planner.full_replica().kv_capacity_tokens
-    busy = [ReplicaDemand(0, 0, full + full // 4), ReplicaDemand(1, 0, full + full // 4),
-            ReplicaDemand(2, 0, 10), ReplicaDemand(3, 0, 10)]
-    assert [g.replicas for g in plan_drop(planner, busy).groups] == [(0, 1), (2,), (3,)]
-    plan = plan_drop(planner, busy, whole_group=True)
-    assert [g.replicas for g in plan.groups] == [(0, 1, 2, 3)]
-    assert plan.groups[0] == make_group(planner, (0, 1, 2, 3))
-    assert plan.merges == (((0,), (1,)), ((0, 1), (2,)), ((0, 1, 2), (3,)))
-    assert plan.demand_tokens == sum(d.kv_demand_tokens for d in busy)
-    calm = plan_drop(planner, [ReplicaDemand(r, 10, full) for r in range(4)], whole_group=True)
-    assert not calm.merges and [g.size for g in calm.groups] == [1] * 4
-    huge = plan_drop(planner, [ReplicaDemand(r, 0, 100 * full) for r in range(4)],
-                     whole_group=True)
-    assert isinstance(huge, KvCentricFallback)
-    assert [g.replicas for g in huge.deepest.groups] == [(0, 1, 2, 3)]
-    for view in ([ReplicaDemand(0, 0, 2 * full), ReplicaDemand(1, 0, 10)],
-                 [ReplicaDemand(0, 0, 100 * full), ReplicaDemand(1, 0, 10)],
-                 [ReplicaDemand(0, 0, 10), ReplicaDemand(1, 0, 10)]):
-        assert plan_drop(planner, view, whole_group=True) == plan_drop(planner, view)
-    shallow = DropPlannerConfig(planner.memory, BUDGET_BYTES, max_group_size=2)
-    with pytest.raises(ValueError, match="a group of 4 is deeper than the planner's limit of 2"):
-        plan_drop(shallow, busy, whole_group=True)
-
-
 def test_restore_homes_every_request_or_refuses(planner):
     group = make_group(planner, (0, 1))
     full = planner.full_replica().kv_capacity_tokens
@@ -705,20 +676,32 @@ def test_controller_drops_after_persisting_overload_only(planner):
     assert ctl.decide(_view(2, planner, **growing)) is None
 
 
-def test_a_live_groups_controller_drops_the_whole_group(planner):
-    """``whole_group``: one overloaded member of four drops all four (the live group's only
-    layout besides whole replicas); the dwell then holds every member."""
+def test_a_group_of_fours_controller_merges_as_few_members_as_hold_the_demand(planner):
+    """Four replicas of one live group: one overloaded member merges with one other (the
+    dwell then holds those two only); with that pair standing, another overloaded member
+    merges with the one free replica left; a demand no pair holds merges three."""
     full = planner.full_replica().kv_capacity_tokens
     cfg = ControllerConfig(drop_persist=1, min_dwell_s=5)
-    view = _view(0, planner, [full // 2] * 4, [full, 0, 0, 0])
-    assert [g.replicas for g in KunServeController(planner, cfg).decide(view).plan.groups] == [
-        (0, 1), (2,), (3,)]
-    ctl = KunServeController(planner, cfg, whole_group=True)
-    action = ctl.decide(view)
-    assert [g.replicas for g in action.plan.groups] == [(0, 1, 2, 3)]
+    ctl = KunServeController(planner, cfg)
+    action = ctl.decide(_view(0, planner, [full // 2] * 4, [full, 0, 0, 0]))
+    assert [g.replicas for g in action.plan.groups] == [(0, 1), (2,), (3,)]
     assert "over replica 0's capacity" in action.reason
     ctl.applied(action, 0.0)
-    assert ctl._dwelt([3], 4.0) is False and ctl._dwelt([3], 5.0) is True
+    assert ctl._dwelt([1], 4.0) is False and ctl._dwelt([2, 3], 0.0) is True
+
+    pair = make_group(planner, (0, 1))
+    view = _view(1, planner, [full // 2, full // 2, full // 2, full // 2], [0, 0, full, 0],
+                 groups=(pair,))
+    action = ctl.decide(view)
+    assert [g.replicas for g in action.plan.groups] == [(2, 3)]
+
+    # Replica 0 alone wants more than any pair holds: the greedy merges on to three.
+    deep = pair.capacity_tokens + full
+    action = KunServeController(planner, cfg).decide(
+        _view(0, planner, [full // 2] * 4, [deep, 0, 0, 0]))
+    merged = [g.replicas for g in action.plan.groups if g.size > 1]
+    assert len(merged) == 1 and len(merged[0]) == 3 and 0 in merged[0], merged
+    assert action.plan.group_of(0).capacity_tokens >= deep
 
 
 def test_controller_drops_at_once_for_a_queue_the_pool_cannot_take(planner):

@@ -34,7 +34,7 @@ def _replica(waiting: int, running: int, batch_is_full: bool, max_running: int =
         running_batch=types.SimpleNamespace(batch_is_full=batch_is_full),
         tree_cache=types.SimpleNamespace(evictable_size=lambda: 0))
     return types.SimpleNamespace(
-        scheduler=sched, transitions=[], live_requests=lambda: [req(10)] * running,
+        scheduler=sched, epoch=0, subgroup=[0], live_requests=lambda: [req(10)] * running,
         pool=types.SimpleNamespace(size=910),
         allocator=types.SimpleNamespace(available_size=lambda: 500))
 
@@ -134,28 +134,30 @@ class _Group:
         from sglang_morph.kunserve.live import auto
 
         self.outcome = "applied"
-        self.entered: list[tuple[int, bool, str]] = []
+        # (rank, merge, trigger, the replicas that change) of every transition entered
+        self.entered: list[tuple[int, bool, str, tuple[int, ...]]] = []
         mailbox = HashStore()
         self.replicas = [types.SimpleNamespace(
-            rank=rank, link=types.SimpleNamespace(mailbox=mailbox), planner=planner,
+            rank=rank, link=types.SimpleNamespace(mailbox=mailbox, replicas=tuple(range(size))),
+            planner=planner,
             scheduler=types.SimpleNamespace(server_args=None, waiting_queue=[],
                                             running_batch=None), merged=False,
             group=types.SimpleNamespace(replicas=tuple(range(size))), last_transition=None,
             view=None, elastic_state=lambda: {}, check_integrity=lambda: None)
             for rank in range(size)]
         for r in self.replicas:
-            r.transition = lambda merge, trigger, reason, r=r: self._transition(r, merge,
-                                                                                trigger, reason)
+            r.transition = (lambda merge, trigger, reason, group, r=r:
+                            self._transition(r, merge, trigger, reason, group))
         self.autos = [auto.AutoControl(r, cfg) for r in self.replicas]
         self.now_s = 100.0
         for a in self.autos:
             a.loop.clock = lambda: self.now_s
 
-    def _transition(self, replica, merge: bool, trigger: str, reason: str):
+    def _transition(self, replica, merge: bool, trigger: str, reason: str, group):
         from sglang_morph.elastic.contract import Outcome, Transition
         from sglang_morph.elastic.record import recorder
 
-        self.entered.append((replica.rank, merge, trigger))
+        self.entered.append((replica.rank, merge, trigger, tuple(group)))
         outcome = Outcome(self.outcome)
         replica.last_transition = recorder(replica.scheduler).record(Transition(
             mechanism="kunserve", replica=replica.rank, action="drop" if merge else "restore",
@@ -187,7 +189,7 @@ def _calm_group(planner, monkeypatch, interval_ms: float, size: int = 2):
         interval_ms=interval_ms, controller=ControllerConfig(drop_persist=2, min_dwell_s=5.0))
     group = _Group(planner, cfg, size)
     for r in group.replicas:
-        r.view = _views(planner, growth=0)
+        r.view = dict(_views(planner, growth=0), group=[r.rank])
     return group, cfg
 
 
@@ -204,15 +206,16 @@ def test_the_leader_decides_on_the_elastic_loop_and_the_follower_enters_its_prop
     assert (leader.views, follower.views) == (1, 1)
 
     for r in pair.replicas:  # the running requests' outputs would outgrow both pools
-        r.view = _views(planner, growth=1)
+        r.view = dict(_views(planner, growth=1), group=[r.rank])
     pair.step(0.1)
     assert leader.proposals == 0  # over for one view; drop_persist is 2
     pair.step(0.1)
     assert leader.proposals == 1 and leader.last_decision["merge"] is True
     assert "for 2 views" in leader.last_decision["reason"]
-    assert pair.entered == [(0, True, "auto")]
+    assert pair.entered == [(0, True, "auto", (0, 1))]
     pair.step(0.02)  # the follower polls the proposal between its batches
-    assert follower.proposals == 1 and pair.entered == [(0, True, "auto"), (1, True, "auto")]
+    assert follower.proposals == 1 and pair.entered == [(0, True, "auto", (0, 1)),
+                                                        (1, True, "auto", (0, 1))]
     # The pair's transition recorded itself once; the loop's record of it changed nothing.
     assert recorder(pair.replicas[0].scheduler).totals == {("kunserve", "applied"): 1}
 
@@ -266,9 +269,8 @@ def test_a_queue_sglang_refuses_drops_without_waiting_for_the_interval(planner, 
 def test_a_group_of_four_decides_on_every_members_view(planner, monkeypatch):
     """The leader decides on the views of all three followers: none while one has not
     published or published from before the last transition; a queue refused on the last
-    member drops the whole group at once, and every follower enters the proposal."""
-    import types
-
+    member merges it with one other member (a pair holds the demand), and every follower
+    enters the proposal, as a member of the pair or standing by."""
     group, _ = _calm_group(planner, monkeypatch, interval_ms=250, size=4)
     leader, *followers = group.autos
     followers[0].on_step()  # one follower publishes, the two others have not yet
@@ -278,21 +280,77 @@ def test_a_group_of_four_decides_on_every_members_view(planner, monkeypatch):
     assert leader.views == 1 and [f.views for f in followers] == [2, 1, 1]
     assert len(leader._views) == 4
 
-    full = planner.full_replica().kv_capacity_tokens
-    refused = group.replicas[3]
-    refused.view = dict(refused.view, waiting_tokens=full, waiting_reqs=1, queue_refused=1)
-    refused.scheduler.waiting_queue = ["a prompt"]
-    refused.scheduler.running_batch = types.SimpleNamespace(batch_is_full=True, reqs=["r"])
+    _refuse(planner, group.replicas[3], waiting_tokens=planner.full_replica().kv_capacity_tokens)
     group.step(0.02)
     assert leader.proposals == 1 and leader.last_decision["merge"] is True
     assert "over replica 3's capacity" in leader.last_decision["reason"]
-    assert [e[0] for e in group.entered] == [0]
+    merged = tuple(leader.last_decision["group"])
+    assert len(merged) == 2 and 3 in merged, merged
+    assert group.entered == [(0, True, "auto", merged)]
     group.step(0.02)  # the followers poll the proposal between their batches
     assert sorted(e[0] for e in group.entered) == [0, 1, 2, 3]
-    assert all(merge and trigger == "auto" for _, merge, trigger in group.entered)
+    assert all(e[1:] == (True, "auto", merged) for e in group.entered)
     assert leader.errors == 0 and all(f.errors == 0 for f in followers)
 
     group.replicas[2].view = dict(group.replicas[2].view, epoch=1)  # one follower behind
     before = leader.stale_views
     group.step(0.3)
     assert leader.stale_views == before + 1
+
+
+def _refuse(planner, replica, waiting_tokens: int) -> None:
+    """SGLang refuses ``replica``'s queue of ``waiting_tokens`` for lack of KV from now on."""
+    import types
+
+    replica.view = dict(replica.view, waiting_tokens=waiting_tokens, waiting_reqs=1,
+                        queue_refused=1)
+    replica.scheduler.waiting_queue = ["a prompt"]
+    replica.scheduler.running_batch = types.SimpleNamespace(batch_is_full=True, reqs=["r"])
+
+
+def test_a_group_of_four_merges_two_pairs_as_two_proposals_and_sees_merges_standing(
+        planner, monkeypatch):
+    """Two overloaded members of four, each held by a pair but not both by one: the leader
+    proposes the two disjoint merges one after the other and every follower enters both in
+    that order; the next view holds the merges standing (from each member's ``group``), so
+    nothing more drops; a refused transition stops the proposals that follow it."""
+    from sglang_morph.kunserve.controller import Drop
+    from sglang_morph.kunserve.planner import make_group
+
+    group, _ = _calm_group(planner, monkeypatch, interval_ms=250, size=4)
+    leader, *followers = group.autos
+    group.step(0.3)
+    full = planner.full_replica().kv_capacity_tokens
+    # Half a pool held and this queued: with a calm member (half a pool) a pair holds it,
+    # the two overloaded members together do not.
+    queued = make_group(planner, (0, 1)).capacity_tokens - full
+    for r in (0, 2):
+        _refuse(planner, group.replicas[r], waiting_tokens=queued)
+    group.step(0.3)
+    group.step(0.02)
+    assert leader.proposals == 2 and all(f.proposals == 2 for f in followers)
+    first = [e[3] for e in group.entered if e[0] == 0]
+    assert len(first) == 2 and not set(first[0]) & set(first[1]), first
+    for rank in (1, 2, 3):  # every follower entered the same two, in the same order
+        assert [e[3] for e in group.entered if e[0] == rank] == first
+
+    # The members now report their merges and fresh views: the controller sees both groups.
+    for r in group.replicas:
+        merged = next(g for g in first if r.rank in g)
+        r.view = dict(_views(planner, growth=0), epoch=2, group=list(merged))
+    for f in followers:
+        f.observe()
+    view = leader.observe()
+    assert sorted(g.replicas for g in view.groups) == sorted(first)
+    assert leader.decide(view) is None
+
+    # A refused first merge: the second is not proposed.
+    stopped, _ = _calm_group(planner, monkeypatch, interval_ms=250, size=4)
+    stopped.outcome = "refused"
+    stopped.step(0.3)
+    for r in (0, 2):
+        _refuse(planner, stopped.replicas[r], waiting_tokens=queued)
+    stopped.step(0.3)
+    assert stopped.autos[0].proposals == 1
+    assert stopped.autos[0].last_decision["status_code"] == 409
+    assert isinstance(stopped.autos[0]._proposed, Drop)

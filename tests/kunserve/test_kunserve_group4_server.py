@@ -1,14 +1,15 @@
 """KunServe groups of more than two on live SGLang data-parallel replicas (``--dp-size 4
 --kunserve-group-size 4 --kunserve-auto``): the four replicas drop together to a pipeline of
-four stages and restore, operator-driven and automatically.
+four stages and restore; two or three of them merge while the others serve whole; two pairs
+of the group merge at once; operator-driven and automatically.
 
 One server (float32, greedy, CPU, 256-token pools), against the same replicas undropped (each
 prompt served alone first on the replica that serves it later). Its controller never restores
 by itself (``restore_persist``), so that the operator's drop stays until the operator's
 restore:
 
-- a group that is not the launch's (two replicas, or a replica outside it) is a 400 naming
-  the launch's groups and changes nothing;
+- a group that is not two or more replicas of the launch's group (one replica, a replica
+  outside it, replicas out of stage order) is a 400 naming the problem and changes nothing;
 - the drop lands while a prompt streams on two of the replicas: each replica keeps one
   consecutive quarter of the layers (together every layer, in replica order) and the
   embedding (it embeds and samples its own requests), drops exactly the bytes the planner
@@ -18,9 +19,14 @@ restore:
   batch runs through the four members' layers in order);
 - the restore (no body: the launch's one group) puts back the startup layout exactly, and the
   outputs are still the undropped ones;
-- a burst that one replica's pool cannot admit drops the whole group by itself (the leader's
-  controller on every member's view; every replica's log says "auto" and names the
-  overloaded replica); the burst's outputs equal the replica's whole ones.
+- pair [2, 3] drops while a prompt streams on replica 3 and replicas 0 and 1 stay whole (their
+  layers, pools and logs untouched); pair [0, 1] drops beside it; merged so, a prompt on every
+  replica gives its undropped output; a drop across the pairs and a restore of the whole
+  group are refused (409) and change nothing; each pair restores by name;
+- a burst that one replica's pool cannot admit merges it with one other replica by itself (the
+  leader's controller on every member's view: a pair holds the demand; the pair's logs say
+  "auto" and name the overloaded replica, the other two replicas stood by and logged nothing);
+  the burst's outputs equal the replica's whole ones.
 """
 
 from __future__ import annotations
@@ -81,8 +87,11 @@ def test_a_group_of_four_drops_to_four_stages_and_restores(dp4, prompts, undropp
     assert before["groups"] == ALONE
     assert all(rep["layers"] == [0, num_layers] for rep in before["replicas"])
     for body, message in (
-            ({"group": [0, 1]}, "'group' must name a group of 4 replicas, got [0, 1]"),
-            ({"group": [0, 1, 2, 4]}, "no group [0, 1, 2, 4]: the groups are [[0, 1, 2, 3]]")):
+            ({"group": [1]}, "'group' must name 2 to 4 distinct replicas of one group, got [1]"),
+            ({"group": [3, 2]}, "'group' must list its replicas in order (their stages), got "
+                                "[3, 2]"),
+            ({"group": [0, 1, 2, 4]},
+             "no group holds [0, 1, 2, 4]: the groups are [[0, 1, 2, 3]]")):
         r = post(dp4, "drop", json=body)
         assert r.status_code == 400 and r.json()["error"] == message, r.text
     after = status(dp4)
@@ -128,9 +137,59 @@ def test_a_group_of_four_drops_to_four_stages_and_restores(dp4, prompts, undropp
     assert on_every_replica(dp4, prompts, 0) == [undropped[r][0] for r in GROUP]
 
 
-def test_a_queue_one_replica_cannot_admit_drops_the_whole_group_by_itself(dp4, corpus_ids):
+def test_two_pairs_of_the_group_merge_apart_and_at_once(dp4, prompts, undropped):
+    before = status(dp4)
+    assert before["groups"] == ALONE
+    logged = [len(rep["transitions"]) for rep in before["replicas"]]
+    stream = Stream(dp4, prompts[3][0], N_NEW, routed_dp_rank=3)
+    stream.wait_for(3)
+    r = post(dp4, "drop", json={"group": [2, 3]})
+    assert r.status_code == 200, r.text
+    s = r.json()
+    assert s["groups"] == [[0], [1], [2, 3]]
+    num_layers = s["replicas"][0]["num_layers"]
+    for rep, was in zip(s["replicas"][:2], before["replicas"][:2]):  # untouched
+        assert rep["layers"] == [0, num_layers]
+        assert rep["kv_capacity_tokens"] == WHOLE_TOKENS and rep["peer_kv_capacity_tokens"] == 0
+        assert rep["transitions"] == was["transitions"]
+    two, three = s["replicas"][2:]
+    assert two["layers"][0] == 0 and two["layers"][1] == three["layers"][0]
+    assert three["layers"][1] == num_layers
+    for rep in (two, three):
+        merged = rep["kv_capacity_tokens_merged"]
+        # A pair's share of its tokens, more than a whole replica's.
+        assert rep["kv_capacity_tokens"] == rep["peer_kv_capacity_tokens"] == merged
+        assert WHOLE_TOKENS < merged
+        assert rep["transitions"][-1]["group"] == [2, 3]
+        assert rep["dropped_weight_bytes"] == rep["planned_freed_bytes"] > 0
+    assert stream.join() == undropped[3][0]
+
+    r = post(dp4, "drop", json={"group": [0, 1]})
+    assert r.status_code == 200 and r.json()["groups"] == [[0, 1], [2, 3]], r.text
+    assert on_every_replica(dp4, prompts, 1) == [undropped[r][1] for r in GROUP]
+    for path, body, message in (
+            ("drop", {"group": [1, 2]}, "is already merged with replica"),
+            ("restore", None, "is merged with replicas [0, 1], not [0, 1, 2, 3]")):
+        r = post(dp4, path, json=body) if body else post(dp4, path)
+        assert r.status_code == 409 and message in r.json()["error"], r.text
+    assert status(dp4)["groups"] == [[0, 1], [2, 3]]
+
+    r = post(dp4, "restore", json={"group": [2, 3]})
+    assert r.status_code == 200 and r.json()["groups"] == [[0, 1], [2], [3]], r.text
+    r = post(dp4, "restore", json={"group": [0, 1]})
+    assert r.status_code == 200, r.text
+    s = r.json()
+    assert s["groups"] == ALONE
+    for rep, n in zip(s["replicas"], logged):
+        assert rep["layers"] == [0, num_layers] and rep["kv_capacity_tokens"] == WHOLE_TOKENS
+        assert [t["action"] for t in rep["transitions"][n:]] == ["drop", "restore"]
+    assert on_every_replica(dp4, prompts, 0) == [undropped[r][0] for r in GROUP]
+
+
+def test_a_queue_one_replica_cannot_admit_merges_it_with_one_other_by_itself(dp4, corpus_ids):
     s = status(dp4)
     assert s["groups"] == ALONE
+    logged = [len(rep["transitions"]) for rep in s["replicas"]]
     assert [rep["auto"]["role"] for rep in s["replicas"]] == ["leader"] + ["follower"] * 3
     assert all(rep["auto"]["views"] > 0 for rep in s["replicas"])
     burst = [prompt_ids(corpus_ids, seed=120 + i, n_tokens=PROMPT_TOKENS) for i in range(BURST)]
@@ -141,13 +200,18 @@ def test_a_queue_one_replica_cannot_admit_drops_the_whole_group_by_itself(dp4, c
         outs = list(pool.map(lambda ids: generate_on(dp4, ids, BURSTED, n_new=N_NEW), burst))
     assert outs == whole
     s = status(dp4)
-    assert s["groups"] == [GROUP], json.dumps(s)
-    for rep in s["replicas"]:
+    pair = next(g for g in s["groups"] if len(g) > 1)
+    assert BURSTED in pair and len(pair) == 2, json.dumps(s)
+    assert sorted(s["groups"]) == sorted([pair] + [[r] for r in GROUP if r not in pair])
+    for rep, was in zip(s["replicas"], logged):
+        if rep["replica"] not in pair:  # stood by: unchanged, nothing logged
+            assert len(rep["transitions"]) == was and rep["kv_capacity_tokens"] == WHOLE_TOKENS
+            continue
         drop = rep["transitions"][-1]
-        assert (drop["action"], drop["trigger"]) == ("drop", "auto"), drop
+        assert (drop["action"], drop["trigger"], drop["group"]) == ("drop", "auto", pair), drop
         assert f"over replica {BURSTED}'s capacity" in drop["reason"], drop
         assert rep["kv_capacity_tokens"] == rep["kv_capacity_tokens_merged"] > WHOLE_TOKENS
     assert s["replicas"][0]["auto"]["proposals"] == 1
 
-    r = post(dp4, "restore")
+    r = post(dp4, "restore", json={"group": pair})
     assert r.status_code == 200 and r.json()["groups"] == ALONE, r.text

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import logging
 import threading
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 import torch
 
@@ -118,11 +118,10 @@ class GroupMember:
 
     # ---- status ----
 
-    def group_status(self, joined: bool) -> dict[str, Any]:
-        """This member's replica and the replicas it serves with (all members while joined,
-        itself otherwise)."""
-        return {"replica": self.replica,
-                "group": list(self.link.replicas) if joined else [self.replica]}
+    def group_status(self, group: Sequence[int]) -> dict[str, Any]:
+        """This member's replica and the replicas it serves with now (``group``: some or all
+        of the link's members while joined, itself alone otherwise)."""
+        return {"replica": self.replica, "group": list(group)}
 
     def check_integrity(self) -> None:
         dead = [t.name for t in self._services if not t.is_alive()]

@@ -169,13 +169,9 @@ class KunServeController:
     views in a row asked for a drop / a group's restore, when each replica last changed, and
     whether the current shortfall was already reported as KV-centric."""
 
-    def __init__(self, planner: DropPlannerConfig, cfg: ControllerConfig = ControllerConfig(),
-                 whole_group: bool = False):
-        """``whole_group``: the view's replicas drop all together or not at all (a live
-        group's link fixes its members; ``plan_drop``'s ``whole_group``)."""
+    def __init__(self, planner: DropPlannerConfig, cfg: ControllerConfig = ControllerConfig()):
         self.planner = planner
         self.cfg = cfg
-        self.whole_group = whole_group
         self._over_views = 0
         self._calm_views: dict[tuple[int, ...], int] = {}
         self._changed_at: dict[int, float] = {}
@@ -231,8 +227,7 @@ class KunServeController:
         if not self._dwelt([r.replica for r in free], view.time_s):
             return None
         plan = plan_drop(self.planner, [ReplicaDemand(r.replica, r.kv_used_tokens,
-                                                      r.demand_tokens) for r in free],
-                         self.whole_group)
+                                                      r.demand_tokens) for r in free])
         if isinstance(plan, KvCentricFallback):
             if self.cfg.partial_drop and plan.deepest is not None:
                 return Drop(plan.deepest, f"partial: {plan.reason}; the rest is handled by KV")

@@ -283,8 +283,8 @@ def _next_merge(groups: list[tuple[int, ...]], need: dict[tuple[int, ...], int],
     return None
 
 
-def plan_drop(cfg: DropPlannerConfig, view: Sequence[ReplicaDemand],
-              whole_group: bool = False) -> DropPlan | KvCentricFallback:
+def plan_drop(cfg: DropPlannerConfig, view: Sequence[ReplicaDemand]
+              ) -> DropPlan | KvCentricFallback:
     """The greedy plan for ``view`` (every replica independent and whole now).
 
     Returns a ``DropPlan`` whose every group holds its members' predicted demand (a plan
@@ -299,20 +299,11 @@ def plan_drop(cfg: DropPlannerConfig, view: Sequence[ReplicaDemand],
     of the two (otherwise the merge would not help it): see ``_next_merge``. Like the paper's,
     the greedy is not exhaustive: it may merge deeper than a best partition would, or fall
     back where one exists (``KvCentricFallback.deepest`` still carries its deepest grouping).
-
-    ``whole_group``: the replicas of ``view`` merge all together or not at all (a live group,
-    whose link fixes its members and whose only drop is the pipeline of all of them): no merge
-    while each holds its own demand, else the one group, or ``KvCentricFallback`` (with that
-    group as ``deepest``) when it does not hold the demand either. For two replicas it is the
-    greedy's plan.
     """
     if not view:
         raise ValueError("no replicas to plan for")
     if len({d.replica for d in view}) != len(view):
         raise ValueError("a replica appears twice in the view")
-    if whole_group and len(view) > cfg.group_size_limit:
-        raise ValueError(f"a group of {len(view)} is deeper than the planner's limit of "
-                         f"{cfg.group_size_limit}")
     wanted = {d.replica: d.kv_demand_tokens for d in view}
     demand = sum(wanted.values())
     groups = [(d.replica,) for d in sorted(view, key=lambda d: d.replica)]
@@ -330,12 +321,7 @@ def plan_drop(cfg: DropPlannerConfig, view: Sequence[ReplicaDemand],
         short = sum(max(0, need[g] - held(len(g))) for g in groups)
         if not short:
             return _build(cfg, view, groups, merges, demand, before)
-        if whole_group and len(groups) > 1:
-            members = [g[0] for g in groups]  # the replicas, in order
-            merges = [(tuple(members[:j]), (r,)) for j, r in enumerate(members) if j]
-            groups = [tuple(members)]
-            continue
-        pair = None if whole_group else _next_merge(groups, need, held, cfg.group_size_limit)
+        pair = _next_merge(groups, need, held, cfg.group_size_limit)
         if pair is None:
             over = sum(need[g] > held(len(g)) for g in groups)
             return KvCentricFallback(

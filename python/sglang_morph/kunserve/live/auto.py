@@ -5,8 +5,9 @@ consecutive ones; below "member 0" is the group's first, its *leader*, the other
 *followers*) has its own leader, controller and mailbox: under SGLang's data-parallel dispatch
 a request stays on its replica, so a group's demand is its own members' and the groups decide
 independently, each leader running the drop planner over its group's replicas. The links fix
-the groups a replica may join, so the planner merges the whole group or nothing
-(``plan_drop``'s ``whole_group``; for a pair that is its greedy plan).
+the replicas a replica may merge with: a pair merges whole; in a larger group the planner's
+greedy merges an overloaded member with as few others of the group as hold its demand (two
+members, then three, ...), and disjoint merges of one group may stand at once.
 
 Design (leader and followers on the elastic core's ``ElasticLoop``, no new process): every
 ``interval_ms`` each follower publishes its view (KV capacity and use, the remaining outputs of
@@ -15,10 +16,11 @@ refused its queue for lack of KV, which the leader checks every few milliseconds
 batches) to the leader through the link's mailbox (keys in the link's TCPStore: written and
 read without either side waiting; gloo's recv cannot be polled). The leader builds the
 ``ClusterView`` of the group from its own view and each follower's latest, runs
-``KunServeController.decide`` and, for a drop or a restore, writes a *proposal* (the direction
-and the controller's reason) and enters the transition; every follower reads proposals between
-its batches (every loop of its scheduler, at most every ``_FOLLOW_POLL_S``) and enters the same
-transition. The transition is the operator's (``KunServeReplica.transition``): the vote, the
+``KunServeController.decide`` and, for a drop or a restore, writes a *proposal* (the direction,
+the replicas that change and the controller's reason) and enters the transition; every
+follower reads proposals between its batches (every loop of its scheduler, at most every
+``_FOLLOW_POLL_S``) and enters the same transition, as a member of the changing replicas or
+standing by. A drop that merges two disjoint sets of members is two proposals, in order. The transition is the operator's (``KunServeReplica.transition``): the vote, the
 two phases and their undo, the refusals (a restore waits while a replica holds more than a
 whole replica can), the log. So an automatic transition completes on every member or changes
 nothing, exactly as a POST.
@@ -36,8 +38,9 @@ answering a proposal). The members' state is always the same (a transition happe
 none), so a crossed vote either asks the same thing of all, or one of them refuses ("already
 merged", "not merged") and the group changes nothing.
 
-A follower's view older than the last transition (its count of transitions differs from the
-leader's) is not used: it describes the layout before.
+A follower's view older than the last transition (its count of the link's transitions differs
+from the leader's) is not used: it describes the layout before. Each view says which replicas
+its replica serves with now, so the leader's view of the group holds the merges standing.
 """
 
 from __future__ import annotations
@@ -55,7 +58,7 @@ from sglang_morph.kunserve.controller import (
     ReplicaSnapshot,
 )
 from sglang_morph.kunserve.live.config import AutoControlConfig
-from sglang_morph.kunserve.planner import LiveRequest
+from sglang_morph.kunserve.planner import LiveRequest, make_group
 
 logger = logging.getLogger("sglang_morph.kunserve")
 
@@ -79,7 +82,8 @@ def local_view(replica: Any, finishing_steps: int = 0) -> dict[str, int]:
     room for the queue (``batch_is_full`` with requests waiting and fewer running than its
     limit; it stays set until a request finishes or memory is freed); ``kv_finishing_tokens``:
     held and still to grow of the running requests with at most ``finishing_steps`` outputs
-    left. Also the count of transitions, which dates the view."""
+    left. Also the count of the link's transitions (``epoch``), which dates the view, and the
+    replicas it serves with now (``group``)."""
     s = replica.scheduler
     running = replica.live_requests()
     refused = queue_refused(s, len(running), merged_cap(replica))
@@ -95,7 +99,8 @@ def local_view(replica: Any, finishing_steps: int = 0) -> dict[str, int]:
     capacity = int(replica.pool.size)
     used = capacity - int(replica.allocator.available_size()) - int(
         s.tree_cache.evictable_size())
-    return {"epoch": len(replica.transitions), "kv_capacity_tokens": capacity,
+    return {"epoch": replica.epoch, "group": list(replica.subgroup),
+            "kv_capacity_tokens": capacity,
             "kv_used_tokens": max(0, used), "kv_growth_tokens": int(growth),
             "waiting_tokens": int(waiting), "running_reqs": len(running),
             "waiting_reqs": len(s.waiting_queue), "queue_refused": int(refused),
@@ -151,8 +156,8 @@ class AutoControl:
         self.replica, self.cfg = replica, cfg
         self.leader = replica.rank == 0
         self.mailbox = replica.link.mailbox
-        self.controller = (KunServeController(replica.planner, cfg.controller,
-                                              whole_group=True) if self.leader else None)
+        self.controller = (KunServeController(replica.planner, cfg.controller)
+                           if self.leader else None)
         self._next_poll_s = 0.0
         self._retry_at_s = 0.0
         self._views: list[dict[str, int]] = []  # the members' views the last decision saw
@@ -212,9 +217,11 @@ class AutoControl:
             self.proposals += 1
             proposal = json.loads(self.mailbox.get(f"proposal{self.proposals}"))
             code, _ = self.replica.transition(proposal["merge"], trigger="auto",
-                                              reason=proposal["reason"])
+                                              reason=proposal["reason"],
+                                              group=proposal["group"])
             self.last_decision = {"proposal": self.proposals, "merge": proposal["merge"],
-                                  "reason": proposal["reason"], "status_code": code}
+                                  "group": proposal["group"], "reason": proposal["reason"],
+                                  "status_code": code}
 
     def observe(self) -> ClusterView | None:
         """A follower publishes its view (and decides nothing: None). The leader's view of
@@ -228,7 +235,7 @@ class AutoControl:
             self._published_blocked = bool(own["queue_refused"])
             self.views += 1
             return None
-        replicas = self.replica.group.replicas
+        replicas = self.replica.link.replicas
         keys = [_view_key(rank) for rank in range(1, len(replicas))]
         if not self.mailbox.check(keys):
             return None  # a follower has not published yet
@@ -238,9 +245,10 @@ class AutoControl:
             return None
         self.views += 1
         self._views = views
+        merged = sorted({tuple(view["group"]) for view in views if len(view["group"]) > 1})
         return ClusterView(self.loop.clock(),
                            tuple(snapshot(r, view) for r, view in zip(replicas, views)),
-                           (self.replica.group,) if self.replica.merged else ())
+                           tuple(make_group(self.replica.planner, g) for g in merged))
 
     def decide(self, view: ClusterView | None) -> Any:
         """The controller's drop or restore for the group, or None (nothing to do, a
@@ -255,34 +263,41 @@ class AutoControl:
             self.last_decision = {"action": "kv_centric", "reason": action.fallback.reason,
                                   "views": self._views}
             return None
-        if isinstance(action, Drop) and not any(g.replicas == self.replica.group.replicas
-                                                for g in action.plan.groups):
-            raise RuntimeError(f"the controller planned groups {action.plan.groups}, not the "
-                               f"live group")
         if self.loop.clock() < self._retry_at_s:
             return None  # the last automatic transition was refused or failed: wait
         return action
 
-    def propose(self, action: Any) -> Transition:
-        """The leader writes the proposal, then enters the group's transition (each follower
-        enters it at its next poll); the transition, as the group recorded it."""
+    def propose(self, action: Any) -> None:
+        """The leader writes a proposal per merge of a drop (or the restore's one), each
+        followed by the link's transition it proposes (each follower enters it at its next
+        poll), and stops at the first that does not apply. The transitions record themselves
+        on the members that change (and the leader may only stand by), so the loop has none
+        to record: None."""
         merge = isinstance(action, Drop)
-        self.proposals += 1
-        # The proposal before the count: a follower never sees a count without its key.
-        self.mailbox.set(f"proposal{self.proposals}",
-                         json.dumps({"merge": merge, "reason": action.reason}))
-        self.mailbox.add(_COUNT_KEY, 1)
-        code, _ = self.replica.transition(merge, trigger="auto", reason=action.reason)
-        self.last_decision = {"proposal": self.proposals, "merge": merge,
-                              "reason": action.reason, "status_code": code,
-                              "views": self._views}
+        groups = ([g.replicas for g in action.plan.groups if g.size > 1] if merge
+                  else [action.plan.group.replicas])
+        outcome = Outcome.APPLIED
+        for group in groups:
+            self.proposals += 1
+            # The proposal before the count: a follower never sees a count without its key.
+            self.mailbox.set(f"proposal{self.proposals}", json.dumps(
+                {"merge": merge, "group": list(group), "reason": action.reason}))
+            self.mailbox.add(_COUNT_KEY, 1)
+            code, _ = self.replica.transition(merge, trigger="auto", reason=action.reason,
+                                              group=list(group))
+            self.last_decision = {"proposal": self.proposals, "merge": merge,
+                                  "group": list(group), "reason": action.reason,
+                                  "status_code": code, "views": self._views}
+            outcome = self.replica.last_transition.outcome
+            if outcome is not Outcome.APPLIED:
+                break
         self._proposed = action
-        return self.replica.last_transition
+        self.applied(outcome)
 
-    def applied(self, transition: Transition) -> None:
-        """The controller keeps its hysteresis from an applied transition; after a refused
-        (e.g. a restore while too much KV is held) or failed one, the leader waits."""
-        if transition.outcome is Outcome.APPLIED:
+    def applied(self, outcome: Outcome) -> None:
+        """The controller keeps its hysteresis from an applied action; after a refused (e.g. a
+        restore while too much KV is held) or failed one, the leader waits."""
+        if outcome is Outcome.APPLIED:
             self.controller.applied(self._proposed, self.loop.clock())
         else:
             self._retry_at_s = self.loop.clock() + max(1.0, self.cfg.controller.min_dwell_s)
@@ -310,8 +325,11 @@ class _AsMechanism:
 
 
 class _Decider:
-    """The elastic core's ``Controller`` over ``KunServeController`` (the leader's)."""
+    """The elastic core's ``Controller`` over ``KunServeController`` (the leader's). The
+    leader's ``propose`` reports its outcomes to the controller itself (``applied``)."""
 
     def __init__(self, auto: AutoControl):
         self.decide = auto.decide
-        self.applied = auto.applied
+
+    def applied(self, transition: Transition) -> None:
+        """Not called: ``propose`` returns no transition for the loop to record."""

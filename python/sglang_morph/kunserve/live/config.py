@@ -91,8 +91,8 @@ def _check_group_size(g: Any) -> int:
 @dataclasses.dataclass(frozen=True)
 class KunServeLiveConfig:
     enabled: bool = False
-    # Replicas per group: G consecutive replicas (G*i .. G*i + G - 1) drop to one pipeline of
-    # G stages together (2: pairs).
+    # Replicas per group: G consecutive replicas (G*i .. G*i + G - 1) on one link, any two or
+    # more of which drop to one pipeline of as many stages (2: pairs).
     group_size: int = 2
     # TCPStore port of the first group's gloo link; group i uses link_port + i.
     link_port: int | None = None
@@ -196,9 +196,10 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
         "[0, k) on replica 2i and [k, L) on replica 2i + 1.")
     group.add_argument(
         "--kunserve-group-size", type=int, default=None, metavar="G",
-        help="Replicas per group (default 2, pairs): G consecutive replicas drop together to a "
-        "pipeline of G stages, each keeping 1/G of the layers (--dp-size a multiple of G; "
-        f"at most {MAX_GROUP_SIZE}). Groups of more than two run their batches uncut.")
+        help="Replicas per group (default 2, pairs): G consecutive replicas on one link, any m "
+        "of which (2 <= m <= G) drop together to a pipeline of m stages, each keeping 1/m of "
+        "the layers, while the others serve whole (--dp-size a multiple of G; at most "
+        f"{MAX_GROUP_SIZE}). Merges of more than two run their batches uncut.")
     group.add_argument(
         "--kunserve-link-port", type=int, default=None, metavar="PORT",
         help="TCP port of the first group's gloo link rendezvous on 127.0.0.1; group i uses "

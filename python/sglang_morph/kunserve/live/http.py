@@ -63,36 +63,38 @@ def add_routes(app: Any) -> None:
 
     @auth_level(AuthLevel.ADMIN_OPTIONAL)
     async def kunserve_drop(request: Request):
-        """Merge a group of replicas (a pair, or ``--kunserve-group-size`` G of them): in a
+        """Merge replicas (a pair, or two or more of a ``--kunserve-group-size`` group): in a
         pair its first replica keeps decoder layers [0, k) and its second layers [k, L) (k
-        from the drop planner); in a group of G each keeps its stage of the planner's G
-        ranges. The dropped weights' memory becomes KV capacity, and each batch runs through
-        the group as a pipeline of its stages. Requests in flight keep running; their KV moves
-        with the layers. The other groups do not change.
+        from the drop planner); in a merge of m each keeps its stage of the planner's m
+        ranges, in replica order. The dropped weights' memory becomes KV capacity, and each
+        batch runs through the merged replicas as a pipeline of their stages. Requests in
+        flight keep running; their KV moves with the layers. The other replicas do not change.
 
-        Body: ``{"group": [2, 3]}``, the group (replicas G*i .. G*i + G - 1); none, or an
-        empty JSON object, on a launch of one group.
+        Body: ``{"group": [2, 3]}``, the pair, or two or more replicas of one group in order
+        (replicas G*i .. G*i + G - 1); none, or an empty JSON object, for the whole group on
+        a launch of one group.
 
         Answers: 200 with the new status (as ``GET /kunserve/status``); 400 with
-        ``{"error": ...}`` for any other body, a group that is not one of the launch's, or
-        no group on a launch of several groups; 409 when a replica refuses (already merged);
-        500 when the drop failed on a replica and was undone on both; 503 when KunServe is not
-        running in this server. A 409 or 500 carries ``{"error": ..., "replicas": [...]}``.
+        ``{"error": ...}`` for any other body, replicas that are not one pair or two or more
+        of one group, or no group on a launch of several groups; 409 when a replica refuses
+        (already merged); 500 when the drop failed on a replica and was undone on every one;
+        503 when KunServe is not running in this server. A 409 or 500 carries ``{"error": ..., "replicas": [...]}``.
         """
         return await _transition(request, KunServeDropReq)
 
     @auth_level(AuthLevel.ADMIN_OPTIONAL)
     async def kunserve_restore(request: Request):
-        """Split a group: each replica takes back every layer and its own KV, and serves on its
+        """Split merged replicas: each takes back every layer and its own KV, and serves on its
         own again. Requests in flight keep running.
 
-        Body: ``{"group": [2, 3]}``, the group (replicas G*i .. G*i + G - 1); none, or an
-        empty JSON object, on a launch of one group.
+        Body: ``{"group": [2, 3]}``, the replicas merged together (as they dropped); none, or
+        an empty JSON object, for the whole group on a launch of one group.
 
         Answers: 200 with the new status (as ``GET /kunserve/status``); 400 with
-        ``{"error": ...}`` as for the drop; 409 when a replica refuses (not merged, or it
-        holds more KV tokens in flight than a whole replica's pool: retry once fewer are held);
-        500 when the restore failed (undone on both replicas when moving the KV back failed);
+        ``{"error": ...}`` as for the drop; 409 when a replica refuses (not merged, merged
+        with other replicas, or it holds more KV tokens in flight than a whole replica's pool:
+        retry once fewer are held); 500 when the restore failed (undone on every merged
+        replica when moving the KV back failed);
         503 when KunServe is not running in this server. A 409 or 500 carries
         ``{"error": ..., "replicas": [...]}``.
         """

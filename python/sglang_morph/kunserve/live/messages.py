@@ -16,15 +16,16 @@ class KunServeStatusReq(BaseReq, kw_only=True):
 
 
 class KunServeDropReq(BaseReq, kw_only=True):
-    """``POST /kunserve/drop``: a pair of replicas merges into one pipeline group. ``group``:
-    the pair's replicas (None: the only pair of a ``--dp-size 2`` launch)."""
+    """``POST /kunserve/drop``: replicas of one link merge into one pipeline group. ``group``:
+    the pair, or two or more replicas of a larger group, in order (None: the whole group of a
+    launch of one)."""
 
     group: list[int] | None = None
 
 
 class KunServeRestoreReq(BaseReq, kw_only=True):
-    """``POST /kunserve/restore``: a pair's group splits back into two whole replicas
-    (``group`` as for the drop)."""
+    """``POST /kunserve/restore``: merged replicas split back into whole ones (``group`` as
+    for the drop)."""
 
     group: list[int] | None = None
 

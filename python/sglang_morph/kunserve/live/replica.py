@@ -31,11 +31,17 @@ member (replica 1) sends its batch to the front's layers before its forward take
 previous batch: the two replicas' steps overlap as a two-stage pipeline of two micro-batches
 instead of running in series.
 
-Groups of more than two (``--kunserve-group-size G``, replicas ``G*i`` to ``G*i + G - 1``):
-member ``r`` keeps the ``r``-th of the planner's ``G`` layer ranges and a mirror per other
-member; a forward runs the ranges in stage order, this replica's own here and each other's
-by that member's service thread (``_forward_stages``), uncut and without send-ahead. A KV move
+Groups of more than two (``--kunserve-group-size G``, replicas ``G*i`` to ``G*i + G - 1`` on
+one link): a drop merges any two or more of the link's members (the whole link unless the
+request names fewer), and disjoint merges of one link may stand at once (``[0, 1]`` and
+``[2, 3]``). In a merged group of ``m``, its ``j``-th member keeps the ``j``-th of the planner's
+``m`` layer ranges and a mirror per other member; a forward of three or more runs the ranges
+in stage order, this replica's own here and each other's by that member's service thread
+(``_forward_stages``), uncut and without send-ahead; a merged pair runs as above. A KV move
 walks the group's pairs of members in one order, exchanging with each the KV of its layers.
+Every member of the link enters every transition of the link, in one order (the votes and
+phase outcomes travel on the link's control group); those outside the merging group stand
+by.
 
 Transitions (drop, restore): both schedulers handle the same request between two batches (the
 data-parallel controller sends it to each) and run it as a voted transition of the group
@@ -76,11 +82,16 @@ from sglang_morph.kunserve.live.attention import new_rows_backend
 from sglang_morph.kunserve.live.config import groups as groups_of_launch
 from sglang_morph.kunserve.live.link import PeerLink
 from sglang_morph.kunserve.cost import Chunk, OnlineChunkCost, balanced_bounds
-from sglang_morph.kunserve.planner import DropPlannerConfig, MemberLayout, make_group
+from sglang_morph.kunserve.planner import (
+    DropPlannerConfig,
+    MemberLayout,
+    ReplicaGroup,
+    make_group,
+)
 from sglang_morph.elastic.contract import Outcome, Transition
 from sglang_morph.elastic.control import replica_index
 from sglang_morph.groups.member import GroupMember, MemberMetrics
-from sglang_morph.groups.transition import LastStep, Phase, VotedTransition
+from sglang_morph.groups.transition import GroupTransitions, LastStep, Phase, VotedTransition
 
 logger = logging.getLogger("sglang_morph.kunserve")
 
@@ -149,12 +160,16 @@ class KunServeReplica(GroupMember):
             raise NotImplementedError("the planner's whole-replica capacity "
                                       f"{self.planner.full_replica().kv_capacity_tokens} is not "
                                       f"the pool's {self.pool.size} tokens")
-        self.group = make_group(self.planner, members)
-        self.member: MemberLayout = self.group.members[self.rank]
-        # Each replica owns its share of the group's tokens (its own requests), whole pages.
-        share = self.group.capacity_tokens // size
-        self.kv_capacity_tokens_merged = share // self.page_size * self.page_size
+        self._link_replicas = members
+        self._whole_link = tuple(range(size))
+        self.group: ReplicaGroup
+        self.member: MemberLayout
+        self.active: tuple[int, ...] = ()
+        self._use_layout(self._whole_link)
         self.merged = False
+        # Applied transitions of the link, this replica's own and those it stood by for
+        # (the automatic control dates views by it).
+        self.epoch = 0
         # Merged: every other member's KV of our kept layers, at that member's slot numbers
         # (member rank -> _Mirror); whole: none.
         self.mirrors: dict[int, _Mirror] = {}
@@ -200,6 +215,11 @@ class KunServeReplica(GroupMember):
         super().__init__(scheduler, PeerLink(self.rank, cfg.group_port(replica // size),
                                              replicas=members),
                          "kunserve", lambda: int(self.pool.size))
+        # A transition of other members of the link: this replica votes and waits with them
+        # (every member enters every transition of its link, in one order), changes nothing
+        # and records nothing.
+        self._standing_by = GroupTransitions(self.link.all_gather, self.rank, members,
+                                             "kunserve", None, lambda: int(self.pool.size))
         self.auto = None  # --kunserve-auto: the controller's side (auto.py)
         if cfg.auto is not None:
             from sglang_morph.kunserve.live.auto import AutoControl
@@ -210,6 +230,33 @@ class KunServeReplica(GroupMember):
         self.start_services(self._run_for_peer)
 
     # ---- what this replica keeps ----
+
+    def _use_layout(self, ranks: tuple[int, ...]) -> None:
+        """The layout of a drop of the link's members ``ranks`` (in stage order, this replica
+        among them): the planner's group of those replicas, this member's stage of it and its
+        share of the group's tokens (its own requests), whole pages. Whole, a replica keeps
+        the layout of its whole link's drop."""
+        self.active = tuple(ranks)
+        self.group = make_group(self.planner, [self._link_replicas[r] for r in ranks])
+        self.member = self.group.members[self.active.index(self.rank)]
+        share = self.group.capacity_tokens // len(ranks)
+        self.kv_capacity_tokens_merged = share // self.page_size * self.page_size
+
+    def _layout_of(self, rank: int) -> MemberLayout:
+        """Member ``rank``'s stage in the current group."""
+        return self.group.members[self.active.index(rank)]
+
+    @property
+    def subgroup(self) -> list[int]:
+        """The replicas this one serves with now (itself alone while whole)."""
+        return [self._link_replicas[r] for r in self.active] if self.merged else [self.replica]
+
+    @property
+    def _peer(self) -> int:
+        """The other member of a merged pair."""
+        if len(self.active) != 2:
+            raise RuntimeError(f"a group of {len(self.active)} has no single peer")
+        return self.active[1 - self.active.index(self.rank)]
 
     @property
     def front(self) -> bool:
@@ -252,7 +299,7 @@ class KunServeReplica(GroupMember):
         pool_bytes = int(sum(self.pool.get_kv_size_bytes())) + self.mirror_pool_bytes
         kv_bytes_per_token = len(layers) * self.planner.kv_bytes_per_token_per_layer
         return {
-            **self.group_status(self.merged),
+            **self.group_status(self.subgroup),
             "layers": [layers.start, layers.stop],
             "num_layers": self.num_layers,
             "kv_capacity_tokens": own,
@@ -292,7 +339,7 @@ class KunServeReplica(GroupMember):
             # the remaining outputs of its running requests, its queue.
             "load": {k: v for k, v in local_view(self, self.auto.cfg.controller.finishing_steps
                                                  if self.auto is not None else 0).items()
-                     if k != "epoch"},
+                     if k not in ("epoch", "group")},
             "auto": self.auto.status() if self.auto is not None else {"enabled": False},
             "transitions": list(self.transitions),
         }
@@ -301,7 +348,7 @@ class KunServeReplica(GroupMember):
         if self._metrics is None:
             return
         m = self._metrics
-        m.group_size.set(self.link.size if self.merged else 1)
+        m.group_size.set(len(self.subgroup))
         m.layers_held.set(len(self.member.layers) if self.merged else self.num_layers)
         m.kv_capacity_tokens.set(self.pool.size)
         m.peer_kv_capacity_tokens.set(self.mirror_tokens)
@@ -315,7 +362,7 @@ class KunServeReplica(GroupMember):
             f"expected {layers}")
         want = self.kv_capacity_tokens_merged if self.merged else self.kv_capacity_tokens_whole
         assert self.pool.size == want, f"pool {self.pool.size} tokens, expected {want}"
-        want_mirrors = set(self.link.others) if self.merged else set()
+        want_mirrors = set(self.active) - {self.rank} if self.merged else set()
         assert set(self.mirrors) == want_mirrors, (
             f"mirrors for members {sorted(self.mirrors)}, expected {sorted(want_mirrors)}")
         if self.merged_chunked_prefill is not None:
@@ -329,7 +376,7 @@ class KunServeReplica(GroupMember):
             kv = sum(self.pool.get_kv_size_bytes()) + self.mirror_pool_bytes
             rows_kv = (self.pool.size + self.mirror_tokens) * self.member.kv_bytes_per_token
             # Each pool carries one padding page per layer beyond its tokens.
-            padding = self.link.size * self.page_size * self.member.kv_bytes_per_token
+            padding = len(self.active) * self.page_size * self.member.kv_bytes_per_token
             assert kv <= rows_kv + padding and rows_kv <= self.member.budget.kv_bytes, (
                 f"KV {kv} bytes for {rows_kv} of tokens, budget's KV {self.member.budget.kv_bytes}")
 
@@ -344,15 +391,18 @@ class KunServeReplica(GroupMember):
             error = self._group_error(req.group)
             if error is not None:
                 code, body = _BAD, {"error": error, "replica": self.replica}
-            elif req.group is None or tuple(req.group) == self.link.replicas:
-                code, body = self.transition(merge=isinstance(req, KunServeDropReq))
-            # else: another pair's transition; this one answers its status
+            elif req.group is None or set(req.group) <= set(self._link_replicas):
+                # Every member of the link enters: the named ones change, the others stand by.
+                code, body = self.transition(merge=isinstance(req, KunServeDropReq),
+                                             group=req.group)
+            # else: another link's transition; this one answers its status
         return ControlOutput(rid=req.rid, status_code=code,
                              body=self.status() if body is None else body, replica=self.replica)
 
     def _group_error(self, group: list[int] | None) -> str | None:
-        """Why a transition request cannot name ``group`` (None: it names a group of this
-        launch, or none on a launch of one group). Every replica finds the same."""
+        """Why a transition request cannot name ``group`` (None: it names a pair of this
+        launch, or two or more replicas of one of its groups, or nothing on a launch of one
+        group). Every replica finds the same."""
         size = self.link.size
         groups = [list(range(size * i, size * i + size)) for i in range(self.groups)]
         noun = "pair" if size == 2 else "group"
@@ -360,22 +410,42 @@ class KunServeReplica(GroupMember):
             return None if self.groups == 1 else (
                 f"name the {noun} to change, e.g. {{\"group\": {groups[0]}}}: the {noun}s are "
                 f"{groups}")
-        if len(group) != size:
-            what = "a pair of replicas" if size == 2 else f"a group of {size} replicas"
-            return f"'group' must name {what}, got {list(group)}"
-        if list(group) not in groups:
-            return f"no {noun} {list(group)}: the {noun}s are {groups}"
+        if size == 2:
+            if len(group) != 2:
+                return f"'group' must name a pair of replicas, got {list(group)}"
+            if list(group) not in groups:
+                return f"no pair {list(group)}: the pairs are {groups}"
+            return None
+        if not 2 <= len(group) <= size or len(set(group)) != len(group):
+            return (f"'group' must name 2 to {size} distinct replicas of one group, got "
+                    f"{list(group)}")
+        if list(group) != sorted(group):
+            return f"'group' must list its replicas in order (their stages), got {list(group)}"
+        if not any(set(group) <= set(g) for g in groups):
+            return f"no group holds {list(group)}: the groups are {groups}"
         return None
 
-    def transition(self, merge: bool, trigger: str = "operator",
-                   reason: str | None = None) -> tuple[int, dict[str, Any]]:
-        """Both replicas, in their schedulers' handlers of the same request (a POST, or the
-        automatic control's proposal: ``trigger`` "auto" and the controller's ``reason``, both
-        logged), between batches: a voted transition of the pair (``groups/transition.py``),
-        recorded in the elastic core's log whatever its outcome.
+    def transition(self, merge: bool, trigger: str = "operator", reason: str | None = None,
+                   group: list[int] | tuple[int, ...] | None = None
+                   ) -> tuple[int, dict[str, Any]]:
+        """Every member of the link, in their schedulers' handlers of the same request (a
+        POST, or the automatic control's proposal: ``trigger`` "auto" and the controller's
+        ``reason``, both logged), between batches: a voted transition of the link
+        (``groups/transition.py``). ``group``: the replicas that drop or restore together (in
+        order, at least two of the link; None: the whole link); the link's other members
+        stand by (they vote, change nothing and record nothing), so that every member enters
+        every transition of its link in one order. The group's members record it in the
+        elastic core's log whatever its outcome.
         A drop's phases are the KV move (undone by discarding what it built) and the local
         drop; a restore's is the KV move back, then each replica shrinks its pool alone."""
+        ranks = (self._whole_link if group is None
+                 else tuple(self._link_replicas.index(r) for r in group))
+        if self.rank not in ranks:
+            return self._stand_by(merge, trigger, reason)
         action = "drop" if merge else "restore"
+        refusal = self._refusal(merge, ranks)
+        if merge and refusal is None:
+            self._use_layout(ranks)
         if merge:
             phases = (Phase("the KV move", self._merge_move_kv, self._discard_mirror),
                       Phase("the layer drop", self._merge_local, self._unmerge_local))
@@ -388,11 +458,33 @@ class KunServeReplica(GroupMember):
         self._in_flight = len(self.live_requests())
         before = int(self.pool.size)
         record = self.group_transitions.run(
-            VotedTransition(action, reason or trigger, self._refusal(merge), phases, last,
-                            detail={"trigger": trigger}, exclusive=self.compute_lock),
+            VotedTransition(action, reason or trigger, refusal, phases, last,
+                            detail={"trigger": trigger,
+                                    "group": [self._link_replicas[r] for r in ranks]},
+                            exclusive=self.compute_lock),
             applied=lambda seconds: self._applied(action, trigger, reason, before, seconds))
+        if not self.merged:  # refused, undone or restored: whole, as the link's drop plans it
+            self._use_layout(self._whole_link)
+        return self._answer_for(record)
+
+    def _stand_by(self, merge: bool, trigger: str, reason: str | None
+                  ) -> tuple[int, dict[str, Any]]:
+        """The transition of other members of the link, from this one: its vote (none), each
+        phase's outcome exchange (nothing to do here), the outcome."""
+        def nothing() -> None:
+            pass
+
+        names = (("the KV move", "the layer drop") if merge else ("the KV move back",))
+        record = self._standing_by.run(VotedTransition(
+            "drop" if merge else "restore", reason or trigger, None,
+            tuple(Phase(name, nothing, nothing) for name in names),
+            exclusive=self.compute_lock))
+        return self._answer_for(record)
+
+    def _answer_for(self, record: Transition) -> tuple[int, dict[str, Any]]:
         self.last_transition = record
         if record.outcome is Outcome.APPLIED:
+            self.epoch += 1
             return _OK, self.status()
         code = _REFUSED if record.outcome is Outcome.REFUSED else _FAILED
         return code, {"error": record.error, "replica": self.replica}
@@ -404,6 +496,7 @@ class KunServeReplica(GroupMember):
         merge = action == "drop"
         self.transitions.append({
             "action": action, "trigger": trigger, "reason": reason,
+            "group": [self._link_replicas[r] for r in self.active],
             "at_unix_s": round(time.time(), 3),
             "duration_s": round(seconds, 4),
             "layers": [self.member.layers.start, self.member.layers.stop] if merge
@@ -424,16 +517,20 @@ class KunServeReplica(GroupMember):
     def elastic_state(self) -> dict[str, Any]:
         """What ``/elastic/status`` shows of this replica (``/kunserve/status`` has the rest)."""
         layers = self.member.layers if self.merged else range(self.num_layers)
-        return {"group": self.group_status(self.merged)["group"],
+        return {"group": self.subgroup,
                 "layers": [layers.start, layers.stop], "kv_capacity_tokens": int(self.pool.size),
                 "peer_kv_capacity_tokens": self.mirror_tokens, "auto": self.auto is not None}
 
-    def _refusal(self, merge: bool) -> str | None:
+    def _refusal(self, merge: bool, ranks: tuple[int, ...]) -> str | None:
+        """This member's vote on a drop or restore of the link's members ``ranks``."""
         if merge == self.merged:
-            others = [self.link.replicas[m] for m in self.link.others]
+            others = [r for r in self.subgroup if r != self.replica]
             return (f"replica {self.replica} is already merged with "
                     + (f"replica {others[0]}" if len(others) == 1 else f"replicas {others}")
                     if merge else f"replica {self.replica} is not merged")
+        if not merge and ranks != self.active:
+            return (f"replica {self.replica} is merged with replicas {self.subgroup}, not "
+                    f"{[self._link_replicas[r] for r in ranks]}")
         if not merge:
             resizer = KVResizer(self.scheduler)
             if not resizer.can_shrink(self.pool.size - self.kv_capacity_tokens_whole):
@@ -454,7 +551,7 @@ class KunServeReplica(GroupMember):
         those it is in, so the earliest pair not yet done always has both members ready (no
         member waits on one that waits on it)."""
         return [b if a == self.rank else a
-                for a, b in itertools.combinations(range(self.link.size), 2)
+                for a, b in itertools.combinations(self.active, 2)
                 if self.rank in (a, b)]
 
     def _rows_with(self, other: int, ours: torch.Tensor) -> torch.Tensor:
@@ -525,7 +622,7 @@ class KunServeReplica(GroupMember):
             set_pool_buffers(mirror, *([like.new_empty((rows, *like.shape[1:])) for _ in kept]
                                        for like in (pool.k_buffer[0], pool.v_buffer[0])))
             theirs = self._rows_with(other, ours)
-            layers = self.group.members[other].layers
+            layers = self._layout_of(other).layers
             self._moved_bytes += self._exchange_layers(
                 other, [pool.k_buffer[i] for i in layers], [pool.v_buffer[i] for i in layers],
                 ours, mirror.k_buffer, mirror.v_buffer, theirs)
@@ -583,7 +680,7 @@ class KunServeReplica(GroupMember):
         for other in self._others_in_turn():
             theirs = self._rows_with(other, ours)
             mirror = self.mirrors[other].pool
-            layers = self.group.members[other].layers
+            layers = self._layout_of(other).layers
             self._moved_bytes += self._exchange_layers(
                 other, mirror.k_buffer, mirror.v_buffer, theirs,
                 [fused[i][0] for i in layers], [fused[i][1] for i in layers], ours)
@@ -669,7 +766,7 @@ class KunServeReplica(GroupMember):
                        pp_proxy_tensors=None):
         """LlamaModel.forward of a merged replica: the kept layers here, the others on the
         peer. Returns what LlamaModel.forward returns (final-normed hidden states)."""
-        if self.link.size > 2:
+        if len(self.active) > 2:
             return self._forward_stages(input_ids, positions, forward_batch, input_embeds)
         model = self.model
         # The back member's batch may have gone ahead (send_ahead), cut or not: its cut is
@@ -702,7 +799,7 @@ class KunServeReplica(GroupMember):
         sent ahead: each stage waits for the one before it."""
         hidden = self.model.embed_tokens(input_ids) if input_embeds is None else input_embeds
         handoff = {"hidden_states": hidden}
-        for stage in range(self.link.size):
+        for stage in self.active:
             if stage == self.rank:
                 handoff = self._own_stage(fb, positions, handoff)
             else:
@@ -744,7 +841,7 @@ class KunServeReplica(GroupMember):
         ``forward_merged`` takes the answer and checks it was this batch's."""
         fb = forward_batch
         mode = fb.forward_mode
-        if (self.front or not self.merged or self._early is not None or self.link.size > 2
+        if (self.front or not self.merged or self._early is not None or len(self.active) > 2
                 or not (mode.is_extend() or mode.is_decode())
                 or getattr(fb, "input_embeds", None) is not None):
             return  # the ordinary path (forward_merged sends, or refuses the mode)
@@ -905,7 +1002,7 @@ class KunServeReplica(GroupMember):
         took the answer; the answer is read and dropped so that the link stays in step."""
         if self._early is not None:
             self._early = None
-            self.link.recv(self.link.calls[self.rank])
+            self.link.recv_from(self.link.calls[self.rank], self._peer)
 
     def _send_call(self, fb, positions, input_ids, tensors: dict[str, torch.Tensor],
                    micro: bool = False, member: int | None = None) -> None:
@@ -922,12 +1019,12 @@ class KunServeReplica(GroupMember):
         if mode.is_extend():
             bundle["extend_prefix_lens"] = fb.extend_prefix_lens.to(torch.int64)
             bundle["extend_seq_lens"] = fb.extend_seq_lens.to(torch.int64)
-        self.call(self.link.peer if member is None else member, bundle,
+        self.call(self._peer if member is None else member, bundle,
                   mode=int(_model_mode(mode)), micro=int(micro))
 
     def _answer(self) -> dict[str, torch.Tensor]:
         """The peer's answer to our last call; the compute lock is released while waiting."""
-        return self.answer(self.link.peer)
+        return self.answer(self._peer)
 
     # ---- the peer's batches (service thread, under the compute lock, without grad) ----
 
