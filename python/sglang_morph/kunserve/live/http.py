@@ -70,8 +70,8 @@ def add_routes(app: Any) -> None:
         batch runs through the merged replicas as a pipeline of their stages. Requests in
         flight keep running; their KV moves with the layers. The other replicas do not change.
 
-        Body: ``{"group": [2, 3]}``, the pair, or two or more replicas of one group in order
-        (replicas G*i .. G*i + G - 1); none, or an empty JSON object, for the whole group on
+        Body: ``{"group": [2, 3]}``, the pair, or two or more replicas of one group (replicas
+        G*i .. G*i + G - 1), taken in replica order; none, or an empty JSON object, for the whole group on
         a launch of one group.
 
         Answers: 200 with the new status (as ``GET /kunserve/status``); 400 with

@@ -17,7 +17,7 @@ class KunServeStatusReq(BaseReq, kw_only=True):
 
 class KunServeDropReq(BaseReq, kw_only=True):
     """``POST /kunserve/drop``: replicas of one link merge into one pipeline group. ``group``:
-    the pair, or two or more replicas of a larger group, in order (None: the whole group of a
+    the pair, or two or more replicas of a larger group, sorted (None: the whole group of a
     launch of one)."""
 
     group: list[int] | None = None

@@ -419,8 +419,6 @@ class KunServeReplica(GroupMember):
         if not 2 <= len(group) <= size or len(set(group)) != len(group):
             return (f"'group' must name 2 to {size} distinct replicas of one group, got "
                     f"{list(group)}")
-        if list(group) != sorted(group):
-            return f"'group' must list its replicas in order (their stages), got {list(group)}"
         if not any(set(group) <= set(g) for g in groups):
             return f"no group holds {list(group)}: the groups are {groups}"
         return None
