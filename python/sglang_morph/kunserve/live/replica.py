@@ -249,7 +249,8 @@ class KunServeReplica(GroupMember):
     @property
     def subgroup(self) -> list[int]:
         """The replicas this one serves with now (itself alone while whole)."""
-        return [self._link_replicas[r] for r in self.active] if self.merged else [self.replica]
+        # (by the link's members, not ``self.replica``: metrics publish before the link is up)
+        return [self._link_replicas[r] for r in (self.active if self.merged else (self.rank,))]
 
     @property
     def _peer(self) -> int:
