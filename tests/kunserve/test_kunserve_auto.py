@@ -266,6 +266,30 @@ def test_a_queue_sglang_refuses_drops_without_waiting_for_the_interval(planner, 
     assert (follower.views, leader.views) == (2, 2)
 
 
+def test_a_queue_that_cannot_fit_drops_before_sglang_tries_it(planner, monkeypatch):
+    """A prompt whose tokens do not fit next to the follower's live KV: the follower's next
+    step sees it before SGLang's admission has refused anything, publishes, and the leader
+    drops at its own next step. A queue that fits changes nothing."""
+    import types
+
+    pair, _ = _calm_group(planner, monkeypatch, interval_ms=250)
+    leader, follower = pair.autos
+    pair.step(0.0)
+    pair.step(0.02)
+    full = planner.full_replica().kv_capacity_tokens
+    waiting = pair.replicas[1]
+    waiting.scheduler.waiting_queue = ["a prompt"]
+    waiting.scheduler.running_batch = types.SimpleNamespace(batch_is_full=False, reqs=["r"])
+    waiting.view = dict(waiting.view, waiting_tokens=full // 4, waiting_reqs=1)  # it fits
+    pair.step(0.02)
+    assert (follower.views, leader.views, leader.proposals) == (1, 1, 0)
+
+    waiting.view = dict(waiting.view, waiting_tokens=full, waiting_reqs=1)
+    pair.step(0.02)
+    assert (follower.views, leader.views, leader.proposals) == (2, 2, 1)
+    assert f"its queue of {full} tokens does not fit" in leader.last_decision["reason"]
+
+
 def test_a_group_of_four_decides_on_every_members_view(planner, monkeypatch):
     """The leader decides on the views of all three followers: none while one has not
     published or published from before the last transition; a queue refused on the last

@@ -81,6 +81,17 @@ class ReplicaSnapshot:
         return self.kv_used_tokens + self.kv_growth_tokens + self.waiting_tokens
 
     @property
+    def queue_blocked(self) -> bool:
+        """A queue this replica cannot take in now: it does not fit next to the live KV, or
+        the engine already refused it for lack of KV room (SGLang reserves room for the
+        running requests' next tokens, so it refuses a prompt the used tokens alone would
+        fit). No forecast, unlike the running requests' growth (``max_new_tokens`` bounds it
+        from above): the controller drops on the first such view."""
+        return bool(self.waiting_tokens) and (
+            self.queue_refused or self.kv_used_tokens + self.waiting_tokens
+            > self.kv_capacity_tokens)
+
+    @property
     def lasting_demand_tokens(self) -> int:
         """The demand once the requests about to finish have left: what a drop is for."""
         return self.demand_tokens - self.kv_finishing_tokens
@@ -215,13 +226,9 @@ class KunServeController:
             self._reported_fallback = False
             return None
         self._over_views += 1
-        # A queue the replica's KV cannot take in now is no forecast (the growth of running
-        # requests is: max_new_tokens bounds it from above): no need to wait for it to persist.
-        # Nor is a queue the engine already refused: SGLang reserves room for the running
-        # requests' next tokens, so it refuses a prompt that the used tokens alone would fit
-        # (the replay's 384-token prompts waited ~0.5 s for the second view).
-        blocked = [r for r in over if r.waiting_tokens and (
-            r.queue_refused or r.kv_used_tokens + r.waiting_tokens > r.kv_capacity_tokens)]
+        # A blocked queue need not persist (the replay's 384-token prompts waited ~0.5 s for
+        # the second view).
+        blocked = [r for r in over if r.queue_blocked]
         if self._over_views < self.cfg.drop_persist and not blocked:
             return None
         if not self._dwelt([r.replica for r in free], view.time_s):

@@ -11,8 +11,9 @@ members, then three, ...), and disjoint merges of one group may stand at once.
 
 Design (leader and followers on the elastic core's ``ElasticLoop``, no new process): every
 ``interval_ms`` each follower publishes its view (KV capacity and use, the remaining outputs of
-its running requests, its queue; at once, and a shared counter bumped, when SGLang has just
-refused its queue for lack of KV, which the leader checks every few milliseconds between its
+its running requests, its queue; at once, and a shared counter bumped, when its queue is
+blocked: it does not fit next to the live KV, seen before SGLang tries to admit it, or SGLang
+refused it for lack of KV; the leader checks the counter every few milliseconds between its
 batches) to the leader through the link's mailbox (keys in the link's TCPStore: written and
 read without either side waiting; gloo's recv cannot be polled). The leader builds the
 ``ClusterView`` of the group from its own view and each follower's latest, runs
@@ -168,8 +169,9 @@ class AutoControl:
         self.kv_centric = 0
         self.last_decision: dict[str, Any] | None = None
         self.errors = 0
-        # A refused queue is seen at once (``on_step``): this replica's, and, on the leader,
-        # a follower's through a counter each bumps when its published view turns refused.
+        # A blocked queue (``ReplicaSnapshot.queue_blocked``) is seen at once (``on_step``):
+        # this replica's, and, on the leader, a follower's through a counter each bumps when
+        # its published view turns blocked.
         self._blocked = self._published_blocked = False
         self._followers_blocked = 0
         self.loop = ElasticLoop(_AsMechanism(self), _Decider(self), recorder(replica.scheduler),
@@ -188,9 +190,9 @@ class AutoControl:
             now = self.loop.clock()
             blocked = self._blocked_now()
             if blocked and not self._blocked:
-                # SGLang just refused this replica's queue for lack of KV: the controller
-                # drops at once on such a view, so it must not wait for the interval (the
-                # follower's view, then the leader's next observation).
+                # A queue this replica cannot take in: the controller drops at once on such a
+                # view, so it must not wait for the interval (the follower's view, then the
+                # leader's next observation).
                 self.loop.observe_now()
             self._blocked = blocked
             if now >= self._next_poll_s:
@@ -199,7 +201,7 @@ class AutoControl:
                     self._follow()
                 elif (blocked := self.mailbox.add(_BLOCKED_KEY, 0)) != self._followers_blocked:
                     self._followers_blocked = blocked
-                    self.loop.observe_now()  # a follower's queue was refused
+                    self.loop.observe_now()  # a follower's queue is blocked
             self.loop.on_step()
         except Exception:  # a broken mailbox must not stop serving; the POST routes remain
             self.errors += 1
@@ -207,9 +209,15 @@ class AutoControl:
                              self.replica.replica)
 
     def _blocked_now(self) -> bool:
-        s = self.replica.scheduler
-        return queue_refused(s, len(s.running_batch.reqs) if s.running_batch else 0,
-                             merged_cap(self.replica))
+        """This replica's queue is blocked now. Checked before SGLang tries to admit it
+        (``on_step`` runs before every ``get_next_batch_to_run``), so a prompt that cannot fit
+        next to the live KV drops the group in the very step it arrived in, and SGLang admits
+        it into the merged pool then; before, its refusal was seen only a batch later (0.1-0.3
+        s here). Only a queue costs the check (its view)."""
+        if not self.replica.scheduler.waiting_queue:
+            return False
+        view = local_view(self.replica, self.cfg.controller.finishing_steps)
+        return snapshot(self.replica.rank, view).queue_blocked
 
     def _follow(self) -> None:
         written = self.mailbox.add(_COUNT_KEY, 0)
@@ -230,9 +238,10 @@ class AutoControl:
         own = local_view(self.replica, self.cfg.controller.finishing_steps)
         if not self.leader:
             self.mailbox.set(_view_key(self.replica.rank), json.dumps(own))
-            if own["queue_refused"] and not self._published_blocked:
+            blocked = snapshot(self.replica.rank, own).queue_blocked
+            if blocked and not self._published_blocked:
                 self.mailbox.add(_BLOCKED_KEY, 1)  # after the view: the leader reads it next
-            self._published_blocked = bool(own["queue_refused"])
+            self._published_blocked = blocked
             self.views += 1
             return None
         replicas = self.replica.link.replicas
