@@ -21,9 +21,10 @@ read without either side waiting; gloo's recv cannot be polled). The leader buil
 the replicas that change and the controller's reason) and enters the transition; every
 follower reads proposals between its batches (every loop of its scheduler, at most every
 ``_FOLLOW_POLL_S``) and enters the same transition, as a member of the changing replicas or
-standing by. A drop that merges two disjoint sets of members is two proposals, in order. The transition is the operator's (``KunServeReplica.transition``): the vote, the
-two phases and their undo, the refusals (a restore waits while a replica holds more than a
-whole replica can), the log. So an automatic transition completes on every member or changes
+standing by. A drop that merges two disjoint sets of members is two proposals, in order.
+The transition is the operator's (``KunServeReplica.transition``): the vote, the two phases
+and their undo, the refusals (a restore waits while a replica holds more than a whole replica
+can), the log. So an automatic transition completes on every member or changes
 nothing, exactly as a POST.
 
 Why a leader and not both deciding from an exchanged view: an exchange would be a rendezvous

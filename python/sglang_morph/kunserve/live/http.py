@@ -71,14 +71,15 @@ def add_routes(app: Any) -> None:
         flight keep running; their KV moves with the layers. The other replicas do not change.
 
         Body: ``{"group": [2, 3]}``, the pair, or two or more replicas of one group (replicas
-        G*i .. G*i + G - 1), taken in replica order; none, or an empty JSON object, for the whole group on
-        a launch of one group.
+        G*i .. G*i + G - 1), taken in replica order; none, or an empty JSON object, for the
+        whole group on a launch of one group.
 
         Answers: 200 with the new status (as ``GET /kunserve/status``); 400 with
         ``{"error": ...}`` for any other body, replicas that are not one pair or two or more
         of one group, or no group on a launch of several groups; 409 when a replica refuses
         (already merged); 500 when the drop failed on a replica and was undone on every one;
-        503 when KunServe is not running in this server. A 409 or 500 carries ``{"error": ..., "replicas": [...]}``.
+        503 when KunServe is not running in this server. A 409 or 500 carries
+        ``{"error": ..., "replicas": [...]}``.
         """
         return await _transition(request, KunServeDropReq)
 
