@@ -22,17 +22,21 @@ from test_kunserve_live import configure_kunserve, launch_args
 AUTO = {"interval_ms": 100, "drop_persist": 2, "restore_persist": 3, "min_dwell_s": 1.0}
 
 
-def _replica(waiting: int, running: int, batch_is_full: bool, max_running: int = 8):
-    """A stand-in for a live replica's scheduler state, as ``local_view`` reads it."""
+def _replica(waiting: int, running: int, batch_is_full: bool, max_running: int = 8,
+             prompt: int = 100, ignore_eos: bool = False):
+    """A stand-in for a live replica's scheduler state, as ``local_view`` reads it: 500 free
+    tokens of 910, ``running`` requests of 10 prompt tokens with 8 outputs to go, ``waiting``
+    prompts of ``prompt`` tokens and 8 outputs, SGLang's new-token ratio 0.7."""
     import types
 
     req = lambda n: types.SimpleNamespace(  # noqa: E731
         origin_input_ids=[1] * n, output_ids=[], sampling_params=types.SimpleNamespace(
-            max_new_tokens=8))
+            max_new_tokens=8, ignore_eos=ignore_eos))
     sched = types.SimpleNamespace(
-        waiting_queue=[req(100)] * waiting, max_running_requests=max_running,
+        waiting_queue=[req(prompt)] * waiting, max_running_requests=max_running,
         running_batch=types.SimpleNamespace(batch_is_full=batch_is_full),
-        tree_cache=types.SimpleNamespace(evictable_size=lambda: 0))
+        tree_cache=types.SimpleNamespace(evictable_size=lambda: 0),
+        new_token_ratio_tracker=types.SimpleNamespace(current=0.7))
     return types.SimpleNamespace(
         scheduler=sched, epoch=0, subgroup=[0], live_requests=lambda: [req(10)] * running,
         pool=types.SimpleNamespace(size=910),
@@ -57,6 +61,21 @@ def test_local_view_reports_a_queue_sglang_refused(waiting, running, full, max_r
                       finishing_steps=7)["kv_finishing_tokens"] == 0
     assert view["waiting_tokens"] == waiting * 108 and view["kv_used_tokens"] == 410
     assert snapshot(0, view).queue_refused is bool(refused)
+
+
+def test_local_view_sees_the_refusal_sglang_s_next_attempt_makes():
+    """Before SGLang has tried the queue (its batch not full), the view says refused when the
+    head's prompt and outputs do not fit the free tokens less the running requests' remaining
+    outputs, scaled by SGLang's new-token ratio unless they ignore EOS: 480 + 8 tokens fit
+    500 - 2 x 8 x 0.7 but not 500 - 2 x 8."""
+    from sglang_morph.kunserve.live.auto import admission_refuses, local_view
+
+    assert local_view(_replica(1, 2, False, prompt=480))["queue_refused"] == 0
+    assert local_view(_replica(1, 2, False, prompt=480, ignore_eos=True))["queue_refused"] == 1
+    assert local_view(_replica(1, 2, False, prompt=490))["queue_refused"] == 1
+    assert local_view(_replica(1, 8, False, prompt=490))["queue_refused"] == 0  # the count
+    idle = _replica(0, 2, False)
+    assert admission_refuses(idle.scheduler, idle.live_requests(), 0) is False  # no queue
 
 
 def test_a_queue_the_merged_cap_holds_is_not_a_kv_refusal():

@@ -52,8 +52,9 @@ class ReplicaSnapshot:
     requests are still expected to add (remaining output tokens); ``waiting_tokens``: prompt +
     expected output of its queued requests. ``live`` lists the running requests (a group's
     members list the same requests: each holds every request's KV for its layers; the
-    group's view takes them once). ``queue_refused``: the serving engine tried to admit the
-    queue and found no KV room for it (SGLang's prefill adder), whatever the token counts say.
+    group's view takes them once). ``queue_refused``: the serving engine's admission finds
+    no KV room for the queue (SGLang's prefill budget: at its last attempt, or by its rule at
+    the next), whatever the token counts say.
     ``kv_finishing_tokens``: the KV held and still to grow of the running requests that finish
     within ``ControllerConfig.finishing_steps`` decode steps (part of the counts above): room
     that comes back sooner than a drop would make it.

@@ -80,27 +80,27 @@ def local_view(replica: Any, finishing_steps: int = 0) -> dict[str, int]:
     ``kv_used_tokens``: KV held by requests and locked cache (not free, not evictable);
     ``kv_growth_tokens``: output tokens its running requests may still add (their
     ``max_new_tokens`` minus what they produced); ``waiting_tokens``: prompt + ``max_new_tokens``
-    of its queued requests; ``queue_refused`` (0/1): SGLang's last prefill attempt found no KV
-    room for the queue (``batch_is_full`` with requests waiting and fewer running than its
-    limit; it stays set until a request finishes or memory is freed); ``kv_finishing_tokens``:
+    of its queued requests; ``queue_refused`` (0/1): SGLang's admission refuses the queue for
+    lack of KV room: its last prefill attempt did (``batch_is_full`` with requests waiting and
+    fewer running than its limit; it stays set until a request finishes or memory is freed),
+    or its next one will (``admission_refuses``, so that a prompt is seen refused in the step
+    it arrives in, not a batch later); ``kv_finishing_tokens``:
     held and still to grow of the running requests with at most ``finishing_steps`` outputs
     left. Also the count of the link's transitions (``epoch``), which dates the view, and the
     replicas it serves with now (``group``)."""
     s = replica.scheduler
     running = replica.live_requests()
-    refused = queue_refused(s, len(running), merged_cap(replica))
-
-    def max_new(req: Any) -> int:
-        return int(req.sampling_params.max_new_tokens or 0)
-
-    left = [max(0, max_new(r) - len(r.output_ids)) for r in running]
+    left = [max(0, _max_new(r) - len(r.output_ids)) for r in running]
     growth = sum(left)
     finishing = sum(len(r.origin_input_ids) + len(r.output_ids) + n
                     for r, n in zip(running, left) if n <= finishing_steps)
-    waiting = sum(len(r.origin_input_ids) + max_new(r) for r in s.waiting_queue)
+    waiting = sum(len(r.origin_input_ids) + _max_new(r) for r in s.waiting_queue)
     capacity = int(replica.pool.size)
-    used = capacity - int(replica.allocator.available_size()) - int(
-        s.tree_cache.evictable_size())
+    free = int(replica.allocator.available_size()) + int(s.tree_cache.evictable_size())
+    used = capacity - free
+    cap = merged_cap(replica)
+    refused = queue_refused(s, len(running), cap) or (
+        _admits_more(s, len(running), cap) and admission_refuses(s, running, free))
     return {"epoch": replica.epoch, "group": list(replica.subgroup),
             "kv_capacity_tokens": capacity,
             "kv_used_tokens": max(0, used), "kv_growth_tokens": int(growth),
@@ -111,17 +111,46 @@ def local_view(replica: Any, finishing_steps: int = 0) -> dict[str, int]:
             "kv_finishing_tokens": min(int(finishing), max(0, used) + int(growth))}
 
 
+def _max_new(req: Any) -> int:
+    return int(req.sampling_params.max_new_tokens or 0)
+
+
+def _admits_more(scheduler: Any, running: int, cap: int | None) -> bool:
+    """Fewer requests run than SGLang's limit (``--max-running-requests``, or ``cap`` when
+    admission control holds the merged replica below it): a queue held by the count is not
+    held for KV."""
+    limit = int(getattr(scheduler, "max_running_requests", 1 << 30))
+    return running < (limit if cap is None else min(limit, cap))
+
+
 def queue_refused(scheduler: Any, running: int, cap: int | None = None) -> bool:
     """SGLang's last prefill attempt found no KV room for the waiting queue (``batch_is_full``
-    with requests waiting and fewer than its limit running: ``--max-running-requests``, or
-    ``cap`` when admission control holds the merged replica below it, so that a queue
-    the cap holds is not read as a KV refusal). O(1): read every step."""
-    limit = int(getattr(scheduler, "max_running_requests", 1 << 30))
-    if cap is not None:
-        limit = min(limit, cap)
+    with requests waiting and fewer than its limit running, ``_admits_more``). O(1): read
+    every step."""
     return (bool(scheduler.waiting_queue)
             and bool(getattr(scheduler.running_batch, "batch_is_full", False))
-            and running < limit)
+            and _admits_more(scheduler, running, cap))
+
+
+def admission_refuses(scheduler: Any, running: list, free_tokens: int) -> bool:
+    """SGLang's next prefill attempt will refuse the head of the waiting queue for lack of KV,
+    by its prefill budget's rule (``sglang.srt.mem_cache.prefill_budget``): a request is
+    admitted while its prompt and outputs (each request's ``max_new_tokens`` clipped at
+    ``CLIP_MAX_NEW_TOKENS``) stay under the free and evictable tokens less what the running
+    requests may still write (their remaining outputs, scaled by the scheduler's new-token
+    ratio, or whole for a request that ignores EOS). Page rounding and prefix-cache hits are
+    left out, so a prompt whose prefix is cached may be predicted refused: the controller
+    still drops only where the replica's demand is over its pool."""
+    if not scheduler.waiting_queue:
+        return False
+    from sglang.srt.managers.schedule_policy import CLIP_MAX_NEW_TOKENS
+
+    ratio = float(scheduler.new_token_ratio_tracker.current)
+    reserved = sum(min(max(0, _max_new(r) - len(r.output_ids)), CLIP_MAX_NEW_TOKENS)
+                   * (1.0 if r.sampling_params.ignore_eos else ratio) for r in running)
+    head = scheduler.waiting_queue[0]
+    needs = len(head.origin_input_ids) + min(_max_new(head), CLIP_MAX_NEW_TOKENS)
+    return needs >= free_tokens - reserved
 
 
 def merged_cap(replica: Any) -> int | None:
