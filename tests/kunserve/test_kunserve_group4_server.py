@@ -212,6 +212,7 @@ def test_a_queue_one_replica_cannot_admit_merges_it_with_one_other_by_itself(dp4
         assert f"over replica {BURSTED}'s capacity" in drop["reason"], drop
         assert rep["kv_capacity_tokens"] == rep["kv_capacity_tokens_merged"] > WHOLE_TOKENS
     assert s["replicas"][0]["auto"]["proposals"] == 1
+    assert [rep["auto"]["errors"] for rep in s["replicas"]] == [0] * 4  # every view was read
 
     r = post(dp4, "restore", json={"group": pair})
     assert r.status_code == 200 and r.json()["groups"] == ALONE, r.text
