@@ -32,15 +32,17 @@ def _side(rank: int, port: int, queue) -> None:
     from sglang_morph.kunserve.live.link import PeerLink
 
     link = PeerLink(rank, port)
+    peer = 1 - rank
     sent = bundles()
     if rank == 0:
         for tensors, ints in sent:
-            link.send(link.calls[0], tensors, **ints)
-        got = [link.recv(link.calls[1]) for _ in sent]  # the answers, on the other group
+            link.send_to(link.calls[0], peer, tensors, **ints)
+        # the answers, on the other group
+        got = [link.recv_from(link.calls[1], peer) for _ in sent]
     else:
-        got = [link.recv(link.calls[0]) for _ in sent]
+        got = [link.recv_from(link.calls[0], peer) for _ in sent]
         for tensors, ints in got:
-            link.send(link.calls[1], tensors, **ints)
+            link.send_to(link.calls[1], peer, tensors, **ints)
     buf = io.BytesIO()  # bytes through the queue: torch's shared-memory handover needs the
     torch.save([({k: v.clone() for k, v in t.items()}, i) for t, i in got], buf)  # child alive
     queue.put((rank, buf.getvalue()))
@@ -75,7 +77,6 @@ def test_a_layout_over_the_header_is_refused_before_anything_is_sent():
     from sglang_morph.kunserve.live.link import _HEADER_BYTES, PeerLink
 
     link = object.__new__(PeerLink)  # no process group: the check comes before any send
-    link.peer = 1
 
     class NoSend:
         def send(self, *a):
@@ -83,4 +84,4 @@ def test_a_layout_over_the_header_is_refused_before_anything_is_sent():
 
     many = {f"tensor_{i:04d}": torch.zeros(1) for i in range(_HEADER_BYTES // 16)}
     with pytest.raises(ValueError, match="layout is .* bytes, over 4096"):
-        link.send(NoSend(), many)
+        link.send_to(NoSend(), 1, many)
