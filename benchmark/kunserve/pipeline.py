@@ -1,7 +1,8 @@
 """Decode TPOT of a live KunServe group, whole vs dropped (the pipeline's own cost).
 
 One ``--dp-size G --enable-kunserve [--kunserve-group-size G]`` server (G = 2, a pair, by
-default; float32, one thread per replica, the replay's 910-token pools), with SGLang's forwards
+default; float32, one thread per replica, the replay's 910-token pools unless
+``--pool-tokens``), with SGLang's forwards
 timed (``SGLANG_MORPH_FORWARD_TIMINGS``). For each layout (whole replicas; then after
 ``POST /kunserve/drop``, the group as a pipeline of G stages) and each batch size ``b``, ``b``
 greedy requests per replica run at once (``routed_dp_rank``), twice: 1 new token (the TTFT)
@@ -12,6 +13,7 @@ repeats each layout's batches N times on the same server (whole N times, then dr
 times).
 
     .venv/bin/python -m benchmark.kunserve.pipeline [--group-size G] [--runs N] [--out DIR]
+        [--prompt-tokens N] [--batches 1,2,3,4] [--pool-tokens N]
 """
 
 from __future__ import annotations
@@ -30,21 +32,22 @@ import httpx
 
 from benchmark.harness import load_average, run_meta, running_server
 
-SERVER_ARGS = ("--dtype", "float32", "--max-total-tokens", "910", "--enable-kunserve")
+POOL_TOKENS = 910  # the replay's per-replica pool
 PROMPT_TOKENS = 48
 DECODE_TOKENS = 96
 BATCHES = (1, 2, 3, 4)
 
 
-def prompt(seed: int) -> list[int]:
+def prompt(seed: int, tokens: int = PROMPT_TOKENS) -> list[int]:
     """Deterministic token ids (a timing run: the text does not matter, its length does)."""
-    return [(seed * 97 + i * 31) % 40000 + 100 for i in range(PROMPT_TOKENS)]
+    return [(seed * 97 + i * 31) % 40000 + 100 for i in range(tokens)]
 
 
-def generate(url: str, replica: int, seed: int, new_tokens: int) -> float:
+def generate(url: str, replica: int, seed: int, new_tokens: int,
+             prompt_tokens: int = PROMPT_TOKENS) -> float:
     start = time.perf_counter()
     r = httpx.post(f"{url}/generate", timeout=600, json={
-        "input_ids": prompt(seed), "routed_dp_rank": replica, "sampling_params": {
+        "input_ids": prompt(seed, prompt_tokens), "routed_dp_rank": replica, "sampling_params": {
             "temperature": 0, "max_new_tokens": new_tokens, "ignore_eos": True}})
     r.raise_for_status()
     if r.json()["meta_info"]["completion_tokens"] != new_tokens:
@@ -52,16 +55,18 @@ def generate(url: str, replica: int, seed: int, new_tokens: int) -> float:
     return time.perf_counter() - start
 
 
-def server_args(group_size: int) -> tuple[str, ...]:
-    return ("--dp-size", str(group_size), *SERVER_ARGS,
+def server_args(group_size: int, pool_tokens: int = POOL_TOKENS) -> tuple[str, ...]:
+    return ("--dp-size", str(group_size), "--dtype", "float32",
+            "--max-total-tokens", str(pool_tokens), "--enable-kunserve",
             *(("--kunserve-group-size", str(group_size)) if group_size > 2 else ()))
 
 
-def at_once(url: str, replicas: int, batch: int, new_tokens: int) -> list[float]:
+def at_once(url: str, replicas: int, batch: int, new_tokens: int,
+            prompt_tokens: int = PROMPT_TOKENS) -> list[float]:
     """``batch`` requests per replica, all sent together; seconds each (replica 0's first)."""
     jobs = [(r, 1000 * r + i) for r in range(replicas) for i in range(batch)]
     with concurrent.futures.ThreadPoolExecutor(len(jobs)) as pool:
-        return list(pool.map(lambda job: generate(url, *job, new_tokens), jobs))
+        return list(pool.map(lambda job: generate(url, *job, new_tokens, prompt_tokens), jobs))
 
 
 def decode_forwards(path: Path, since_line: int) -> dict[int, list[float]]:
@@ -74,13 +79,15 @@ def decode_forwards(path: Path, since_line: int) -> dict[int, list[float]]:
     return out
 
 
-def measure(url: str, timings: Path, layout: str, replicas: int, run: int) -> list[dict]:
+def measure(url: str, timings: Path, layout: str, replicas: int, run: int,
+            batches: tuple[int, ...] = BATCHES, prompt_tokens: int = PROMPT_TOKENS) -> list[dict]:
     rows = []
-    for batch in BATCHES:
-        at_once(url, replicas, batch, 4)  # warm-up (and the prompts' prefixes cached alike)
+    for batch in batches:
+        # warm-up (and the prompts' prefixes cached alike)
+        at_once(url, replicas, batch, 4, prompt_tokens)
         first = len(timings.read_text().splitlines()) if timings.exists() else 0
-        short = at_once(url, replicas, batch, 1)
-        long = at_once(url, replicas, batch, 1 + DECODE_TOKENS)
+        short = at_once(url, replicas, batch, 1, prompt_tokens)
+        long = at_once(url, replicas, batch, 1 + DECODE_TOKENS, prompt_tokens)
         tpot = [(lo - sh) / DECODE_TOKENS for lo, sh in zip(long, short)]
         forwards = decode_forwards(timings, first)
         rows.append({
@@ -101,33 +108,51 @@ def main() -> None:
     ap.add_argument("--group-size", type=int, default=2,
                     help="replicas in the group, all of the server's (default 2: a pair)")
     ap.add_argument("--runs", type=int, default=1, help="repeats of each layout's batches")
+    ap.add_argument("--prompt-tokens", type=int, default=PROMPT_TOKENS,
+                    help=f"each request's prompt (default {PROMPT_TOKENS})")
+    ap.add_argument("--batches", type=lambda text: tuple(int(b) for b in text.split(",")),
+                    default=BATCHES, help="requests per replica, comma-separated "
+                    f"(default {','.join(map(str, BATCHES))})")
+    ap.add_argument("--pool-tokens", type=int, default=POOL_TOKENS,
+                    help=f"each replica's KV pool, --max-total-tokens (default {POOL_TOKENS}, "
+                    "the replay's)")
     args = ap.parse_args()
     if args.group_size < 2 or args.runs < 1:
         ap.error("--group-size must be at least 2 and --runs at least 1")
+    if args.prompt_tokens < 1 or not args.batches or min(args.batches) < 1:
+        ap.error("--prompt-tokens and every batch in --batches must be at least 1")
+    need = max(args.batches) * (args.prompt_tokens + 1 + DECODE_TOKENS)
+    if need > args.pool_tokens:
+        ap.error(f"--batches {max(args.batches)} of {args.prompt_tokens} + {1 + DECODE_TOKENS} "
+                 f"tokens need {need} tokens of KV a replica; --pool-tokens is "
+                 f"{args.pool_tokens}")
+    batches = args.batches
     args.out.mkdir(parents=True, exist_ok=True)
     load_before = load_average()
-    launch = server_args(args.group_size)
+    launch = server_args(args.group_size, args.pool_tokens)
     with tempfile.TemporaryDirectory() as tmp:
         timings = Path(tmp) / "forwards.jsonl"
         env = {"OMP_NUM_THREADS": "1", "SGLANG_MORPH_FORWARD_TIMINGS": str(timings)}
         with running_server(launch, Path(tmp) / "server.log", env) as server:
             rows = [row for run in range(args.runs)
-                    for row in measure(server.url, timings, "whole", args.group_size, run)]
+                    for row in measure(server.url, timings, "whole", args.group_size, run,
+                                           batches, args.prompt_tokens)]
             r = httpx.post(f"{server.url}/kunserve/drop", timeout=600)
             if r.status_code != 200:
                 raise RuntimeError(f"drop refused: {r.status_code} {r.text}")
             rows += [row for run in range(args.runs)
-                     for row in measure(server.url, timings, "dropped", args.group_size, run)]
+                     for row in measure(server.url, timings, "dropped", args.group_size, run,
+                                            batches, args.prompt_tokens)]
             status = httpx.get(f"{server.url}/kunserve/status", timeout=60).json()
     by = {(r["layout"], r["run"], r["batch_per_replica"]): r for r in rows}
     # Per run: dropped over whole of the same run's batch (whole run i against dropped run i).
     ratios = {b: [by[("dropped", i, b)]["tpot_median_s"] / by[("whole", i, b)]["tpot_median_s"]
-                  for i in range(args.runs)] for b in BATCHES}
+                  for i in range(args.runs)] for b in batches}
     result = {
         "rows": rows, "tpot_dropped_over_whole": {str(b): v for b, v in ratios.items()},
         "batches_sent_ahead": [rep.get("batches_sent_ahead") for rep in status["replicas"]],
         "layers": [rep["layers"] for rep in status["replicas"]],
-        "settings": {"server_args": list(launch), "prompt_tokens": PROMPT_TOKENS,
+        "settings": {"server_args": list(launch), "prompt_tokens": args.prompt_tokens,
                      "decode_tokens": DECODE_TOKENS, "omp_threads_per_replica": 1,
                      "runs": args.runs},
         "meta": run_meta("python -m benchmark.kunserve.pipeline "
@@ -153,7 +178,7 @@ def main() -> None:
         return text if len(values) == 1 else (
             f"{text} ({min(values):.{digits}f}-{max(values):.{digits}f})")
 
-    for b in BATCHES:
+    for b in batches:
         runs = range(args.runs)
         lines.append(
             f"| {b} | {cell([by[('whole', i, b)]['tpot_median_s'] for i in runs])} | "
