@@ -16,7 +16,9 @@ restore:
   planned, its pool grows and it mirrors the three others' KV of its layers; the streams
   finish with their undropped outputs; a second drop is refused (409) naming the others;
 - merged, a prompt on every replica at once gives its undropped output token for token (each
-  batch runs through the four members' layers in order);
+  batch runs through the four members' layers in order); prompts long enough to cut, on a
+  middle and on the last replica at once, run as micro-batches through the four stages and
+  give their undropped outputs;
 - the restore (no body: the launch's one group) puts back the startup layout exactly, and the
   outputs are still the undropped ones;
 - pair [2, 3] drops while a prompt streams on replica 3 and replicas 0 and 1 stay whole (their
@@ -35,15 +37,19 @@ import concurrent.futures
 import json
 
 import pytest
+import requests
 
 # (corpus_ids and tokenizer are that module's fixtures)
-from test_morph_runtime_server import Stream, corpus_ids, prompt_ids, tokenizer  # noqa: F401
+from test_morph_runtime_server import (  # noqa: F401
+    ADMIN, Stream, corpus_ids, prompt_ids, tokenizer)
 from test_kunserve_auto import AUTO as AUTO_DEFAULTS
 from test_kunserve_live import generate_on, post, status
 
 N_NEW = 24
 WHOLE_TOKENS = 256
 PROMPT_TOKENS = 104
+LONG_TOKENS = 200  # cut while merged: at least 2 x 64 tokens (with 24 new, within 256)
+LONG_ON = (1, 3)  # a middle stage and the last: stages run before and after theirs
 GROUP = [0, 1, 2, 3]
 ALONE = [[0], [1], [2], [3]]
 STREAMED = (1, 3)  # the replicas with a request in flight at the drop
@@ -74,6 +80,13 @@ def undropped(dp4, prompts):
     return [[generate_on(dp4, ids, r, n_new=N_NEW) for ids in prompts[r]] for r in GROUP]
 
 
+@pytest.fixture(scope="module")
+def long_undropped(dp4, corpus_ids, undropped):
+    prompts = {r: prompt_ids(corpus_ids, seed=120 + r, n_tokens=LONG_TOKENS) for r in LONG_ON}
+    assert status(dp4)["groups"] == ALONE
+    return {r: (ids, generate_on(dp4, ids, r, n_new=N_NEW)) for r, ids in prompts.items()}
+
+
 def on_every_replica(server, prompts, i: int) -> list[list[int]]:
     """Prompt ``i`` of every replica at once, each on its replica."""
     with concurrent.futures.ThreadPoolExecutor(len(GROUP)) as pool:
@@ -81,7 +94,8 @@ def on_every_replica(server, prompts, i: int) -> list[list[int]]:
                              GROUP))
 
 
-def test_a_group_of_four_drops_to_four_stages_and_restores(dp4, prompts, undropped):
+def test_a_group_of_four_drops_to_four_stages_and_restores(dp4, prompts, undropped,
+                                                          long_undropped):
     before = status(dp4)
     num_layers = before["replicas"][0]["num_layers"]
     assert before["groups"] == ALONE
@@ -121,6 +135,18 @@ def test_a_group_of_four_drops_to_four_stages_and_restores(dp4, prompts, undropp
     assert [stream.join() for stream in streams] == [undropped[r][0] for r in STREAMED]
 
     assert on_every_replica(dp4, prompts, 1) == [undropped[r][1] for r in GROUP]
+    # The radix cache holds the long prompts from their undropped run: flushed, so that
+    # each is prefilled whole again.
+    r = requests.post(f"{dp4.url}/flush_cache", headers=ADMIN, timeout=60)
+    assert r.status_code == 200, r.text
+    micro_before = [rep["batches_micro"] for rep in status(dp4)["replicas"]]
+    with concurrent.futures.ThreadPoolExecutor(len(LONG_ON)) as pool:
+        long_outputs = list(pool.map(
+            lambda r: generate_on(dp4, long_undropped[r][0], r, n_new=N_NEW), LONG_ON))
+    assert long_outputs == [long_undropped[r][1] for r in LONG_ON]
+    micro_after = [rep["batches_micro"] for rep in status(dp4)["replicas"]]
+    assert [b - a for a, b in zip(micro_before, micro_after)] == [
+        int(r in LONG_ON) for r in GROUP], (micro_before, micro_after)
     r = post(dp4, "drop", json={"group": GROUP})
     assert r.status_code == 409 and "is already merged with replicas [" in r.json()["error"], (
         r.text)

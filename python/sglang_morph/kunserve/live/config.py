@@ -98,7 +98,7 @@ class KunServeLiveConfig:
     link_port: int | None = None
     auto: AutoControlConfig | None = None  # None: operator-driven only
     # A merged replica's prefill of at least 2 x 64 tokens runs as up to this many
-    # micro-batches through the pair's two stages (1: never cut).
+    # micro-batches through the merge's stages (1: never cut).
     micro_batches: int = 4
     # Where a prefill is cut: "cost", into ranges of equal cost under the chunk cost model
     # the replica fits on its own micro-batches (equal tokens until it has one); "tokens",
@@ -199,7 +199,7 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
         help="Replicas per group (default 2, pairs): G consecutive replicas on one link, any m "
         "of which (2 <= m <= G) drop together to a pipeline of m stages, each keeping 1/m of "
         "the layers, while the others serve whole (--dp-size a multiple of G; at most "
-        f"{MAX_GROUP_SIZE}). Merges of more than two run their batches uncut.")
+        f"{MAX_GROUP_SIZE}). Merges of more than two send nothing ahead.")
     group.add_argument(
         "--kunserve-link-port", type=int, default=None, metavar="PORT",
         help="TCP port of the first group's gloo link rendezvous on 127.0.0.1; group i uses "
@@ -217,8 +217,8 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument(
         "--kunserve-micro-batches", type=int, default=None, metavar="K",
         help="While merged, cut a replica's prefill of at least 128 tokens into up to K "
-        "micro-batches (at least 64 tokens each) that flow through the pair's two "
-        f"stages at once (default {KunServeLiveConfig.micro_batches}; 1: never cut).")
+        "micro-batches (at least 64 tokens each) that flow through the merge's stages "
+        f"at once (default {KunServeLiveConfig.micro_batches}; 1: never cut).")
     group.add_argument(
         "--kunserve-micro-batch-cuts", default=None, choices=MICRO_BATCH_CUTS,
         help="Where a merged prefill is cut: 'cost' (default), into ranges of equal cost "

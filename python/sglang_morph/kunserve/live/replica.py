@@ -37,7 +37,8 @@ request names fewer), and disjoint merges of one link may stand at once (``[0, 1
 ``[2, 3]``). In a merged group of ``m``, its ``j``-th member keeps the ``j``-th of the planner's
 ``m`` layer ranges and a mirror per other member; a forward of three or more runs the ranges
 in stage order, this replica's own here and each other's by that member's service thread
-(``_forward_stages``), uncut and without send-ahead; a merged pair runs as above. A KV move
+(``_forward_stages``), without send-ahead, a prefill long enough to cut as a wavefront of
+micro-batches through the stages (``_stages_micro``); a merged pair runs as above. A KV move
 walks the group's pairs of members in one order, exchanging with each the KV of its layers.
 Every member of the link enters every transition of the link, in one order (the votes and
 phase outcomes travel on the link's control group); those outside the merging group stand
@@ -766,6 +767,11 @@ class KunServeReplica(GroupMember):
         """LlamaModel.forward of a merged replica: the kept layers here, the others on the
         peer. Returns what LlamaModel.forward returns (final-normed hidden states)."""
         if len(self.active) > 2:
+            parts = (self._micro_batches(forward_batch, positions, input_ids)
+                     if input_embeds is None else [])
+            if parts:
+                self.batches_micro += 1
+                return self._stages_micro(parts)
             return self._forward_stages(input_ids, positions, forward_batch, input_embeds)
         model = self.model
         # The back member's batch may have gone ahead (send_ahead), cut or not: its cut is
@@ -794,8 +800,9 @@ class KunServeReplica(GroupMember):
         """A merged replica's forward in a group of more than two: the batch goes through the
         members' layer ranges in stage order, each other member's run by its service thread
         (this replica waits for each answer with the compute lock released), its own here;
-        the last stage answers final-normed hidden states. Batches run uncut and nothing is
-        sent ahead: each stage waits for the one before it."""
+        the last stage answers final-normed hidden states. The batch runs uncut and nothing
+        is sent ahead: each stage waits for the one before it (a prefill long enough to cut
+        runs as ``_stages_micro``)."""
         hidden = self.model.embed_tokens(input_ids) if input_embeds is None else input_embeds
         handoff = {"hidden_states": hidden}
         for stage in self.active:
@@ -805,6 +812,40 @@ class KunServeReplica(GroupMember):
                 self._send_call(fb, positions, input_ids, handoff, member=stage)
                 handoff = self.answer(stage)
         return handoff["hidden_states"]  # the last stage's: final-normed
+
+    def _stages_micro(self, parts: list) -> torch.Tensor:
+        """A merged replica's own extend batch in a group of more than two, cut into
+        micro-batches that flow through the stages as a wavefront: at tick ``t`` stage ``i``
+        runs micro-batch ``t - i``, so up to one micro-batch per stage runs at once (a
+        4-stage merge of a prefill in 4 runs 7 ticks of a quarter-stage each instead of 4
+        stages of the whole batch in turn). Each tick sends every other member its
+        micro-batch, runs this member's own (its forward context: its pool, new rows only),
+        then takes the answers in stage order. A member is sent a micro-batch only after its
+        answer to the one before was taken, so its service thread is waiting for the batch
+        (a gloo send waits for the receiver) and no send waits on a member that waits on
+        this one. Per stage the micro-batches run in order, so a later range of a request
+        sees the earlier one's KV in that stage's pool or mirror."""
+        stages, model = list(self.active), self.model
+        handoff: list[dict[str, torch.Tensor] | None] = [None] * len(parts)
+        for tick in range(len(stages) + len(parts) - 1):
+            here = [(stage, tick - i) for i, stage in enumerate(stages)
+                    if 0 <= tick - i < len(parts)]
+            for stage, j in here:
+                if stage == stages[0]:  # entering the first stage: embedded here
+                    handoff[j] = {"hidden_states": model.embed_tokens(parts[j][2])}
+                if stage != self.rank:
+                    self._send_call(*parts[j], handoff[j], micro=True, member=stage)
+            for stage, j in here:
+                if stage == self.rank:
+                    sub, positions, _ = parts[j]
+                    start = time.perf_counter()
+                    with self._micro_context():
+                        handoff[j] = self._own_stage(sub, positions, handoff[j])
+                    self._time_stage(sub, time.perf_counter() - start)
+            for stage, j in here:
+                if stage != self.rank:
+                    handoff[j] = self.answer(stage)
+        return torch.cat([h["hidden_states"] for h in handoff])  # the last stage's
 
     def _own_stage(self, fb, positions, handoff: dict[str, torch.Tensor]
                    ) -> dict[str, torch.Tensor]:
