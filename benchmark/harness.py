@@ -112,6 +112,35 @@ def spread(values) -> dict:
             "max": max(got, default=None), "n": len(got)}
 
 
+def arm_rounds(name: str, doc: str | None, arms: list[str], run_arm, summarize, markdown,
+               settings: dict) -> None:
+    """``python -m benchmark.kunserve.<name> [--rounds N] [--out DIR]``: N rounds (at least
+    1), each running every arm once (``run_arm(arm, seed0)``, one server each) in an order
+    that rotates round by round, so that a drift of the machine's speed falls on every arm;
+    then ``<name>.json`` and ``<name>.md`` (``summarize(runs)``, ``markdown(result)``) in
+    DIR."""
+    import argparse
+    import json
+
+    command = f"python -m benchmark.kunserve.{name}"
+    ap = argparse.ArgumentParser(prog=command, description=(doc or "").splitlines()[0])
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--out", type=Path, default=Path(f"benchmark/results/kunserve/{name}"))
+    args = ap.parse_args()
+    if args.rounds < 1:
+        ap.error(f"--rounds must be >= 1, got {args.rounds}")
+    load_before = load_average()
+    runs: list[dict] = []
+    for rnd in range(args.rounds):
+        for arm in arms[rnd % len(arms):] + arms[:rnd % len(arms)]:
+            runs.append({**run_arm(arm, seed0=1000 * len(runs)), "round": rnd + 1})
+            print(json.dumps({"round": rnd + 1, "arm": arm}), flush=True)
+    result = {"runs": runs, "summary": summarize(runs),
+              "settings": {**settings, "rounds": args.rounds},
+              "meta": run_meta(f"{command} --rounds {args.rounds}", load_before)}
+    write_results(args.out, name, result, markdown(result))
+
+
 def write_results(out_dir: Path, name: str, report: dict, markdown_text: str) -> None:
     """``<name>.json`` (the whole report) and ``<name>.md`` in ``out_dir``; the markdown is
     printed too."""

@@ -16,7 +16,6 @@ holds both stages of every micro-batch) and by the client (TTFT). Servers altern
 
 from __future__ import annotations
 
-import argparse
 import json
 import statistics
 import tempfile
@@ -25,7 +24,7 @@ from pathlib import Path
 
 import httpx
 
-from benchmark.harness import load_average, run_meta, running_server, spread, write_results
+from benchmark.harness import arm_rounds, running_server, spread
 from sglang_morph.kunserve.cost import Chunk, ChunkCostModel, balanced_bounds
 
 SERVER_ARGS = ("--dp-size", "2", "--dtype", "float32", "--max-total-tokens", "1024",
@@ -150,27 +149,9 @@ def markdown(result: dict) -> str:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(prog="python -m benchmark.kunserve.cuts",
-                                 description=__doc__.splitlines()[0])
-    ap.add_argument("--rounds", type=int, default=3)
-    ap.add_argument("--out", type=Path, default=Path("benchmark/results/kunserve/cuts"))
-    args = ap.parse_args()
-    if args.rounds < 1:
-        ap.error(f"--rounds must be >= 1, got {args.rounds}")
-    load_before = load_average()
-    runs = []
-    for rnd in range(args.rounds):
-        order = ARMS if rnd % 2 == 0 else ARMS[::-1]
-        for arm in order:
-            runs.append({**run_arm(arm, seed0=1000 * len(runs)), "round": rnd + 1})
-            print(json.dumps({"round": rnd + 1, "arm": arm}), flush=True)
-    result = {"runs": runs, "summary": summarize(runs),
-              "settings": {"server_args": list(SERVER_ARGS), "prompt_tokens": PROMPT_TOKENS,
-                           "warmup": WARMUP, "measured": MEASURED, "rounds": args.rounds,
-                           "omp_threads_per_replica": 1},
-              "meta": run_meta(f"python -m benchmark.kunserve.cuts --rounds {args.rounds}",
-                               load_before)}
-    write_results(args.out, "cuts", result, markdown(result))
+    arm_rounds("cuts", __doc__, list(ARMS), run_arm, summarize, markdown, {
+        "server_args": list(SERVER_ARGS), "prompt_tokens": PROMPT_TOKENS, "warmup": WARMUP,
+        "measured": MEASURED, "omp_threads_per_replica": 1})
 
 
 if __name__ == "__main__":

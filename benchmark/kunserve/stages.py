@@ -17,15 +17,13 @@ machine's speed falls on all of them.
 
 from __future__ import annotations
 
-import argparse
-import json
 import statistics
 import tempfile
 from pathlib import Path
 
 import httpx
 
-from benchmark.harness import load_average, run_meta, running_server, spread, write_results
+from benchmark.harness import arm_rounds, running_server, spread
 from benchmark.kunserve.cuts import own_prefills, prefill, prompt
 
 SERVER_ARGS = ("--dp-size", "4", "--dtype", "float32", "--max-total-tokens", "1024",
@@ -109,28 +107,9 @@ def markdown(result: dict) -> str:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(prog="python -m benchmark.kunserve.stages",
-                                 description=__doc__.splitlines()[0])
-    ap.add_argument("--rounds", type=int, default=3)
-    ap.add_argument("--out", type=Path, default=Path("benchmark/results/kunserve/stages"))
-    args = ap.parse_args()
-    if args.rounds < 1:
-        ap.error(f"--rounds must be >= 1, got {args.rounds}")
-    load_before = load_average()
-    runs, arms = [], list(ARMS)
-    for rnd in range(args.rounds):
-        for arm in arms[rnd % len(arms):] + arms[:rnd % len(arms)]:
-            runs.append({**run_arm(arm, seed0=1000 * len(runs)), "round": rnd + 1})
-            print(json.dumps({"round": rnd + 1, "arm": arm,
-                              "forward_s": statistics.median(runs[-1]["forward_s"])}),
-                  flush=True)
-    result = {"runs": runs, "summary": summarize(runs),
-              "settings": {"server_args": list(SERVER_ARGS), "prompt_tokens": PROMPT_TOKENS,
-                           "warmup": WARMUP, "measured": MEASURED, "rounds": args.rounds,
-                           "omp_threads_per_replica": 1},
-              "meta": run_meta(f"python -m benchmark.kunserve.stages --rounds {args.rounds}",
-                               load_before)}
-    write_results(args.out, "stages", result, markdown(result))
+    arm_rounds("stages", __doc__, list(ARMS), run_arm, summarize, markdown, {
+        "server_args": list(SERVER_ARGS), "prompt_tokens": PROMPT_TOKENS, "warmup": WARMUP,
+        "measured": MEASURED, "omp_threads_per_replica": 1})
 
 
 if __name__ == "__main__":
