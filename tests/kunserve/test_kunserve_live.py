@@ -338,6 +338,17 @@ def test_drop_with_requests_in_flight_serves_undropped_outputs(dp2, prompts, und
     assert r.status_code == 200, r.text
     assert [generate_on(dp2, prompts[3], r) for r in (0, 1)] == [undropped[3]] * 2
     assert [rep["batches_micro"] for rep in status(dp2)["replicas"]] == [m + 1 for m in micro]
+    # A cut prefill goes first: while replica 0's runs through replica 1's layers, replica
+    # 1 holds its own decode steps back (at least one), and both outputs stay exact.
+    r = requests.post(f"{dp2.url}/flush_cache", headers=ADMIN, timeout=60)
+    assert r.status_code == 200, r.text
+    held = [rep["batches_held"] for rep in status(dp2)["replicas"]]
+    stream = Stream(dp2, prompts[1], N_NEW, routed_dp_rank=1)
+    stream.wait_for(3)
+    assert generate_on(dp2, prompts[3], 0) == undropped[3]
+    assert stream.join() == undropped[1]
+    now = [rep["batches_held"] for rep in status(dp2)["replicas"]]
+    assert now[0] == held[0] and now[1] > held[1], (held, now)
     r = post(dp2, "drop")
     assert r.status_code == 409 and "already merged" in r.json()["error"]
 

@@ -15,7 +15,9 @@ def around_runner_forward(original: Callable[..., Any], runner: Any, *args: Any,
     if replica is None:
         return original(runner, *args, **kwargs)
     # The layers run under the replica's compute lock (replica.py, "Concurrency"); a merged
-    # back member sends its batch to the front's layers before it waits for the lock.
+    # replica lets another member's cut prefill finish first, and a merged back member sends
+    # its batch to the front's layers before it waits for the lock.
+    replica.hold_for_peer_prefill()
     replica.send_ahead(args[0] if args else kwargs["forward_batch"])
     try:
         with replica.compute_lock:

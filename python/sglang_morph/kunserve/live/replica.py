@@ -66,6 +66,7 @@ import dataclasses
 import itertools
 import logging
 import os
+import threading
 import time
 import types
 from typing import Any
@@ -185,6 +186,12 @@ class KunServeReplica(GroupMember):
         # its forward (send_ahead), until forward_merged takes the answer.
         self._early: tuple | None = None
         self.batches_sent_ahead = 0
+        # Members whose cut prefill is running through this replica's layers (service
+        # threads add and remove them; the scheduler thread waits on the condition before
+        # its forwards while merged: a merged prefill goes first).
+        self._prefilling_peers: set[int] = set()
+        self._peer_prefill_done = threading.Condition()
+        self.batches_held = 0  # own forwards held back for another member's cut prefill
         self.micro_batches = cfg.micro_batches  # --kunserve-micro-batches
         # --kunserve-micro-batch-cuts cost: this replica's own micro-batches, timed stage by
         # stage, fit the chunk cost model its later prefills are cut by.
@@ -321,6 +328,7 @@ class KunServeReplica(GroupMember):
             # Batches of this (back) member that went to the front's layers before its forward
             # took the compute lock (send_ahead); the front member's stay 0.
             "batches_sent_ahead": self.batches_sent_ahead,
+            "batches_held": self.batches_held,
             "batches_micro": self.batches_micro,
             # The cost model micro-batches are cut by (None: equal tokens), and how many
             # micro-batch stage timings it has seen.
@@ -834,7 +842,8 @@ class KunServeReplica(GroupMember):
                 if stage == stages[0]:  # entering the first stage: embedded here
                     handoff[j] = {"hidden_states": model.embed_tokens(parts[j][2])}
                 if stage != self.rank:
-                    self._send_call(*parts[j], handoff[j], micro=True, member=stage)
+                    self._send_call(*parts[j], handoff[j], micro=len(parts) - j,
+                                    member=stage)
             for stage, j in here:
                 if stage == self.rank:
                     sub, positions, _ = parts[j]
@@ -889,9 +898,28 @@ class KunServeReplica(GroupMember):
         sub, positions, input_ids = parts[0] if parts else (fb, fb.positions, fb.input_ids)
         with torch.no_grad():
             hidden = self.model.embed_tokens(input_ids)
-        self._send_call(sub, positions, input_ids, {"hidden_states": hidden}, micro=bool(parts))
+        self._send_call(sub, positions, input_ids, {"hidden_states": hidden}, micro=len(parts))
         self._early = (self._batch_key(fb, fb.positions, fb.input_ids), parts)
         self.batches_sent_ahead += 1
+
+    # A merged replica's forward waits at most this long for another member's cut prefill
+    # (a bound: a prefill that failed half-way is cleared by its member's next batch).
+    HOLD_FOR_PREFILL_S = 2.0
+
+    def hold_for_peer_prefill(self) -> None:
+        """Before a forward (scheduler thread, without the compute lock): while merged and
+        another member's cut prefill runs through this replica's layers, wait until its last
+        micro-batch has come. Merged, a prefill's micro-batches use both cores; a decode step
+        of this replica started between them needs both cores too, and stretched the prefill
+        of a blocked prompt (the one a drop is for) by about a quarter in the replay. So a
+        merged prefill goes first; this replica's requests wait for it instead."""
+        if not self.merged:
+            return
+        with self._peer_prefill_done:
+            if self._prefilling_peers:
+                self.batches_held += 1
+                self._peer_prefill_done.wait_for(lambda: not self._prefilling_peers,
+                                                 timeout=self.HOLD_FOR_PREFILL_S)
 
     def _take_ahead(self, fb, positions, input_ids) -> list | None:
         """The micro-batches of the batch ``send_ahead`` sent (``[]``: sent uncut), or None when
@@ -980,7 +1008,8 @@ class KunServeReplica(GroupMember):
             self._time_stage(sub, time.perf_counter() - start)
             if j:
                 outs.append(self._answer()["hidden_states"])
-            self._send_call(sub, positions, input_ids, handoff.tensors, micro=True)
+            self._send_call(sub, positions, input_ids, handoff.tensors,
+                            micro=len(parts) - j)
         outs.append(self._answer()["hidden_states"])
         return torch.cat(outs)
 
@@ -994,13 +1023,13 @@ class KunServeReplica(GroupMember):
         if not sent_first:
             sub, pos, ids = parts[0]
             self._send_call(sub, pos, ids, {"hidden_states": model.embed_tokens(ids)},
-                            micro=True)
+                            micro=len(parts))
         for j, (sub, pos, ids) in enumerate(parts):
             out = self._answer()
             if j + 1 < len(parts):
                 nsub, npos, nids = parts[j + 1]
                 self._send_call(nsub, npos, nids, {"hidden_states": model.embed_tokens(nids)},
-                                micro=True)
+                                micro=len(parts) - j - 1)
             start = time.perf_counter()
             with self._micro_context():
                 hidden = model.layers[kept.start].attn_boundary.from_pp(PPProxyTensors(out),
@@ -1045,9 +1074,10 @@ class KunServeReplica(GroupMember):
             self.link.recv_from(self.link.calls[self.rank], self._peer)
 
     def _send_call(self, fb, positions, input_ids, tensors: dict[str, torch.Tensor],
-                   micro: bool = False, member: int | None = None) -> None:
+                   micro: int = 0, member: int | None = None) -> None:
         """Our batch (its rows of req_to_token with it) to ``member``'s layers (the peer of a
-        pair when None)."""
+        pair when None). ``micro``: 0 for a batch run uncut, else how many micro-batches of
+        the cut batch are left, this one included (1: the last)."""
         mode = fb.forward_mode
         if not (mode.is_extend() or mode.is_decode()):
             raise NotImplementedError(f"KunServe forwards extend and decode batches, not {mode}")
@@ -1077,7 +1107,16 @@ class KunServeReplica(GroupMember):
         if not self.merged or mirror is None:
             raise RuntimeError(f"replica {self.link.replicas[caller]}'s batch arrived while "
                                f"this replica is whole")
-        mode_value, micro = ints["mode"], bool(ints.get("micro"))
+        mode_value, left = ints["mode"], int(ints.get("micro", 0))
+        micro = left > 0
+        with self._peer_prefill_done:
+            # The caller's cut prefill runs through our layers until its last micro-batch;
+            # an uncut batch (or the last) means none of its is in flight after this one.
+            if left > 1:
+                self._prefilling_peers.add(caller)
+            elif caller in self._prefilling_peers:
+                self._prefilling_peers.discard(caller)
+                self._peer_prefill_done.notify_all()
         # The peer's rows of req_to_token come with the batch: request i reads row i.
         fb = _layers_batch(ForwardMode(mode_value), t["input_ids"],
                            torch.arange(t["seq_lens"].numel(), dtype=torch.int64),
