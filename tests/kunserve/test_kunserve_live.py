@@ -52,6 +52,7 @@ from test_morph_runtime_server import (  # noqa: F401
 N_NEW = 40  # long enough that the streams are still running when a transition lands under load
 WHOLE_TOKENS = 1024
 PROMPT_LENGTHS = (16, 48, 120, 200)
+LONG_TOKENS = 640  # with N_NEW, within a whole replica's pool
 
 
 # ---- launch checks (no server) ----
@@ -215,6 +216,15 @@ def undropped(dp2, prompts):
     return outs
 
 
+@pytest.fixture(scope="module")
+def long_undropped(dp2, corpus_ids, undropped):
+    """A 640-token prompt (cut into four micro-batches while merged) and its greedy output on
+    whole replica 0."""
+    assert status(dp2)["groups"] == [[0], [1]]
+    ids = prompt_ids(corpus_ids, seed=60, n_tokens=LONG_TOKENS)
+    return ids, generate_on(dp2, ids, 0)
+
+
 def all_outputs(server, prompts) -> tuple[list, list]:
     """(one at a time on replica 0 then 1, all at once on both replicas)."""
     one_by_one = [[generate_on(server, ids, r) for ids in prompts] for r in (0, 1)]
@@ -298,6 +308,7 @@ def test_a_drop_one_replica_fails_changes_nothing(dp2, prompts, undropped):
 
 
 def test_drop_with_requests_in_flight_serves_undropped_outputs(dp2, prompts, undropped,
+                                                               long_undropped,
                                                                default_model_path):
     s = transition_while_streaming(dp2, "drop", prompts, undropped, (2, 1))
     assert s["groups"] == [[0, 1]]
@@ -338,14 +349,17 @@ def test_drop_with_requests_in_flight_serves_undropped_outputs(dp2, prompts, und
     assert r.status_code == 200, r.text
     assert [generate_on(dp2, prompts[3], r) for r in (0, 1)] == [undropped[3]] * 2
     assert [rep["batches_micro"] for rep in status(dp2)["replicas"]] == [m + 1 for m in micro]
-    # A cut prefill goes first: while replica 0's runs through replica 1's layers, replica
-    # 1 holds its own decode steps back (at least one), and both outputs stay exact.
+    # A cut prefill goes first: while replica 0's (four micro-batches of 160 tokens) runs
+    # through replica 1's layers, replica 1 holds its own decode steps back (the one in
+    # flight when it began runs between its micro-batches; later ones wait), and both
+    # outputs stay exact.
     r = requests.post(f"{dp2.url}/flush_cache", headers=ADMIN, timeout=60)
     assert r.status_code == 200, r.text
     held = [rep["batches_held"] for rep in status(dp2)["replicas"]]
     stream = Stream(dp2, prompts[1], N_NEW, routed_dp_rank=1)
     stream.wait_for(3)
-    assert generate_on(dp2, prompts[3], 0) == undropped[3]
+    long_ids, long_out = long_undropped
+    assert generate_on(dp2, long_ids, 0) == long_out
     assert stream.join() == undropped[1]
     now = [rep["batches_held"] for rep in status(dp2)["replicas"]]
     assert now[0] == held[0] and now[1] > held[1], (held, now)
