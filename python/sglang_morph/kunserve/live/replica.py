@@ -163,6 +163,11 @@ class KunServeReplica(GroupMember):
                                       f"{self.planner.full_replica().kv_capacity_tokens} is not "
                                       f"the pool's {self.pool.size} tokens")
         self._link_replicas = members
+        # Members whose cut prefill is running through this replica's layers (service
+        # threads add and remove them; the scheduler thread waits on the condition before
+        # its forwards while merged: a merged prefill goes first).
+        self._prefilling_peers: set[int] = set()
+        self._peer_prefill_done = threading.Condition()
         self._whole_link = tuple(range(size))
         self.group: ReplicaGroup
         self.member: MemberLayout
@@ -186,11 +191,6 @@ class KunServeReplica(GroupMember):
         # its forward (send_ahead), until forward_merged takes the answer.
         self._early: tuple | None = None
         self.batches_sent_ahead = 0
-        # Members whose cut prefill is running through this replica's layers (service
-        # threads add and remove them; the scheduler thread waits on the condition before
-        # its forwards while merged: a merged prefill goes first).
-        self._prefilling_peers: set[int] = set()
-        self._peer_prefill_done = threading.Condition()
         self.batches_held = 0  # own forwards held back for another member's cut prefill
         self.micro_batches = cfg.micro_batches  # --kunserve-micro-batches
         # --kunserve-micro-batch-cuts cost: this replica's own micro-batches, timed stage by
@@ -245,6 +245,9 @@ class KunServeReplica(GroupMember):
         share of the group's tokens (its own requests), whole pages. Whole, a replica keeps
         the layout of its whole link's drop."""
         self.active = tuple(ranks)
+        with self._peer_prefill_done:  # a new layout: no member's prefill is in flight
+            self._prefilling_peers.clear()
+            self._peer_prefill_done.notify_all()
         self.group = make_group(self.planner, [self._link_replicas[r] for r in ranks])
         self.member = self.group.members[self.active.index(self.rank)]
         share = self.group.capacity_tokens // len(ranks)
