@@ -906,7 +906,8 @@ class KunServeReplica(GroupMember):
         self.batches_sent_ahead += 1
 
     # A merged replica's forward waits at most this long for another member's cut prefill
-    # (a bound: a prefill that failed half-way is cleared by its member's next batch).
+    # (a bound: a prefill that failed half-way is cleared by its member's next batch, or by
+    # the next transition's layout).
     HOLD_FOR_PREFILL_S = 2.0
 
     def hold_for_peer_prefill(self) -> None:
