@@ -27,7 +27,7 @@ from benchmark.harness import load_average, run_meta, spread, write_results
 from benchmark.kunserve import validate as V
 from benchmark.kunserve.rounds import GOALS, against_dp2
 
-CALIBRATION = "replay+transitions+merged"  # the one within 15% on every figure checked
+CALIBRATION, QUEUES = V.VALIDATED  # the row within 15% on every replay checked
 
 
 @dataclasses.dataclass(frozen=True)
@@ -60,12 +60,12 @@ LEVERS = (
 
 
 def run_lever(lever: Lever, rounds: Sequence[V.LiveRound], spec,
-              calibration: str = CALIBRATION, merged_queues: str = "pair") -> dict[str, Any]:
+              calibration: str = CALIBRATION, merged_queues: str = QUEUES) -> dict[str, Any]:
     per_round = []
     for rnd in rounds:
         planner = V.planner_for(spec, rnd.kv_tokens_per_replica)
-        cal = dataclasses.replace(V.calibration(calibration, rnd, spec, rounds), **lever.costs)
         ctl = dataclasses.replace(rnd.controller, **lever.controller)
+        cal = dataclasses.replace(V.calibration(calibration, rnd, spec, rounds), **lever.costs)
         arms = {arm: V.simulated(rnd, cal, planner, arm == "kunserve", ctl,
                                  lever.merged_running_cap, merged_queues)[0]
                 for arm in V.ARMS}
@@ -102,9 +102,9 @@ def markdown(report: dict[str, Any]) -> str:
 def _options(ap) -> None:
     ap.add_argument("--calibration", choices=V.CALIBRATIONS, default=CALIBRATION,
                     help=f"the simulation's calibration (default {CALIBRATION})")
-    ap.add_argument("--merged-queues", choices=V.KS.MERGED_QUEUES, default="pair",
-                    help="how a merged pair schedules: one queue for the pair (default) or "
-                    "one per replica, as live")
+    ap.add_argument("--merged-queues", choices=V.KS.MERGED_QUEUES, default=QUEUES,
+                    help="how a merged pair schedules: one queue for the pair (the paper's) "
+                    f"or one per replica, as live (default {QUEUES})")
 
 
 def main(argv: Sequence[str] | None = None) -> int:

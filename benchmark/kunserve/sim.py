@@ -28,6 +28,12 @@ the members' serving for their whole duration (the live design overlaps them); t
 the embedding add no stage time; a group's stages cost the model's time times their share of
 layers.
 
+Calibrated on a live replay (``--replay``, ``benchmark/kunserve/validate.py``), the cluster runs
+as the row that check validates: costs fitted on the plain arm's forwards (with the fit's error
+per decode batch size), the live transition times and merged decode step, each merged member
+keeping its own queue (``merged_queues="member"``), and plain DP's tokens handed on as SGLang's
+overlap scheduler does (``overlap_schedule``; KunServe turns it off).
+
     .venv/bin/python -m benchmark.kunserve.sim [--out benchmark/results/kunserve] [--quick]
 """
 
@@ -54,7 +60,7 @@ from sglang_morph.kunserve.controller import (
     ReplicaSnapshot,
     Restore,
 )
-from sglang_morph.kunserve.cost import PhaseCosts
+from sglang_morph.kunserve.cost import Chunk, ForwardTiming, PhaseCosts
 from sglang_morph.kunserve.lookahead import (
     BatchItem,
     PipelineState,
@@ -118,6 +124,42 @@ class Calibration:
                    spec.hidden_size * spec.dtype_bytes)
 
 
+@dataclasses.dataclass(frozen=True)
+class BatchCorrectedCosts(PhaseCosts):
+    """A fitted cost model with the decode fit's measured error at each batch size added back.
+
+    On this CPU a decode step does not grow linearly with its requests: a replay's plain
+    replicas took 53 ms at 1 request, 82-89 ms at 2, 105-117 ms at 3 and 87-90 ms at 4, where
+    the linear fit gives 54, 67-89, 81-100 and 91-99 ms; the fit's error at the batch sizes
+    a light load runs most is what the simulated TPOT missed by. ``decode_error_s[b - 1]``
+    is the median of (measured - fitted) over the forwards of ``b`` requests (0 where too few
+    were measured); larger batches take the fit alone."""
+
+    decode_error_s: tuple[float, ...] = ()
+
+    def seconds(self, chunks: Sequence[Chunk]) -> float:
+        fitted = super().seconds(chunks)
+        if chunks and len(chunks) <= len(self.decode_error_s) and all(
+                ch.phase == "decode" for ch in chunks):
+            return max(0.0, fitted + self.decode_error_s[len(chunks) - 1])
+        return fitted
+
+
+def decode_errors_s(costs: PhaseCosts, timings: Sequence[ForwardTiming],
+                    min_forwards: int = 8) -> tuple[float, ...]:
+    """Per decode batch size ``b`` (1 up to the largest measured), the median of the measured
+    seconds minus ``costs``' over ``timings``' decode forwards of ``b`` requests; 0 for a
+    size with fewer than ``min_forwards``."""
+    by_size: dict[int, list[float]] = {}
+    for t in timings:
+        if all(ch.phase == "decode" for ch in t.chunks):
+            by_size.setdefault(len(t.chunks), []).append(t.seconds - costs.seconds(t.chunks))
+    if not by_size:
+        return ()
+    return tuple(float(np.median(by_size[b])) if len(by_size.get(b, ())) >= min_forwards
+                 else 0.0 for b in range(1, max(by_size) + 1))
+
+
 @dataclasses.dataclass
 class Request:
     rid: str
@@ -134,6 +176,12 @@ class Request:
     @property
     def kv_tokens(self) -> int:
         return self.prompt_tokens + self.generated
+
+    @property
+    def held_kv_tokens(self) -> int:
+        """The KV written so far, what the live view reads from SGLang's allocator: a decode
+        step writes the KV of the token it reads, so the newest token's is not written yet."""
+        return self.prompt_tokens + max(0, self.generated - 1)
 
     @property
     def done(self) -> bool:
@@ -170,6 +218,9 @@ class Unit:
         self.wakeup = sim.env.event()
         self.retiring: simpy.Event | None = None  # set: hand over at the next boundary
         self.iteration = 0
+        # The last forward's requests whose tokens SGLang's overlap scheduler has not handed
+        # on yet (``ClusterSim.overlap_schedule``)
+        self.unsent: list[Request] = []
         self.process = sim.env.process(self.run())
 
     @property
@@ -222,6 +273,10 @@ class Unit:
         decode = all(i.new_tokens == 1 for i in items)
         if not decode and cal.merged_prefill_factor is not None:
             mbs, factor = [tuple(items)], cal.merged_prefill_factor
+        elif decode and self.member is not None:
+            # A member's decode step is one micro-batch, as live: the other members' steps are
+            # what fills the pipeline beside it (cut in more, each would pay gamma again).
+            mbs, factor = [tuple(items)], cal.merged_step_factor
         else:
             mbs = by_lookahead(items, self.group.size, cal.costs)
             factor = cal.merged_step_factor if decode else 1.0
@@ -247,6 +302,7 @@ class Unit:
                 self.retiring.succeed()
                 return
             if not self.waiting and not self.running:
+                self.unsent = []  # no forward follows: the last tokens went out as they came
                 self.wakeup = env.event()
                 yield self.wakeup
                 continue
@@ -263,10 +319,14 @@ class Unit:
             back, next_at = self._forward(items)
             self.iteration += 1
             self.running += admitted
+            for r in self.unsent:  # the previous batch's tokens go out once this one has run
+                r.token_times_s[-1] = max(r.token_times_s[-1], next_at)
             for rid, at in back.items():
                 r = by_rid[rid]
                 r.generated += 1
                 r.token_times_s.append(at)
+            if self.sim.overlap_schedule and self.group.size == 1:
+                self.unsent = [by_rid[rid] for rid in back]
             finished = [r for r in self.running if r.done]
             self.running = [r for r in self.running if not r.done]
             self.sim.finished += finished
@@ -277,13 +337,20 @@ class ClusterSim:
     def __init__(self, requests: Sequence[Request], replicas: int, planner: DropPlannerConfig,
                  cal: Calibration, kunserve: bool, monitor_s: float,
                  controller_cfg: ControllerConfig, router: str = "round_robin",
-                 merged_running_cap: int | None = None, merged_queues: str = "pair"):
+                 merged_running_cap: int | None = None, merged_queues: str = "pair",
+                 overlap_schedule: bool = False):
         if router not in ROUTERS:
             raise ValueError(f"router must be one of {ROUTERS}, got {router!r}")
         if merged_queues not in MERGED_QUEUES:
             raise ValueError(f"merged_queues must be one of {MERGED_QUEUES}, "
                              f"got {merged_queues!r}")
         self.merged_queues = merged_queues
+        # SGLang's overlap scheduler (its default; KunServe and morph turn it off): a batch's
+        # tokens are handed on only after the next batch has been launched, and on a CPU
+        # launching runs that batch's forward, so each token but a replica's last before it
+        # idles reaches the client one forward later. Single replicas only: a merged group
+        # runs without it.
+        self.overlap_schedule = overlap_schedule
         if merged_running_cap is not None and merged_running_cap < 1:
             raise ValueError(f"merged_running_cap must be >= 1, got {merged_running_cap}")
         # Admission control while merged (a policy studied in simulation): a merged group
@@ -336,8 +403,12 @@ class ClusterSim:
     def view(self) -> ClusterView:
         snapshots = []
         for u in self.units:
-            live = tuple(LiveRequest(r.rid, r.kv_tokens) for r in u.running)
-            used = sum(r.kv_tokens for r in u.running)
+            # Per-member queues (the live pair): a request stays with its replica's scheduler,
+            # so a restore must fit each member's own requests in its own pool, as the live
+            # controller asks of its replicas (and a live replica refuses otherwise).
+            owner = u.replicas[0] if self.merged_queues == "member" else None
+            live = tuple(LiveRequest(r.rid, r.held_kv_tokens, owner=owner) for r in u.running)
+            used = sum(r.held_kv_tokens for r in u.running)
             growth = sum(r.output_tokens - r.generated for r in u.running)
             waiting = sum(r.reserved_tokens for r in u.waiting)
             # What the live replicas report too: the queue's head does not fit (SGLang's
@@ -487,10 +558,11 @@ def simulate(requests: Sequence[Request], replicas: int, planner: DropPlannerCon
              cal: Calibration, kunserve: bool, monitor_s: float = 0.5,
              controller_cfg: ControllerConfig = ControllerConfig(),
              limit_s: float = 36000.0, router: str = "round_robin",
-             merged_running_cap: int | None = None, merged_queues: str = "pair") -> ClusterSim:
+             merged_running_cap: int | None = None, merged_queues: str = "pair",
+             overlap_schedule: bool = False) -> ClusterSim:
     sim = ClusterSim([dataclasses.replace(r, token_times_s=[], generated=0) for r in requests],
                      replicas, planner, cal, kunserve, monitor_s, controller_cfg, router,
-                     merged_running_cap, merged_queues)
+                     merged_running_cap, merged_queues, overlap_schedule)
     sim.run(limit_s)
     return sim
 
@@ -545,8 +617,12 @@ def main() -> None:
         rnd = validate.load_round(args.replay)
         spec = ModelSpec.from_model_dir(default_model_path(), dtype_bytes=validate.DTYPE_BYTES)
         planner = validate.planner_for(spec, rnd.kv_tokens_per_replica, args.max_group_size)
-        cal = validate.calibration("replay+transitions+merged", rnd, spec, [rnd],
-                                   args.calibration)
+        # The row the check validates (``validate.VALIDATED``): each arm its own front end,
+        # the plain arm's tokens handed on by SGLang's overlap scheduler, the merged members
+        # keeping their own queues (as live).
+        name, queues = validate.VALIDATED
+        cal = validate.calibration(name, rnd, spec, [rnd], args.calibration)
+        overlap = rnd.overlap_schedule
         monitor_s, controller_cfg = rnd.interval_s, rnd.controller
         args.budget_bytes = planner.budget_bytes
     else:
@@ -554,6 +630,7 @@ def main() -> None:
         planner = DropPlannerConfig(MemoryModel.from_spec(spec, bits=(16,)), args.budget_bytes,
                                     max_group_size=args.max_group_size)
         cal = Calibration.load(args.calibration, spec)
+        overlap, queues = {}, "pair"
     replicas_list = [2, 4] if args.quick else args.replicas
     traces = dict(list(TRACES.items())[:1]) if args.quick else TRACES
     started = time.monotonic()
@@ -576,8 +653,10 @@ def main() -> None:
         for n in replicas_list:
             reqs = trace_requests(TRACES_DIR / csv, n, window)
             row = {"trace": name, "replicas": n, "requests": len(reqs)}
-            for system, kun in (("dp", False), ("kunserve", True)):
-                sim = simulate(reqs, n, planner, cal, kun, monitor_s, controller_cfg)
+            for system, arm in (("dp", "dp2"), ("kunserve", "kunserve")):
+                sim = simulate(reqs, n, planner, cal, arm == "kunserve", monitor_s,
+                               controller_cfg, merged_queues=queues,
+                               overlap_schedule=overlap.get(arm, False))
                 if len(sim.finished) != len(reqs):
                     raise RuntimeError(f"{name} x{n} {system}: {len(sim.finished)} of "
                                        f"{len(reqs)} requests finished")
@@ -597,6 +676,8 @@ def main() -> None:
             "transitions_s": {"drop": cal.drop_s, "restore": cal.restore_s},
             "merged_step_factor": cal.merged_step_factor,
             "merged_prefill_factor": cal.merged_prefill_factor, "keep_every": keep_every,
+            "merged_queues": queues, "overlap_schedule": overlap,
+            "front_end_s": cal.front_end_s,
             "monitor_s": monitor_s, "seconds": time.monotonic() - started,
             "SIMULATED": True}
     args.out.mkdir(parents=True, exist_ok=True)
@@ -613,6 +694,9 @@ def write_table(path: Path, rows, meta) -> None:
              + (f"; transitions {meta['transitions_s']}, merged decode step x"
                 f"{meta.get('merged_step_factor', 1.0):.2f}, thinning per trace "
                 f"{meta.get('keep_every')} (the replay's offered tokens/s per replica)"
+                + (f", merged members' queues: {meta['merged_queues']}, front end "
+                   f"{meta['front_end_s']:.3f} s, SGLang's overlap scheduler per arm "
+                   f"{meta['overlap_schedule']}" if "merged_queues" in meta else "")
                 if meta.get("replay") else "") + ".", "",
              "| trace | replicas | requests | DP P99 TTFT (s) | KunServe P99 TTFT (s) | "
              "TTFT x lower | DP P50 TPOT (ms) | KunServe P50 TPOT (ms) | TPOT change | TPOT "

@@ -30,7 +30,9 @@ one of these calibrations, side by side:
   per-replica queues``: the same with the measured merged prefill (the decode step is left
   to the shared stages, which already make the two replicas' decodes wait for each other).
 
-Every calibration also charges each request the plain arm's front-end time (``front_end_s``).
+Every calibration beyond ``idle`` also charges each request the plain arm's front-end time
+(``front_end_s``), and the plain arm's tokens go out as SGLang's overlap scheduler hands them
+on (``sim.ClusterSim.overlap_schedule``; KunServe turns that scheduler off).
 ``replay`` takes only the plain DP 2 arm's forwards and latencies: the KunServe arm's (its
 merged pipeline, its controller's timing) are predicted; the two richer rows take the
 KunServe arm's transition times and merged step, so they say how much each of those explains.
@@ -52,9 +54,10 @@ from typing import Any
 
 from benchmark.harness import load_average, run_meta, spread, write_results
 from benchmark.kunserve import sim as KS
-from benchmark.kunserve.rounds import distribution
+from benchmark.kunserve.rounds import distribution, merged_windows
+from benchmark.replay.forwards import read_log, timings_of
 from sglang_morph.kunserve.controller import ControllerConfig
-from sglang_morph.kunserve.cost import PhaseCosts
+from sglang_morph.kunserve.cost import ForwardTiming, PhaseCosts
 from sglang_morph.kunserve.planner import DropPlannerConfig, split_layers
 from sglang_morph.models.memory import MemoryModel
 from sglang_morph.models.spec import ModelSpec
@@ -70,11 +73,18 @@ CALIBRATIONS = {"idle": None, "replay": (False, False, False),
                 PREFILL_ONLY: (True, False, True)}
 PER_REPLICA = "replay+transitions, per-replica queues"
 PER_REPLICA_PREFILL = "replay+transitions+merged prefill, per-replica queues"
+PER_REPLICA_DECODE = "replay+transitions+merged, per-replica queues"
 # Each row: its name, its calibration, and how the simulated pair schedules while merged
 # (``sim.MERGED_QUEUES``): one queue for the pair, or each replica its own, as live.
 ROWS = tuple((c, c, "pair") for c in CALIBRATIONS if c != PREFILL_ONLY) + (
     (PER_REPLICA, "replay+transitions", "member"),
+    (PER_REPLICA_DECODE, "replay+transitions+merged", "member"),
     (PER_REPLICA_PREFILL, PREFILL_ONLY, "member"))
+# The row that models the live pair as it runs (each member its own queue, the merged decode
+# step as the KunServe arm measured it): what a simulated cluster quoted from a replay and
+# the levers run as. Its calibration and merged queues:
+VALIDATED_ROW = PER_REPLICA_DECODE
+VALIDATED = next((cal, queues) for name, cal, queues in ROWS if name == VALIDATED_ROW)
 CHECKED = ("ttft_s_p50", "ttft_s_p99", "tpot_s_p50")
 SHOWN = ("ttft_s_p50", "ttft_s_p95", "ttft_s_p99", "tpot_s_p50", "tpot_s_p95", "e2e_s_p50",
          "e2e_s_p95")
@@ -108,6 +118,21 @@ class LiveRound:
     # --kunserve-merged-max-running times two: the simulation queues a merged pair as one);
     # None: no cap
     merged_running_cap: int | None = None
+    # The dp2 arm's forwards, as ``benchmark.replay.forwards`` reads its log (empty: no log)
+    dp2_timings: tuple[ForwardTiming, ...] = ()
+    # The KunServe arm's decode forwards while merged (empty: no log or no drop)
+    merged_decode_timings: tuple[ForwardTiming, ...] = ()
+    # Per arm: whether its servers ran SGLang's overlap scheduler (``sim.ClusterSim``)
+    overlap_schedule: dict[str, bool] = dataclasses.field(default_factory=dict)
+
+
+# The flags that turn SGLang's overlap scheduler off: its own, and KunServe's (the plugin
+# turns it off for every transition-capable server)
+NO_OVERLAP_FLAGS = ("--disable-overlap-schedule", "--enable-kunserve", "--enable-morph")
+
+
+def overlap_schedule(arm: dict[str, Any]) -> bool:
+    return not set(NO_OVERLAP_FLAGS) & set(arm.get("server_args") or ())
 
 
 def load_round(path: Path) -> LiveRound:
@@ -139,11 +164,27 @@ def load_round(path: Path) -> LiveRound:
         restores_s=tuple(t["duration_s"] for t in own if t["action"] == "restore"),
         controller=ControllerConfig(**raw_cfg), interval_s=interval_s,
         live={a: distribution(arms[a]) for a in ARMS},
-        commit=report["settings"]["git"]["commit"], dp2_records=tuple(dp2["records"]),
+        commit=report["settings"]["git"]["commit"],
+        dp2_records=tuple(dp2["records"]),
         merged_decode_ratio=_merged_ratio(arms["kunserve"], "decode"),
         merged_prefill_ratio=_merged_ratio(arms["kunserve"], "prefill"),
         merged_running_cap=(2 * cap if (cap := report["settings"].get(
-            "kunserve_merged_max_running")) is not None else None))
+            "kunserve_merged_max_running")) is not None else None),
+        overlap_schedule={a: overlap_schedule(arms[a]) for a in ARMS},
+        dp2_timings=_logged(path, forwards),
+        merged_decode_timings=tuple(
+            t for t in _logged(path, arms["kunserve"].get("forwards") or {},
+                               merged_windows(arms["kunserve"])) if t.phase == "decode"))
+
+
+def _logged(path: Path, forwards: dict[str, Any],
+            windows: Sequence[tuple[float, float]] | None = None) -> tuple[ForwardTiming, ...]:
+    """An arm's logged forwards (``windows``: only those inside them); none without a log."""
+    log = path / forwards.get("log", "-")
+    if not log.is_file():
+        return ()
+    return tuple(timings_of([f for f in read_log(log) if windows is None
+                             or any(a <= f.get("t", 0.0) <= b for a, b in windows)]))
 
 
 class Unavailable(ValueError):
@@ -176,12 +217,15 @@ def calibration(name: str, rnd: LiveRound, spec: ModelSpec, rounds: Sequence[Liv
     if CALIBRATIONS[name] is None:
         return idle
     transitions, merged_decode, merged_prefill = CALIBRATIONS[name]
-    fitted = PhaseCosts.from_json(rnd.forwards["fit"])
+    fitted = forward_costs(rnd)
     gap_s = rnd.forwards["step_gap_s"]["median"] or 0.0
     # The schedulers' own work between two forwards is paid once per forward, like gamma.
-    costs = PhaseCosts(*(dataclasses.replace(m, gamma_s=m.gamma_s + gap_s)
-                         for m in (fitted.prefill, fitted.decode)),
-                       f"{rnd.path}: the dp2 arm's forwards + {gap_s * 1e3:.1f} ms step gap")
+    costs = dataclasses.replace(
+        fitted, prefill=dataclasses.replace(fitted.prefill,
+                                            gamma_s=fitted.prefill.gamma_s + gap_s),
+        decode=dataclasses.replace(fitted.decode, gamma_s=fitted.decode.gamma_s + gap_s),
+        source=f"{rnd.path}: the dp2 arm's forwards + {gap_s * 1e3:.1f} ms step gap"
+        + (", + the decode fit's error per batch size" if rnd.dp2_timings else ""))
     cal = dataclasses.replace(idle, costs=costs)
     cal = dataclasses.replace(cal, front_end_s=front_end_s(rnd, cal, spec))
     if transitions:
@@ -191,7 +235,7 @@ def calibration(name: str, rnd: LiveRound, spec: ModelSpec, rounds: Sequence[Liv
         cal = dataclasses.replace(cal, drop_s=statistics.median(drops) if drops else None,
                                   restore_s=statistics.median(restores) if restores else None)
     if merged_decode:
-        ratios = [r.merged_decode_ratio for r in rounds if r.merged_decode_ratio is not None]
+        ratios = [m for r in rounds if (m := merged_decode_ratio(r)) is not None]
         cal = dataclasses.replace(cal, merged_step_factor=statistics.median(ratios) if ratios
                                   else 1.0)
     if merged_prefill:
@@ -204,13 +248,41 @@ def calibration(name: str, rnd: LiveRound, spec: ModelSpec, rounds: Sequence[Liv
     return cal
 
 
+def forward_costs(rnd: LiveRound) -> KS.BatchCorrectedCosts:
+    """The cost model fitted on the dp2 arm's forwards, with the decode fit's error at each
+    batch size the arm ran (``sim.BatchCorrectedCosts``); no step gap."""
+    fitted = PhaseCosts.from_json(rnd.forwards["fit"])
+    return KS.BatchCorrectedCosts(fitted.prefill, fitted.decode, fitted.source,
+                                  KS.decode_errors_s(fitted, rnd.dp2_timings))
+
+
+def merged_decode_ratio(rnd: LiveRound) -> float | None:
+    """The KunServe arm's merged decode forwards over what the simulation's cost model
+    (``forward_costs``) gives the same batch on a whole replica, median; from its forward log,
+    else the ratio the replay recorded (to its own unmerged fit). A merged forward runs from
+    the replica's first layer to the peer's answer, waits for the peer's stage included.
+
+    Against the simulation's model, not the arm's own fit: the merged replicas decode batches
+    of 9-16 requests that a whole replica never ran in the replay, and the linear fit of
+    batches 1-8 overstates those (measured 0.75-0.95x the fit at BurstGPT 1.5x)."""
+    if rnd.merged_decode_timings:
+        costs = forward_costs(rnd)
+        return statistics.median(t.seconds / costs.seconds(t.chunks)
+                                 for t in rnd.merged_decode_timings)
+    return rnd.merged_decode_ratio
+
+
 def front_end_s(rnd: LiveRound, cal: KS.Calibration, spec: ModelSpec) -> float:
     """What the plain arm's requests that SGLang admitted at once (queue under
     ``PROMPT_QUEUE_S``) spent before their first token beyond the simulated schedulers'
-    time, median: the HTTP, tokenizer and detokenizer path the simulation has no steps for."""
+    time, median: the HTTP, tokenizer and detokenizer path the simulation has no steps for.
+    The same code serves both arms; what differs, SGLang's overlap scheduler (on in the plain
+    arm, off with KunServe: on this CPU it hands each token on one forward later, 0.07-0.12 s
+    of the plain arm's first tokens), the simulation models (``sim.ClusterSim``)."""
     planner = planner_for(spec, rnd.kv_tokens_per_replica)
     s = KS.simulate(rnd.requests, 2, planner, dataclasses.replace(cal, front_end_s=0.0), False,
-                    monitor_s=rnd.interval_s, controller_cfg=rnd.controller)
+                    monitor_s=rnd.interval_s, controller_cfg=rnd.controller,
+                    overlap_schedule=rnd.overlap_schedule.get("dp2", False))
     simulated_ttft = {r.rid: r.token_times_s[0] - r.arrival_s for r in s.finished}
     residuals = [r["ttft_s"] - simulated_ttft[str(r["index"])] for r in rnd.dp2_records
                  if r["ttft_s"] is not None and (r.get("queue_time_s") or 0.0) < PROMPT_QUEUE_S]
@@ -226,7 +298,9 @@ def simulated(rnd: LiveRound, cal: KS.Calibration, planner: DropPlannerConfig, k
     s = KS.simulate(rnd.requests, 2, planner, cal, kunserve, monitor_s=rnd.interval_s,
                     controller_cfg=controller or rnd.controller,
                     merged_running_cap=merged_running_cap or rnd.merged_running_cap,
-                    merged_queues=merged_queues)
+                    merged_queues=merged_queues,
+                    overlap_schedule=rnd.overlap_schedule.get(
+                        "kunserve" if kunserve else "dp2", False))
     return distribution_of(s), s
 
 
@@ -272,7 +346,7 @@ def validate(rounds: Sequence[LiveRound], spec: ModelSpec) -> dict[str, Any]:
                                     for k in CHECKED),
             "merged_kv_tokens_per_replica": merged_pool_tokens(
                 planner_for(spec, rounds[0].kv_tokens_per_replica)),
-            "costs": cals[0].costs.to_json()}
+            "costs": cals[0].costs.to_json(), "front_end_s": [c.front_end_s for c in cals]}
     out["live_merged_kv_tokens_per_replica"] = [r.merged_kv_tokens_per_replica for r in rounds]
     out["live_transitions_s"] = {"drop": [d for r in rounds for d in r.drops_s],
                                  "restore": [d for r in rounds for d in r.restores_s]}

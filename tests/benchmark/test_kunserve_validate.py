@@ -15,7 +15,7 @@ import pytest
 from benchmark.kunserve import sim as KS
 from benchmark.kunserve import validate as V
 from sglang_morph.kunserve.controller import ControllerConfig
-from sglang_morph.kunserve.cost import ChunkCostModel, PhaseCosts
+from sglang_morph.kunserve.cost import Chunk, ChunkCostModel, PhaseCosts
 from sglang_morph.models import default_model_path
 from sglang_morph.models.spec import ModelSpec
 
@@ -52,10 +52,15 @@ def records_of(finished: list[KS.Request]) -> list[dict]:
              "e2e_s": r.token_times_s[-1] - r.arrival_s} for r in finished]
 
 
+SERVER_ARGS = {"dp2": ["--dp-size", "2"], "kunserve": ["--dp-size", "2", "--enable-kunserve"]}
+
+
 def write_round(path, spec, with_forwards=True, merged=None):
     """The replay a pair with ``COSTS`` (+ ``GAP_S`` a forward) and KunServe's transitions of
-    ``DROP_S`` / ``RESTORE_S`` would have recorded; ``merged``: (decode, prefill), the merged
-    pair's forwards over a whole replica's, in its steps and in its forward log."""
+    ``DROP_S`` / ``RESTORE_S`` would have recorded, plain DP 2 with SGLang's overlap scheduler
+    (its default) and KunServe without; ``merged``: (decode, prefill), the merged pair's
+    forwards over a whole replica's, in its steps and in the replay's summary of its forward
+    log."""
     planner = V.planner_for(spec, KV_TOKENS)
     idle = KS.Calibration.load(KS.RESULTS, spec)
     costs = PhaseCosts(*(dataclasses.replace(m, gamma_s=m.gamma_s + GAP_S)
@@ -67,14 +72,17 @@ def write_round(path, spec, with_forwards=True, merged=None):
     arms = {}
     for arm in V.ARMS:
         s = KS.simulate(workload(), 2, planner, cal, arm == "kunserve",
-                        monitor_s=V.DEFAULT_INTERVAL_S, controller_cfg=ControllerConfig())
+                        monitor_s=V.DEFAULT_INTERVAL_S, controller_cfg=ControllerConfig(),
+                        overlap_schedule=arm == "dp2")
         arms[arm] = {"records": records_of(s.finished), "start_unix_s": START_UNIX_S,
-                     "status_samples": [],
+                     "status_samples": [], "server_args": SERVER_ARGS[arm],
                      "kunserve_transitions": [
                          # what a live pair records: the transition's own time, not the
-                         # wait for the batch in flight that the simulation counts in
+                         # wait for the batch in flight that the simulation counts in, and
+                         # when it ended
                          {"replica": 0, "action": t["kind"],
-                          "duration_s": DROP_S if t["kind"] == "drop" else RESTORE_S}
+                          "duration_s": DROP_S if t["kind"] == "drop" else RESTORE_S,
+                          "at_unix_s": START_UNIX_S + t["at_s"] + t["seconds"]}
                          for t in s.transitions]}
     if with_forwards:
         arms["dp2"]["forwards"] = {"fit": COSTS.to_json(), "step_gap_s": {"median": GAP_S,
@@ -143,7 +151,7 @@ def test_the_levers_start_from_the_checked_simulation(tmp_path, spec):
 
     write_round(tmp_path / "r1", spec)
     rnd = V.load_round(tmp_path / "r1")
-    checked = V.validate([rnd], spec)["calibrations"][L.CALIBRATION]["simulated"]
+    checked = V.validate([rnd], spec)["calibrations"][V.VALIDATED_ROW]["simulated"]
     want = L.against_dp2({k: v["median"] for k, v in checked["dp2"].items()},
                     {k: v["median"] for k, v in checked["kunserve"].items()})
     got = L.run_lever(L.LEVERS[0], [rnd], spec)["rounds"][0]
@@ -151,3 +159,58 @@ def test_the_levers_start_from_the_checked_simulation(tmp_path, spec):
     # The replay's drop costs 0.5 s: free transitions serve the burst's worst request sooner.
     free = L.run_lever(L.Lever("free", costs={"drop_s": 0.0, "restore_s": 0.0}), [rnd], spec)
     assert free["rounds"][0]["p99_ttft_ratio"] > got["p99_ttft_ratio"]
+
+
+def test_the_plain_arms_overlap_scheduler_is_what_the_check_finds(tmp_path, spec):
+    """The replay's plain pair handed each token on after the next forward (SGLang's overlap
+    scheduler); simulated without it, the same costs give every request its first token a
+    decode step sooner, which the check must see as an error."""
+    write_round(tmp_path / "r1", spec)
+    rnd = V.load_round(tmp_path / "r1")
+    assert rnd.overlap_schedule == {"dp2": True, "kunserve": False}
+    cal = V.calibration("replay+transitions", rnd, spec, [rnd])
+    planner = V.planner_for(spec, KV_TOKENS)
+    found, _ = V.simulated(rnd, cal, planner, False)
+    assert found["ttft_s_p50"] == pytest.approx(rnd.live["dp2"]["ttft_s_p50"], abs=1e-6)
+    without = dataclasses.replace(rnd, overlap_schedule={})
+    sooner, _ = V.simulated(without, cal, planner, False)
+    assert sooner["ttft_s_p50"] < found["ttft_s_p50"] - 0.5 * COSTS.decode.gamma_s
+
+
+def write_log(path, rows):
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+
+
+def test_the_merged_decode_factor_is_taken_against_the_simulations_own_costs(tmp_path, spec):
+    """With forward logs, the merged decode factor is the KunServe arm's merged decode
+    forwards over the simulation's cost model (the plain arm's fit and its error per batch
+    size), not over any other fit: forwards logged at exactly 0.8x it give 0.8."""
+    arms = write_round(tmp_path / "r1", spec)
+    window = [t["at_unix_s"] for t in arms["kunserve"]["kunserve_transitions"][:2]]
+    decode_at = [(b, [40 + 7 * i for i in range(b)]) for b in (1, 2, 3, 5, 9, 12) * 3]
+    err = {1: 0.01, 2: -0.004}  # the plain arm's fit misses these batch sizes by this much
+    dp2_rows = [{"mode": "decode", "cached": cached, "new": [1] * b, "pid": 1,
+                 "t": START_UNIX_S + 1.0,
+                 "seconds": COSTS.seconds([Chunk(p, 1) for p in cached]) + err.get(b, 0.0)}
+                for b, cached in decode_at for _ in range(8)]
+    from benchmark.kunserve.sim import BatchCorrectedCosts
+
+    corrected = BatchCorrectedCosts(COSTS.prefill, COSTS.decode, "", (0.01, -0.004))
+    merged_rows = [{"mode": "decode", "cached": cached, "new": [1] * b, "pid": 2,
+                    "t": window[0] + 0.5,
+                    "seconds": 0.8 * corrected.seconds([Chunk(p, 1) for p in cached])}
+                   for b, cached in decode_at]
+    write_log(tmp_path / "r1" / "raw" / "dp2_forwards.jsonl", dp2_rows)
+    write_log(tmp_path / "r1" / "raw" / "kunserve_forwards.jsonl", merged_rows)
+    report = json.loads((tmp_path / "r1" / "replay_dp2.json").read_text())
+    report["dp2"]["configs"]["dp2"]["forwards"]["log"] = "raw/dp2_forwards.jsonl"
+    report["dp2"]["configs"]["kunserve"]["forwards"] = {"log": "raw/kunserve_forwards.jsonl"}
+    (tmp_path / "r1" / "replay_dp2.json").write_text(json.dumps(report))
+    rnd = V.load_round(tmp_path / "r1")
+    assert len(rnd.dp2_timings) == len(dp2_rows)
+    assert len(rnd.merged_decode_timings) == len(merged_rows)
+    assert V.forward_costs(rnd).decode_error_s[:2] == pytest.approx((0.01, -0.004))
+    assert V.merged_decode_ratio(rnd) == pytest.approx(0.8)
+    cal = V.calibration("replay+transitions+merged", rnd, spec, [rnd])
+    assert cal.merged_step_factor == pytest.approx(0.8)

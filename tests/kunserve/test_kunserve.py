@@ -986,3 +986,108 @@ def test_simulated_admission_cap_holds_while_merged(sim_setup, monkeypatch):
     assert len(capped.finished) == len(free.finished) == len(reqs)
     with pytest.raises(ValueError, match="merged_running_cap"):
         KS.simulate(reqs, 2, cfg, cal, True, merged_running_cap=0)
+
+
+def test_overlap_schedule_hands_each_token_on_after_the_next_forward(sim_setup):
+    """SGLang's overlap scheduler on a CPU: a forward's tokens reach the client when the next
+    forward has run, and a replica's last tokens before it idles as they come. The reference
+    is the same simulation without it, whose token times are the forwards' ends."""
+    from benchmark.kunserve.sim import Request, simulate
+
+    cal, _, cfg = sim_setup
+    # Two requests on replica 0 (the other to replica 1 in turn), the second joining late.
+    reqs = [Request("a", 0.0, 50, 4), Request("x", 0.0, 50, 2), Request("b", 0.05, 30, 3)]
+    plain = {r.rid: r.token_times_s
+             for r in simulate(reqs, 2, cfg, cal, False, monitor_s=0.5).finished}
+    lagged = {r.rid: r.token_times_s
+              for r in simulate(reqs, 2, cfg, cal, False, monitor_s=0.5,
+                                overlap_schedule=True).finished}
+    # Replica 0's forwards end at these times, in order; each token goes out at the end of
+    # the forward after its own, the last forward's at its own end.
+    ends = sorted(set(plain["a"]) | set(plain["b"]))
+    handed = {t: ends[min(i + 1, len(ends) - 1)] for i, t in enumerate(ends)}
+    for rid in ("a", "b"):
+        assert lagged[rid] == pytest.approx([handed[t] for t in plain[rid]])
+    assert lagged["a"][0] > plain["a"][0]
+    # Replica 1 ran "x" alone: its last token went out as it came, the first one step later.
+    assert lagged["x"] == pytest.approx([plain["x"][1], plain["x"][1]])
+    # A merged group runs without it: KunServe turns the overlap scheduler off.
+    ks = simulate(reqs, 2, cfg, cal, True, monitor_s=0.5, overlap_schedule=True)
+    assert all(u.unsent == [] for u in ks.units if u.group.size > 1)
+
+
+def test_decode_costs_take_the_fits_measured_error_at_each_batch_size():
+    from benchmark.kunserve.sim import BatchCorrectedCosts, decode_errors_s
+
+    fit = PhaseCosts(ChunkCostModel(1e-6, 1e-3, 0.05), ChunkCostModel(5e-6, 4e-3, 0.05))
+
+    def decode(b):
+        return tuple(Chunk(100 + i, 1) for i in range(b))
+
+    timings = ([ForwardTiming(decode(1), fit.seconds(decode(1)) + 0.002)] * 8
+               + [ForwardTiming(decode(3), fit.seconds(decode(3)) + 0.03 + 0.001 * i)
+                  for i in range(9)]
+               + [ForwardTiming(decode(4), fit.seconds(decode(4)) - 0.01)] * 3  # too few
+               + [ForwardTiming((Chunk(0, 64),), 1.0)] * 8)  # a prefill: not decode's
+    errors = decode_errors_s(fit, timings)
+    assert errors == pytest.approx((0.002, 0.0, 0.034, 0.0))
+    costs = BatchCorrectedCosts(fit.prefill, fit.decode, "", errors)
+    assert costs.seconds(decode(3)) == pytest.approx(fit.seconds(decode(3)) + 0.034)
+    assert costs.seconds(decode(6)) == pytest.approx(fit.seconds(decode(6)))
+    assert costs.seconds((Chunk(0, 64),)) == pytest.approx(fit.seconds((Chunk(0, 64),)))
+    assert decode_errors_s(fit, []) == ()
+
+
+def test_per_replica_queues_decode_one_micro_batch_and_own_their_requests(sim_setup,
+                                                                          monkeypatch):
+    """As live: a merged member's decode step is one micro-batch through the stages (the other
+    member's step fills the pipeline beside it), and the controller sees each member's
+    requests as its own, at the KV SGLang's allocator holds (a decode writes the KV of the
+    token it reads: prompt + generated - 1), so a restore waits until each member's own fit
+    its own restored pool."""
+    from benchmark.kunserve import sim as KS
+    from sglang_morph.kunserve.lookahead import PipelineState
+
+    cal, reqs, cfg = sim_setup
+    submits, views = [], []
+    forward, submit, view = KS.Unit._forward, PipelineState.submit, KS.ClusterSim.view
+
+    def recording_forward(unit, items):
+        before = len(submits)
+        out = forward(unit, items)
+        if unit.group.size > 1 and all(i.new_tokens == 1 for i in items):
+            assert len(submits) - before == 1, "one micro-batch per member decode step"
+        return out
+
+    def recording_submit(state, mb, not_before_s=0.0):
+        submits.append(mb)
+        return submit(state, mb, not_before_s)
+
+    def recording_view(sim):
+        v = view(sim)
+        views.append((v, {r.rid: (r.prompt_tokens, r.generated) for u in sim.units
+                          for r in u.running}))
+        return v
+
+    monkeypatch.setattr(KS.Unit, "_forward", recording_forward)
+    monkeypatch.setattr(PipelineState, "submit", recording_submit)
+    monkeypatch.setattr(KS.ClusterSim, "view", recording_view)
+    sim = KS.simulate(reqs, 2, cfg, cal, True, monitor_s=0.5,
+                      controller_cfg=ControllerConfig(min_dwell_s=1.0), merged_queues="member")
+    assert len(sim.finished) == len(reqs) and submits
+    grouped = [v for v, _ in views if v.groups]
+    assert grouped, "the pair merged"
+    for v, lengths in views:
+        for snap in v.replicas:
+            for req in snap.live:
+                prompt, generated = lengths[req.rid]
+                assert req.owner == snap.replica
+                assert req.kv_tokens == prompt + max(0, generated - 1)
+    # Every restore found each member's own requests within the headroom of a whole pool.
+    full = cfg.full_replica().kv_capacity_tokens
+    restores = [t["at_s"] for t in sim.transitions if t["kind"] == "restore"]
+    for at in restores:
+        v = max((v for v, _ in views if v.groups and v.time_s <= at), key=lambda v: v.time_s)
+        for snap in v.replicas:
+            own = sum(r.kv_tokens for r in snap.live) + snap.kv_growth_tokens
+            assert own + snap.waiting_tokens <= ControllerConfig().restore_headroom * full
