@@ -525,6 +525,9 @@ class ClusterSim:
         self.env.run(until=limit_s)
 
 
+STATS = ("p99_ttft_s", "p50_ttft_s", "p50_tpot_s", "p95_tpot_s", "p95_e2e_s")
+
+
 def latency_stats(requests: Sequence[Request]) -> dict:
     ttft = np.array([r.token_times_s[0] - r.arrival_s for r in requests])
     tpot = np.array([(r.token_times_s[-1] - r.token_times_s[0]) / (len(r.token_times_s) - 1)
@@ -601,12 +604,15 @@ def main() -> None:
     ap.add_argument("--budget-bytes", type=int, default=365_000_000)
     ap.add_argument("--max-group-size", type=int, default=2)
     ap.add_argument("--quick", action="store_true", help="2 and 4 replicas, one trace")
-    ap.add_argument("--replay", type=Path,
-                    help="a live two-replica replay (`benchmark.replay --dp2 --configs "
-                         "dp2,kunserve`): its calibration (the plain arm's forwards and step "
-                         "gap, KunServe's transition durations), its float32 pool and its "
-                         "controller settings, as `benchmark.kunserve.validate` checks them; "
-                         "replaces --calibration and --budget-bytes")
+    ap.add_argument("--replay", type=Path, nargs="+",
+                    help="rounds of a live two-replica replay at one operating point "
+                         "(`benchmark.replay --dp2 --configs dp2,kunserve`): each round's "
+                         "calibration (the plain arm's forwards and step gap; KunServe's "
+                         "transition durations and merged decode step, pooled over the rounds), "
+                         "its float32 pool and its controller settings, as "
+                         "`benchmark.kunserve.validate` checks them; one simulation per round, "
+                         "the table gives the median and range over them; replaces "
+                         "--calibration and --budget-bytes")
     args = ap.parse_args()
     from sglang_morph.models import default_model_path
 
@@ -614,14 +620,20 @@ def main() -> None:
     if args.replay:
         from benchmark.kunserve import validate
 
-        rnd = validate.load_round(args.replay)
+        rounds = [validate.load_round(p) for p in args.replay]
+        rnd = rounds[0]
+        if len({(r.kv_tokens_per_replica,
+                 tuple((q.prompt_tokens, q.output_tokens) for q in r.requests))
+                for r in rounds}) > 1:
+            ap.error("--replay: the rounds must be of one operating point (the same requests "
+                     "and pool)")
         spec = ModelSpec.from_model_dir(default_model_path(), dtype_bytes=validate.DTYPE_BYTES)
         planner = validate.planner_for(spec, rnd.kv_tokens_per_replica, args.max_group_size)
-        # The row the check validates (``validate.VALIDATED``): each arm its own front end,
-        # the plain arm's tokens handed on by SGLang's overlap scheduler, the merged members
-        # keeping their own queues (as live).
+        # The row the check validates (``validate.VALIDATED``): the plain arm's tokens handed
+        # on by SGLang's overlap scheduler, the merged members keeping their own queues (as
+        # live).
         name, queues = validate.VALIDATED
-        cal = validate.calibration(name, rnd, spec, [rnd], args.calibration)
+        cals = [validate.calibration(name, r, spec, rounds, args.calibration) for r in rounds]
         overlap = rnd.overlap_schedule
         monitor_s, controller_cfg = rnd.interval_s, rnd.controller
         args.budget_bytes = planner.budget_bytes
@@ -629,7 +641,7 @@ def main() -> None:
         spec = ModelSpec.from_model_dir(default_model_path())
         planner = DropPlannerConfig(MemoryModel.from_spec(spec, bits=(16,)), args.budget_bytes,
                                     max_group_size=args.max_group_size)
-        cal = Calibration.load(args.calibration, spec)
+        cals = [Calibration.load(args.calibration, spec)]
         overlap, queues = {}, "pair"
     replicas_list = [2, 4] if args.quick else args.replicas
     traces = dict(list(TRACES.items())[:1]) if args.quick else TRACES
@@ -640,7 +652,7 @@ def main() -> None:
         # The replay's prompt and output lengths (scales and caps) and its offered tokens per
         # second per replica: each simulated replica gets the kind of load the check against
         # that replay validated, with each trace's own burstiness.
-        trace = json.loads((args.replay / "replay_dp2.json").read_text())["settings"]["trace"]
+        trace = json.loads((rnd.path / "replay_dp2.json").read_text())["settings"]["trace"]
         lengths = {k: trace[k] for k in LENGTH_KEYS}
         per_replica_tokens_per_s = sum(r.reserved_tokens for r in rnd.requests) / (
             trace["duration_s"] * trace["time_scale"]) / 2
@@ -652,18 +664,28 @@ def main() -> None:
         keep_every[name] = window.get("keep_every", 1)
         for n in replicas_list:
             reqs = trace_requests(TRACES_DIR / csv, n, window)
-            row = {"trace": name, "replicas": n, "requests": len(reqs)}
-            for system, arm in (("dp", "dp2"), ("kunserve", "kunserve")):
-                sim = simulate(reqs, n, planner, cal, arm == "kunserve", monitor_s,
-                               controller_cfg, merged_queues=queues,
-                               overlap_schedule=overlap.get(arm, False))
-                if len(sim.finished) != len(reqs):
-                    raise RuntimeError(f"{name} x{n} {system}: {len(sim.finished)} of "
-                                       f"{len(reqs)} requests finished")
-                # Timelines only for the smallest cluster: they are what the plot shows, and
-                # every cluster's would make the results file tens of MB.
-                row[system] = {**latency_stats(sim.finished), "transitions": sim.transitions,
-                               "timeline": sim.timeline if n == min(replicas_list) else []}
+            runs = []
+            for k, cal in enumerate(cals):
+                run = {}
+                for system, arm in (("dp", "dp2"), ("kunserve", "kunserve")):
+                    sim = simulate(reqs, n, planner, cal, arm == "kunserve", monitor_s,
+                                   controller_cfg, merged_queues=queues,
+                                   overlap_schedule=overlap.get(arm, False))
+                    if len(sim.finished) != len(reqs):
+                        raise RuntimeError(f"{name} x{n} {system}: {len(sim.finished)} of "
+                                           f"{len(reqs)} requests finished")
+                    # Timelines only for the smallest cluster and the first calibration: they
+                    # are what the plot shows, and every one would make the file tens of MB.
+                    run[system] = {**latency_stats(sim.finished), "transitions": sim.transitions,
+                                   "timeline": sim.timeline if n == min(replicas_list) and k == 0
+                                   else []}
+                runs.append(run)
+            row = {"trace": name, "replicas": n, "requests": len(reqs), "runs": runs,
+                   **{system: {**{key: float(np.median([r[system][key] for r in runs]))
+                                  for key in STATS},
+                               "transitions": runs[0][system]["transitions"],
+                               "timeline": runs[0][system]["timeline"]}
+                      for system in ("dp", "kunserve")}}
             rows.append(row)
             print(f"{name} x{n}: DP P99 TTFT {row['dp']['p99_ttft_s']:.2f} s, KunServe "
                   f"{row['kunserve']['p99_ttft_s']:.2f} s; P50 TPOT {row['dp']['p50_tpot_s']:.4f}"
@@ -672,12 +694,14 @@ def main() -> None:
             "commit": subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True,
                                      text=True).stdout.strip(),
             "budget_bytes": args.budget_bytes, "max_group_size": args.max_group_size,
-            "calibration": cal.costs.source, "replay": str(args.replay) if args.replay else None,
-            "transitions_s": {"drop": cal.drop_s, "restore": cal.restore_s},
-            "merged_step_factor": cal.merged_step_factor,
-            "merged_prefill_factor": cal.merged_prefill_factor, "keep_every": keep_every,
+            "calibration": "; ".join(c.costs.source for c in cals),
+            "calibrations": len(cals),
+            "replay": [str(p) for p in args.replay] if args.replay else None,
+            "transitions_s": {"drop": cals[0].drop_s, "restore": cals[0].restore_s},
+            "merged_step_factor": cals[0].merged_step_factor,
+            "merged_prefill_factor": cals[0].merged_prefill_factor, "keep_every": keep_every,
             "merged_queues": queues, "overlap_schedule": overlap,
-            "front_end_s": cal.front_end_s,
+            "front_end_s": [c.front_end_s for c in cals],
             "monitor_s": monitor_s, "seconds": time.monotonic() - started,
             "SIMULATED": True}
     args.out.mkdir(parents=True, exist_ok=True)
@@ -695,24 +719,41 @@ def write_table(path: Path, rows, meta) -> None:
                 f"{meta.get('merged_step_factor', 1.0):.2f}, thinning per trace "
                 f"{meta.get('keep_every')} (the replay's offered tokens/s per replica)"
                 + (f", merged members' queues: {meta['merged_queues']}, front end "
-                   f"{meta['front_end_s']:.3f} s, SGLang's overlap scheduler per arm "
+                   f"{meta['front_end_s']} s, SGLang's overlap scheduler per arm "
                    f"{meta['overlap_schedule']}" if "merged_queues" in meta else "")
                 if meta.get("replay") else "") + ".", "",
              "| trace | replicas | requests | DP P99 TTFT (s) | KunServe P99 TTFT (s) | "
-             "TTFT x lower | DP P50 TPOT (ms) | KunServe P50 TPOT (ms) | TPOT change | TPOT "
+             "TTFT x lower (DP / KunServe) | DP P50 TPOT (ms) | KunServe P50 TPOT (ms) | TPOT change | TPOT "
              "P95 change | E2E P95 change | groups merged | groups restored |",
              "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         dp, ks = r["dp"], r["kunserve"]
-        merged = sum(len(t["groups"]) for t in ks["transitions"] if t["kind"] == "drop")
-        restored = sum(1 for t in ks["transitions"] if t["kind"] == "restore")
+        runs = r.get("runs") or [{"dp": dp, "kunserve": ks}]
+
+        def spread(f, fmt: str, runs=runs) -> str:
+            """Median (min-max) of ``f(run)`` over the calibrations' runs."""
+            vals = [f(run) for run in runs]
+            if len(vals) == 1:
+                return format(vals[0], fmt)
+            return (f"{format(float(np.median(vals)), fmt)} ({format(min(vals), fmt)} to "
+                    f"{format(max(vals), fmt)})")
+
+        def change(key: str):
+            return lambda run: run["kunserve"][key] / run["dp"][key] - 1
+
+        def count(kind: str):
+            return lambda run: sum(len(t["groups"]) if kind == "drop" else 1
+                                   for t in run["kunserve"]["transitions"] if t["kind"] == kind)
+
         lines.append(
             f"| {r['trace']} | {r['replicas']} | {r['requests']} | {dp['p99_ttft_s']:.2f} | "
-            f"{ks['p99_ttft_s']:.2f} | {dp['p99_ttft_s'] / max(ks['p99_ttft_s'], 1e-9):.1f}x | "
+            f"{ks['p99_ttft_s']:.2f} | "
+            + spread(lambda run: run["dp"]["p99_ttft_s"] / max(run["kunserve"]["p99_ttft_s"],
+                                                               1e-9), ".1f") + " | "
             f"{dp['p50_tpot_s'] * 1e3:.1f} | {ks['p50_tpot_s'] * 1e3:.1f} | "
-            f"{ks['p50_tpot_s'] / dp['p50_tpot_s'] - 1:+.0%} | "
-            f"{ks['p95_tpot_s'] / dp['p95_tpot_s'] - 1:+.0%} | "
-            f"{ks['p95_e2e_s'] / dp['p95_e2e_s'] - 1:+.0%} | {merged} | {restored} |")
+            + " | ".join(spread(change(k), "+.0%")
+                         for k in ("p50_tpot_s", "p95_tpot_s", "p95_e2e_s"))
+            + f" | {spread(count('drop'), '.0f')} | {spread(count('restore'), '.0f')} |")
     path.write_text("\n".join(lines) + "\n")
 
 
