@@ -154,7 +154,7 @@ def load_round(path: Path) -> LiveRound:
     own = [t for t in arms["kunserve"].get("kunserve_transitions", []) if t["replica"] == 0]
     merged = [s["kv_capacity_per_replica"][0] for s in arms["kunserve"]["status_samples"]
               if s.get("group_size", 1) > 1]
-    raw_cfg = json.loads(report["settings"].get("kunserve_auto_config") or "{}")
+    raw_cfg = controller_config(report, arms["kunserve"])
     interval_s = raw_cfg.pop("interval_ms", DEFAULT_INTERVAL_S * 1e3) / 1e3
     return LiveRound(
         path=path, requests=requests,
@@ -185,6 +185,16 @@ def _logged(path: Path, forwards: dict[str, Any],
         return ()
     return tuple(timings_of([f for f in read_log(log) if windows is None
                              or any(a <= f.get("t", 0.0) <= b for a, b in windows)]))
+
+
+def controller_config(report: dict[str, Any], arm: dict[str, Any]) -> dict[str, Any]:
+    """The controller's settings the KunServe arm ran with: what its leader reported (every
+    field, the defaults of the code that ran included), else the replay's
+    ``--kunserve-auto-config`` over the defaults of this code."""
+    for rep in arm.get("kunserve_auto") or ():
+        if rep.get("role") == "leader" and rep.get("config"):
+            return dict(rep["config"])
+    return json.loads(report["settings"].get("kunserve_auto_config") or "{}")
 
 
 class Unavailable(ValueError):

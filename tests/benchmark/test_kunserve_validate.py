@@ -214,3 +214,26 @@ def test_the_merged_decode_factor_is_taken_against_the_simulations_own_costs(tmp
     assert V.merged_decode_ratio(rnd) == pytest.approx(0.8)
     cal = V.calibration("replay+transitions+merged", rnd, spec, [rnd])
     assert cal.merged_step_factor == pytest.approx(0.8)
+
+
+def test_the_controller_is_simulated_as_the_live_leader_ran_it(tmp_path, spec):
+    """A replay without --kunserve-auto-config ran the defaults of its own code: the
+    simulation takes what the arm's leader reported, not this code's defaults."""
+    from sglang_morph.kunserve.controller import ControllerConfig
+
+    write_round(tmp_path / "r1", spec)
+    path = tmp_path / "r1" / "replay_dp2.json"
+    report = json.loads(path.read_text())
+    ran = {"interval_ms": 200.0, "drop_persist": 2, "restore_usage": 0.5,
+           "restore_headroom": 0.8, "restore_persist": 3, "min_dwell_s": 5.0,
+           "partial_drop": True, "finishing_steps": ControllerConfig().finishing_steps + 5}
+    report["dp2"]["configs"]["kunserve"]["kunserve_auto"] = [
+        {"role": "follower", "config": {**ran, "finishing_steps": 0}},
+        {"role": "leader", "config": ran}]
+    path.write_text(json.dumps(report))
+    rnd = V.load_round(tmp_path / "r1")
+    assert rnd.controller.finishing_steps == ran["finishing_steps"]
+    assert rnd.interval_s == pytest.approx(0.2)
+    del report["dp2"]["configs"]["kunserve"]["kunserve_auto"]
+    path.write_text(json.dumps(report))
+    assert V.load_round(tmp_path / "r1").controller == ControllerConfig()
