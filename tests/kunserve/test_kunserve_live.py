@@ -53,6 +53,9 @@ N_NEW = 40  # long enough that the streams are still running when a transition l
 WHOLE_TOKENS = 1024
 PROMPT_LENGTHS = (16, 48, 120, 200)
 LONG_TOKENS = 640  # with N_NEW, within a whole replica's pool
+# A stream a transition lands in: in a loaded suite a drop once began only after 36 tokens of
+# a 40-token stream had gone, so the stream had finished and tested nothing.
+STREAM_NEW = 120
 
 
 # ---- launch checks (no server) ----
@@ -225,6 +228,16 @@ def long_undropped(dp2, corpus_ids, undropped):
     return ids, generate_on(dp2, ids, 0)
 
 
+@pytest.fixture(scope="module")
+def streamed_undropped(dp2, prompts, undropped):
+    """Prompts 0-2's greedy outputs of ``STREAM_NEW`` tokens on whole replica 0 (their first
+    ``N_NEW`` are ``undropped``'s)."""
+    assert status(dp2)["groups"] == [[0], [1]]
+    outs = {i: generate_on(dp2, prompts[i], 0, n_new=STREAM_NEW) for i in range(3)}
+    assert all(out[:N_NEW] == undropped[i] for i, out in outs.items())
+    return outs
+
+
 def all_outputs(server, prompts) -> tuple[list, list]:
     """(one at a time on replica 0 then 1, all at once on both replicas)."""
     one_by_one = [[generate_on(server, ids, r) for ids in prompts] for r in (0, 1)]
@@ -234,16 +247,17 @@ def all_outputs(server, prompts) -> tuple[list, list]:
     return one_by_one, [together[:len(prompts)], together[len(prompts):]]
 
 
-def transition_while_streaming(server, route: str, prompts, undropped, on_replicas) -> dict:
-    """``route`` while prompt ``on_replicas[r]`` streams on replica ``r``; the streams finish
-    with their undropped outputs. The transition's answer."""
-    streams = [Stream(server, prompts[i], N_NEW, routed_dp_rank=r)
+def transition_while_streaming(server, route: str, prompts, streamed, on_replicas) -> dict:
+    """``route`` while prompt ``on_replicas[r]`` streams ``STREAM_NEW`` tokens on replica
+    ``r``; the streams finish with their undropped outputs (``streamed``). The transition's
+    answer."""
+    streams = [Stream(server, prompts[i], STREAM_NEW, routed_dp_rank=r)
                for r, i in enumerate(on_replicas)]
     for stream in streams:
         stream.wait_for(4)
     r = post(server, route)
     assert r.status_code == 200, r.text
-    assert [stream.join() for stream in streams] == [undropped[i] for i in on_replicas]
+    assert [stream.join() for stream in streams] == [streamed[i] for i in on_replicas]
     return r.json()
 
 
@@ -308,9 +322,10 @@ def test_a_drop_one_replica_fails_changes_nothing(dp2, prompts, undropped):
 
 
 def test_drop_with_requests_in_flight_serves_undropped_outputs(dp2, prompts, undropped,
+                                                               streamed_undropped,
                                                                long_undropped,
                                                                default_model_path):
-    s = transition_while_streaming(dp2, "drop", prompts, undropped, (2, 1))
+    s = transition_while_streaming(dp2, "drop", prompts, streamed_undropped, (2, 1))
     assert s["groups"] == [[0, 1]]
     front, back = s["replicas"]
     assert (front["layers"], back["layers"]) == ([0, 15], [15, 30])
@@ -384,8 +399,9 @@ def test_restore_refused_while_more_is_held_than_a_whole_replica_holds(dp2, corp
 
 
 def test_restore_with_requests_in_flight_gives_whole_replicas_back(dp2, prompts, undropped,
+                                                                   streamed_undropped,
                                                                    default_model_path):
-    s = transition_while_streaming(dp2, "restore", prompts, undropped, (0, 2))
+    s = transition_while_streaming(dp2, "restore", prompts, streamed_undropped, (0, 2))
     assert s["groups"] == [[0], [1]]
     layer_token = kv_bytes_per_layer_token(default_model_path)
     for rep in s["replicas"]:
