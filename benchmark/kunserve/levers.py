@@ -64,8 +64,8 @@ def run_lever(lever: Lever, rounds: Sequence[V.LiveRound], spec,
     per_round = []
     for rnd in rounds:
         planner = V.planner_for(spec, rnd.kv_tokens_per_replica)
-        ctl = dataclasses.replace(rnd.controller, **lever.controller)
         cal = dataclasses.replace(V.calibration(calibration, rnd, spec, rounds), **lever.costs)
+        ctl = dataclasses.replace(rnd.controller, **lever.controller)
         arms = {arm: V.simulated(rnd, cal, planner, arm == "kunserve", ctl,
                                  lever.merged_running_cap, merged_queues)[0]
                 for arm in V.ARMS}

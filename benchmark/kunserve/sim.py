@@ -51,6 +51,7 @@ from pathlib import Path
 import numpy as np
 import simpy
 
+from benchmark.harness import spread
 from benchmark.replay.trace import TraceWindow, load_window
 from sglang_morph.kunserve.controller import (
     ClusterView,
@@ -730,31 +731,34 @@ def write_table(path: Path, rows, meta) -> None:
         dp, ks = r["dp"], r["kunserve"]
         runs = r.get("runs") or [{"dp": dp, "kunserve": ks}]
 
-        def spread(f, fmt: str, runs=runs) -> str:
-            """Median (min-max) of ``f(run)`` over the calibrations' runs."""
-            vals = [f(run) for run in runs]
-            if len(vals) == 1:
-                return format(vals[0], fmt)
-            return (f"{format(float(np.median(vals)), fmt)} ({format(min(vals), fmt)} to "
-                    f"{format(max(vals), fmt)})")
-
-        def change(key: str):
-            return lambda run: run["kunserve"][key] / run["dp"][key] - 1
-
-        def count(kind: str):
-            return lambda run: sum(len(t["groups"]) if kind == "drop" else 1
-                                   for t in run["kunserve"]["transitions"] if t["kind"] == kind)
+        def cell(f, fmt: str, runs=runs) -> str:
+            return _spread_cell([f(run) for run in runs], fmt)
 
         lines.append(
             f"| {r['trace']} | {r['replicas']} | {r['requests']} | {dp['p99_ttft_s']:.2f} | "
             f"{ks['p99_ttft_s']:.2f} | "
-            + spread(lambda run: run["dp"]["p99_ttft_s"] / max(run["kunserve"]["p99_ttft_s"],
-                                                               1e-9), ".1f") + " | "
+            + cell(lambda run: run["dp"]["p99_ttft_s"] / max(run["kunserve"]["p99_ttft_s"],
+                                                             1e-9), ".1f") + " | "
             f"{dp['p50_tpot_s'] * 1e3:.1f} | {ks['p50_tpot_s'] * 1e3:.1f} | "
-            + " | ".join(spread(change(k), "+.0%")
+            + " | ".join(cell(lambda run, k=k: run["kunserve"][k] / run["dp"][k] - 1, "+.0%")
                          for k in ("p50_tpot_s", "p95_tpot_s", "p95_e2e_s"))
-            + f" | {spread(count('drop'), '.0f')} | {spread(count('restore'), '.0f')} |")
+            + " | " + " | ".join(cell(lambda run, kind=kind: _transitions(run, kind), ".0f")
+                                 for kind in ("drop", "restore")) + " |")
     path.write_text("\n".join(lines) + "\n")
+
+
+def _spread_cell(values: Sequence[float], fmt: str) -> str:
+    """One value as is; several as their median (min to max), ``benchmark.harness.spread``."""
+    if len(values) == 1:
+        return format(values[0], fmt)
+    s = spread(values)
+    return f"{format(s['median'], fmt)} ({format(s['min'], fmt)} to {format(s['max'], fmt)})"
+
+
+def _transitions(run: dict, kind: str) -> int:
+    """A KunServe run's groups merged (``drop``) or restores (``restore``)."""
+    return sum(len(t["groups"]) if kind == "drop" else 1
+               for t in run["kunserve"]["transitions"] if t["kind"] == kind)
 
 
 def plot(path: Path, rows) -> None:

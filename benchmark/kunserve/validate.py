@@ -55,7 +55,7 @@ from typing import Any
 from benchmark.harness import load_average, run_meta, spread, write_results
 from benchmark.kunserve import sim as KS
 from benchmark.kunserve.rounds import distribution, merged_windows
-from benchmark.replay.forwards import read_log, timings_of
+from benchmark.replay.forwards import in_windows, read_log, timings_of
 from sglang_morph.kunserve.controller import ControllerConfig
 from sglang_morph.kunserve.cost import ForwardTiming, PhaseCosts
 from sglang_morph.kunserve.planner import DropPlannerConfig, split_layers
@@ -183,8 +183,8 @@ def _logged(path: Path, forwards: dict[str, Any],
     log = path / forwards.get("log", "-")
     if not log.is_file():
         return ()
-    return tuple(timings_of([f for f in read_log(log) if windows is None
-                             or any(a <= f.get("t", 0.0) <= b for a, b in windows)]))
+    return tuple(timings_of([f for f in read_log(log)
+                             if windows is None or in_windows(f, windows)]))
 
 
 def controller_config(report: dict[str, Any], arm: dict[str, Any]) -> dict[str, Any]:

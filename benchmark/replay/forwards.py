@@ -84,6 +84,11 @@ def _fit(timings: list[ForwardTiming], phase: str):
     raise ValueError(f"the log's {len(own)} {phase} forwards determine no cost model")
 
 
+def in_windows(forward: dict[str, Any], windows: Sequence[tuple[float, float]]) -> bool:
+    """The logged forward started inside one of ``windows`` (unix seconds, ends included)."""
+    return any(a <= forward.get("t", 0.0) <= b for a, b in windows)
+
+
 def summarize(forwards: Sequence[dict[str, Any]], source: str,
               merged_windows: Sequence[tuple[float, float]] = ()) -> dict[str, Any]:
     """The fitted ``PhaseCosts`` (``fit``, the form ``PhaseCosts.from_json`` reads), each
@@ -96,8 +101,7 @@ def summarize(forwards: Sequence[dict[str, Any]], source: str,
     layer to the peer's answer, micro-batches and waits for the peer's stage included)."""
     inside, outside = [], []
     for f in forwards:
-        merged = any(a <= f.get("t", 0.0) <= b for a, b in merged_windows)
-        (inside if merged else outside).append(f)
+        (inside if in_windows(f, merged_windows) else outside).append(f)
     out = _summarize(outside, source)
     if merged_windows:
         fit = PhaseCosts.from_json(out["fit"])

@@ -49,7 +49,7 @@ from test_morph_runtime_server import (  # noqa: F401
     tokenizer,
 )
 
-N_NEW = 40  # long enough that the streams are still running when a transition lands under load
+N_NEW = 40  # each prompt's reference output (a stream a transition lands in: STREAM_NEW)
 WHOLE_TOKENS = 1024
 PROMPT_LENGTHS = (16, 48, 120, 200)
 LONG_TOKENS = 640  # with N_NEW, within a whole replica's pool
