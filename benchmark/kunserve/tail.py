@@ -53,14 +53,17 @@ def token_intervals_s(chunks: Sequence[Sequence[float]]) -> list[float]:
 
 def decode_forwards(forwards: Sequence[dict[str, Any]], begin_s: float, end_s: float
                     ) -> dict[str, float | None]:
-    """Median requests a decode forward and median seconds, over the forwards started in
-    [begin_s, end_s]."""
-    inside = [f for f in forwards if f["mode"] == "decode" and f["new"]
-              and begin_s <= f["t"] <= end_s]
-    return {"forwards": len(inside),
-            "batch_median": statistics.median(len(f["new"]) for f in inside) if inside else None,
-            "seconds_median": (statistics.median(f["seconds"] for f in inside)
-                               if inside else None)}
+    """Over the forwards started in [begin_s, end_s]: median requests a decode forward and
+    median seconds, and the seconds of the prefill forwards (both replicas': a merged pair's
+    prefill holds both stages, a whole replica's only its own)."""
+    inside = [f for f in forwards if f["new"] and begin_s <= f["t"] <= end_s]
+    decodes = [f for f in inside if f["mode"] == "decode"]
+    return {"forwards": len(decodes),
+            "batch_median": (statistics.median(len(f["new"]) for f in decodes)
+                             if decodes else None),
+            "seconds_median": (statistics.median(f["seconds"] for f in decodes)
+                               if decodes else None),
+            "prefill_s": sum(f["seconds"] for f in inside if f["mode"] != "decode")}
 
 
 def request_view(rec: dict[str, Any], forwards: Sequence[dict[str, Any]],
@@ -124,7 +127,7 @@ def _row(r: dict[str, Any]) -> str:
                      f"{v['e2e_s']:.2f} | {v['decode_s']:.2f}: {v['stalls']} stalls "
                      f"{v['stall_s']:.2f} s, steady {v['steady_s']:.2f} s at "
                      f"{_num(v['steady_median_s'], 3)} | {_num(v['batch_median'], 1)} @ "
-                     f"{_num(v['seconds_median'], 3)} s")
+                     f"{_num(v['seconds_median'], 3)} s; prefills {v['prefill_s']:.2f} s")
     return (f"| #{r['index']} ({r['prompt_tokens']} + {r['kunserve']['output_tokens']} tokens, "
             f"at {r['arrival_s']:.1f} s) | " + " | ".join(cells) + " |")
 
@@ -143,7 +146,9 @@ def markdown(report: dict[str, Any]) -> str:
             f"first to last token, as stalls (token intervals over {STALL_S} s) and steady "
             f"intervals (sum, at their median). *decode forwards*: the arm's decode forwards "
             f"while the request decoded, median requests @ median seconds (a merged "
-            f"replica's forward is one micro-batch through every stage). *(merged)*: a merged "
+            f"replica's forward is one micro-batch through every stage), and the seconds of "
+            f"both replicas' prefill forwards meanwhile (a merged pair's prefill holds both "
+            f"stages; a whole replica's stalls only its own requests). *(merged)*: a merged "
             f"window was open when it arrived.", ""]
     for k, rnd in enumerate(report["rounds"], 1):
         rows += [f"## Round {k} ({rnd['run']}): merged windows {rnd['merged_windows_s']} s "

@@ -59,7 +59,8 @@ def a_round(path):
         rec(4, 6.0, 1.0, [0.15] * 5 + [1.2] + [0.15] * 13)]
     dp2_fw = [forward(9.5 + k / 10, 3, 0.09) for k in range(20)]
     ks_fw = ([forward(7.5 + k / 10, 6, 0.14) for k in range(30)]
-             + [forward(30.0, 9, 0.5)])  # after the request: not its forwards
+             + [forward(8.0, 1, 1.1, mode="extend"),  # the prefill its stall ran beside
+                forward(30.0, 9, 0.5)])  # after the request: not its forwards
     transitions = [{"replica": 0, "action": "drop", "at_unix_s": T0 + 5.1, "duration_s": 0.1},
                    {"replica": 0, "action": "restore", "at_unix_s": T0 + 20, "duration_s": 0.2}]
     write_round(path, dp2, ks, dp2_fw, ks_fw, transitions)
@@ -80,6 +81,7 @@ def test_a_round_names_the_slowest_requests_and_splits_their_decode(tmp_path):
     # The forwards started while it decoded: KunServe's 6-request ones, not the late 9.
     assert (ks["batch_median"], ks["seconds_median"]) == (6, 0.14)
     assert (dp["batch_median"], dp["seconds_median"]) == (3, 0.09)
+    assert ks["prefill_s"] == pytest.approx(1.1) and dp["prefill_s"] == 0
     assert ks["output_tokens"] == 20
 
 
