@@ -60,6 +60,7 @@ from sglang_morph.kunserve.controller import (
     KunServeController,
     ReplicaSnapshot,
     Restore,
+    queue_wait_steps,
 )
 from sglang_morph.kunserve.cost import Chunk, ForwardTiming, PhaseCosts
 from sglang_morph.kunserve.lookahead import (
@@ -421,11 +422,21 @@ class ClusterSim:
                             if r.output_tokens - r.generated <= self.finishing_steps)
             members = (u.group.members if u.member is None
                        else (u.group.members[u.member],))
+            # The queue's waits on this unit as it is (the controller asks it of whole
+            # replicas): its pool holds nothing but the running requests here.
+            wait = queue_wait_steps(
+                u.capacity_tokens,
+                [(r.reserved_tokens, r.output_tokens - r.generated) for r in u.running],
+                [r.reserved_tokens for r in u.waiting])
             for k, m in enumerate(members):
                 snapshots.append(ReplicaSnapshot(
                     m.replica, u.capacity_tokens, used, growth, waiting if k == 0 else 0, live,
                     queue_refused=refused and k == 0,
-                    kv_finishing_tokens=min(finishing, used + growth)))
+                    kv_finishing_tokens=min(finishing, used + growth),
+                    running_requests=len(u.running) if k == 0 else 0,
+                    queued_prompt_tokens=(sum(r.prompt_tokens for r in u.waiting)
+                                          if k == 0 else 0),
+                    queue_wait_steps=wait if k == 0 else 0.0))
         groups = tuple(dict.fromkeys(u.group for u in self.units if u.group.size > 1))
         return ClusterView(self.env.now, tuple(sorted(snapshots, key=lambda s: s.replica)),
                            groups)

@@ -19,6 +19,7 @@ from sglang_morph.kunserve.controller import (
     KvCentric,
     ReplicaSnapshot,
     Restore,
+    queue_wait_steps,
 )
 from sglang_morph.kunserve.cost import (
     KUNSERVE_TERMS,
@@ -761,6 +762,61 @@ def test_controller_waits_for_requests_about_to_finish_instead_of_dropping(plann
         ReplicaSnapshot(0, full, 10, 5, 0, kv_finishing_tokens=16)
     with pytest.raises(ValueError, match="finishing_steps must be an integer >= 0"):
         ControllerConfig(finishing_steps=-1)
+
+
+def test_queue_wait_steps_by_hand():
+    """A 100-token room: running requests reserving 30 (ends in 5 steps), 40 (12) and 20 (3),
+    so 10 tokens are free now. Queued 25: admitted when the 20 ends (3 steps; 30 free); then
+    queued 30 needs 55: the 30 ends (5; 60 free); then 40 needs 95: the 40 ends (12; 100)."""
+    running = [(30, 5), (40, 12), (20, 3)]
+    assert queue_wait_steps(100, running, [25]) == 3
+    assert queue_wait_steps(100, running, [25, 30]) == 3 + 5
+    assert queue_wait_steps(100, running, [25, 30, 40]) == 3 + 5 + 12
+    assert queue_wait_steps(100, running, [10]) == 0  # fits now
+    assert queue_wait_steps(100, running, [25, 30, 40, 6]) == math.inf  # over the pool
+    assert queue_wait_steps(100, [], []) == 0
+
+
+def test_controller_drops_for_a_queue_only_when_it_pays(planner):
+    """With pays_prefill_tokens_per_step, a refused queue drops only when its waits on whole
+    replicas (decode steps, summed) exceed its merged prefills' stall on every running
+    request of the pair: running x queued prompt tokens / the rate. Without the option, or
+    for an overload of the running requests' own growth, it drops as before."""
+    full = planner.full_replica().kv_capacity_tokens
+
+    def view(wait: float, running: int = 3, queued: int = 1, prompt: int = 350):
+        snaps = (ReplicaSnapshot(0, full, full // 2, full, queued * (prompt + 64),
+                                 queue_refused=True, running_requests=running,
+                                 queued_prompt_tokens=queued * prompt, queue_wait_steps=wait),
+                 ReplicaSnapshot(1, full, 0, running_requests=2))
+        return ClusterView(0, snaps)
+
+    def ctl(rate=35):
+        return KunServeController(planner, ControllerConfig(
+            drop_persist=1, min_dwell_s=0, pays_prefill_tokens_per_step=rate))
+
+    # 5 running x 350 / 35 = 50 steps of stall: a queue that waits 40 steps does not pay,
+    # one that waits 60 does; a request that never fits whole always does.
+    assert ctl().decide(view(40)) is None
+    action = ctl().decide(view(60))
+    assert isinstance(action, Drop) and "it pays: the queue would wait 60 decode steps" in (
+        action.reason) and "stall the running requests 50" in action.reason
+    assert isinstance(ctl().decide(view(math.inf)), Drop)
+    # A cheaper prefill (70 tokens a step) halves the stall: 40 steps of waiting pay.
+    assert isinstance(ctl(70).decide(view(40)), Drop)
+    # Off (the default): the same short wait drops.
+    assert isinstance(KunServeController(planner, ControllerConfig(
+        drop_persist=1, min_dwell_s=0)).decide(view(40)), Drop)
+    # No queue, the running requests' growth over the pool: a drop, whatever it stalls.
+    growth = ClusterView(0, (ReplicaSnapshot(0, full, full // 2, full, running_requests=9),
+                             ReplicaSnapshot(1, full, 0)))
+    assert isinstance(KunServeController(planner, ControllerConfig(
+        drop_persist=1, min_dwell_s=0, pays_prefill_tokens_per_step=35)).decide(growth), Drop)
+    for bad in (0, -1.0, True, "35", math.inf):
+        with pytest.raises(ValueError, match="pays_prefill_tokens_per_step must be a positive"):
+            ControllerConfig(pays_prefill_tokens_per_step=bad)
+    with pytest.raises(ValueError, match="negative"):
+        ReplicaSnapshot(0, full, 0, queue_wait_steps=-1)
 
 
 def test_controller_drops_when_one_replica_cannot_admit_its_queue(planner):

@@ -61,6 +61,32 @@ def test_local_view_reports_a_queue_sglang_refused(waiting, running, full, max_r
                       finishing_steps=7)["kv_finishing_tokens"] == 0
     assert view["waiting_tokens"] == waiting * 108 and view["kv_used_tokens"] == 410
     assert snapshot(0, view).queue_refused is bool(refused)
+    # The queue's waits: 910 tokens less the 410 - running * 10 no running request holds,
+    # less the running requests' 18 each, leave 500 - running * 8, which takes every
+    # 108-token prompt at once (wait 0) up to four of them.
+    assert view["queued_prompt_tokens"] == waiting * 100
+    assert view["queue_wait_steps"] == 0 and snapshot(0, view).queue_wait_steps == 0
+    assert snapshot(0, view).running_requests == running
+
+
+def test_local_view_predicts_the_queues_wait_from_the_running_requests_ends():
+    """Two running requests (10 prompt tokens, 8 outputs to go) hold 20 of the 410 used
+    tokens, so 520 tokens are theirs and the queue's, less their 18-token reservations: 484.
+    The queue's head (100 + 8) fits now; the next (372 + 8) needs 488, room a running
+    request gives back at its end, 8 steps from now."""
+    import types
+
+    from sglang_morph.kunserve.live.auto import local_view, snapshot
+
+    replica = _replica(1, 2, True, prompt=100)
+    long_one = types.SimpleNamespace(origin_input_ids=[1] * 372, output_ids=[],
+                                     sampling_params=types.SimpleNamespace(
+                                         max_new_tokens=8, ignore_eos=False))
+    replica.scheduler.waiting_queue = replica.scheduler.waiting_queue + [long_one]
+    view = local_view(replica)
+    assert view["queued_prompt_tokens"] == 472
+    assert view["queue_wait_steps"] == 0 + 8
+    assert snapshot(0, view).queue_wait_steps == 8.0
 
 
 def test_local_view_sees_the_refusal_sglang_s_next_attempt_makes():

@@ -23,11 +23,19 @@ live monitor, the tests and the cluster simulator drive the same object:
   grow again by the headroom before a drop, and the other way round.
 - ``min_dwell_s`` between transitions of the same replicas: a drop moves KV and a restore
   moves weights back; flapping would pay both for nothing.
+- **Only a drop that pays** (``pays_prefill_tokens_per_step``, off by default): a drop for a
+  queue serves it now, and a merged pair runs each of its prefills through every member's
+  stage, so each stops every running request of the pair. With the option set, a drop for
+  queues happens only when the queued requests' predicted waits on whole replicas (decode
+  steps until the running requests' ends make room, ``queue_wait_steps``), summed, exceed
+  that stall: the pair's running requests times the queued prompts' tokens over the tokens
+  a replica prefills in the time of a decode step.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Sequence
 
 from sglang_morph.kunserve.planner import (
@@ -58,6 +66,10 @@ class ReplicaSnapshot:
     ``kv_finishing_tokens``: the KV held and still to grow of the running requests that finish
     within ``ControllerConfig.finishing_steps`` decode steps (part of the counts above): room
     that comes back sooner than a drop would make it.
+    ``running_requests``, ``queued_prompt_tokens``: how many requests run, and the prompt
+    tokens of the queue; ``queue_wait_steps``: the queued requests' waits for admission on
+    this replica unmerged, in decode steps, summed (``queue_wait_steps``; ``inf`` when one
+    never fits).
     """
 
     replica: int
@@ -68,10 +80,14 @@ class ReplicaSnapshot:
     live: tuple[LiveRequest, ...] = ()
     queue_refused: bool = False
     kv_finishing_tokens: int = 0
+    running_requests: int = 0
+    queued_prompt_tokens: int = 0
+    queue_wait_steps: float = 0.0
 
     def __post_init__(self) -> None:
         if min(self.kv_capacity_tokens, self.kv_used_tokens, self.kv_growth_tokens,
-               self.waiting_tokens, self.kv_finishing_tokens) < 0:
+               self.waiting_tokens, self.kv_finishing_tokens, self.running_requests,
+               self.queued_prompt_tokens, self.queue_wait_steps) < 0:
             raise ValueError(f"replica {self.replica}: negative token count in {self}")
         if self.kv_finishing_tokens > self.kv_used_tokens + self.kv_growth_tokens:
             raise ValueError(f"replica {self.replica}: finishing requests hold more than the "
@@ -96,6 +112,28 @@ class ReplicaSnapshot:
     def lasting_demand_tokens(self) -> int:
         """The demand once the requests about to finish have left: what a drop is for."""
         return self.demand_tokens - self.kv_finishing_tokens
+
+
+def queue_wait_steps(room_tokens: int, running: Sequence[tuple[int, int]],
+                     queued: Sequence[int]) -> float:
+    """The decode steps each queued request waits for admission on one unmerged replica,
+    summed: the replica admits in queue order while the queue's reservations (prompt + output
+    tokens each, ``queued``) fit ``room_tokens`` (its pool less what no running request
+    holds) less the running requests' reservations (``running``: (prompt + output tokens,
+    decode steps to their end)); a running request's reservation comes back at its end.
+    ``inf`` when a queued request would not fit even once every running request ended."""
+    ends = sorted(running, key=lambda r: r[1])
+    room = room_tokens - sum(tokens for tokens, _ in ends)
+    total, need, k = 0.0, 0, 0
+    for tokens in queued:
+        need += tokens
+        while room < need and k < len(ends):
+            room += ends[k][0]
+            k += 1
+        if room < need:
+            return math.inf
+        total += ends[k - 1][1] if k else 0
+    return total
 
 
 @dataclasses.dataclass(frozen=True)
@@ -139,6 +177,13 @@ class ControllerConfig:
     # unchanged (1.64 -> 1.67 s); at 8 that drop happened, at 24 the queued prompts waited
     # long enough to raise the P99 to 2.0 s.
     finishing_steps: int = 16
+    # Drop for a queue only when it pays (None: whenever the demand asks): the queued
+    # requests' summed waits on whole replicas, in decode steps, must exceed the stall the
+    # merged pair's prefill of them puts on its running requests, each prompt costing
+    # (its tokens / this) decode steps to every one of them. The value is the prompt tokens a
+    # replica prefills in the time of one of its decode steps: about 35 on the replay's CPU
+    # (a 384-token prefill 1.1 s, a decode step of 2-3 requests 0.09-0.11 s).
+    pays_prefill_tokens_per_step: float | None = None
 
     def __post_init__(self) -> None:
         # Types first: the values also come from operators' JSON (--kunserve-auto-config).
@@ -151,6 +196,11 @@ class ControllerConfig:
             value = getattr(self, name)
             if not isinstance(value, (int, float)) or isinstance(value, bool):
                 raise ValueError(f"{name} must be a number, got {value!r}")
+        rate = self.pays_prefill_tokens_per_step
+        if rate is not None and not (isinstance(rate, (int, float)) and not isinstance(
+                rate, bool) and math.isfinite(rate) and rate > 0):
+            raise ValueError(f"pays_prefill_tokens_per_step must be a positive number or "
+                             f"null, got {rate!r}")
         if not isinstance(self.partial_drop, bool):
             raise ValueError(f"partial_drop must be true or false, got {self.partial_drop!r}")
         if self.min_dwell_s < 0:
@@ -237,6 +287,9 @@ class KunServeController:
             return None
         if not self._dwelt([r.replica for r in free], view.time_s):
             return None
+        pays = self._pays(over, free)
+        if pays is False:
+            return None
         plan = plan_drop(self.planner, [ReplicaDemand(r.replica, r.kv_used_tokens,
                                                       r.demand_tokens) for r in free])
         if isinstance(plan, KvCentricFallback):
@@ -254,7 +307,26 @@ class KunServeController:
                else f"its queue of {worst.waiting_tokens} tokens was refused" if
                worst.queue_refused else f"its queue of {worst.waiting_tokens} tokens does not fit")
         return Drop(plan, f"predicted KV demand {worst.demand_tokens} tokens over replica "
-                          f"{worst.replica}'s capacity {worst.kv_capacity_tokens}, {why}")
+                          f"{worst.replica}'s capacity {worst.kv_capacity_tokens}, {why}"
+                          + (f"; {pays}" if isinstance(pays, str) else ""))
+
+    def _pays(self, over: Sequence[ReplicaSnapshot], free: Sequence[ReplicaSnapshot]
+              ) -> bool | str:
+        """With ``pays_prefill_tokens_per_step``: False when the drop's queues would wait less
+        on whole replicas than the merged prefills of them would stall the running requests,
+        else why it pays; True without the option, or for an overload with no queue (the
+        running requests' own growth: SGLang would retract some)."""
+        rate = self.cfg.pays_prefill_tokens_per_step
+        queues = [r for r in over if r.waiting_tokens]
+        if rate is None or not queues:
+            return True
+        wait = sum(r.queue_wait_steps for r in queues)
+        stall = (sum(r.running_requests for r in free)
+                 * sum(r.queued_prompt_tokens for r in queues) / rate)
+        if wait <= stall:
+            return False
+        return (f"it pays: the queue would wait {wait:g} decode steps whole, its merged "
+                f"prefills stall the running requests {stall:.0f}")
 
     # ---- restore ----------------------------------------------------------------------------
 

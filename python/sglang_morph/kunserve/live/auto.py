@@ -58,6 +58,7 @@ from sglang_morph.kunserve.controller import (
     KunServeController,
     KvCentric,
     ReplicaSnapshot,
+    queue_wait_steps,
 )
 from sglang_morph.kunserve.live.config import AutoControlConfig
 from sglang_morph.kunserve.planner import LiveRequest, make_group
@@ -86,7 +87,10 @@ def local_view(replica: Any, finishing_steps: int = 0) -> dict[str, int]:
     or its next one will (``admission_refuses``, so that a prompt is seen refused in the step
     it arrives in, not a batch later); ``kv_finishing_tokens``:
     held and still to grow of the running requests with at most ``finishing_steps`` outputs
-    left. Also the count of the link's transitions (``epoch``), which dates the view, and the
+    left; ``queued_prompt_tokens`` and ``queue_wait_steps``: the queue's prompt tokens, and
+    its requests' waits for admission here, in decode steps, summed (``controller.
+    queue_wait_steps`` on the running requests' prompt + ``max_new_tokens`` and outputs to
+    go). Also the count of the link's transitions (``epoch``), which dates the view, and the
     replicas it serves with now (``group``)."""
     s = replica.scheduler
     running = replica.live_requests()
@@ -101,6 +105,11 @@ def local_view(replica: Any, finishing_steps: int = 0) -> dict[str, int]:
     cap = merged_cap(replica)
     refused = queue_refused(s, len(running), cap) or (
         _admits_more(s, len(running), cap) and admission_refuses(s, running, free))
+    held = sum(len(r.origin_input_ids) + len(r.output_ids) for r in running)
+    wait = queue_wait_steps(
+        capacity - max(0, used - held),
+        [(len(r.origin_input_ids) + _max_new(r), n) for r, n in zip(running, left)],
+        [len(r.origin_input_ids) + _max_new(r) for r in s.waiting_queue])
     return {"epoch": replica.epoch, "group": list(replica.subgroup),
             "kv_capacity_tokens": capacity,
             "kv_used_tokens": max(0, used), "kv_growth_tokens": int(growth),
@@ -108,7 +117,9 @@ def local_view(replica: Any, finishing_steps: int = 0) -> dict[str, int]:
             "waiting_reqs": len(s.waiting_queue), "queue_refused": int(refused),
             # Requests count their whole length, the allocator shared prefixes once: capped
             # at what the running requests hold and add (the snapshot's invariant).
-            "kv_finishing_tokens": min(int(finishing), max(0, used) + int(growth))}
+            "kv_finishing_tokens": min(int(finishing), max(0, used) + int(growth)),
+            "queued_prompt_tokens": sum(len(r.origin_input_ids) for r in s.waiting_queue),
+            "queue_wait_steps": wait}
 
 
 def _max_new(req: Any) -> int:
@@ -170,6 +181,9 @@ def snapshot(replica: int, view: dict[str, int]) -> ReplicaSnapshot:
         kv_growth_tokens=view["kv_growth_tokens"], waiting_tokens=view["waiting_tokens"],
         queue_refused=bool(view.get("queue_refused", 0)),
         kv_finishing_tokens=int(view.get("kv_finishing_tokens", 0)),
+        running_requests=int(view.get("running_reqs", 0)),
+        queued_prompt_tokens=int(view.get("queued_prompt_tokens", 0)),
+        queue_wait_steps=float(view.get("queue_wait_steps", 0.0)),
         live=(LiveRequest(f"replica{replica}", used, owner=replica),) if used else ())
 
 
