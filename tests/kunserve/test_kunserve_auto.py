@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import math
 
 import pytest
 
@@ -87,6 +88,12 @@ def test_local_view_predicts_the_queues_wait_from_the_running_requests_ends():
     assert view["queued_prompt_tokens"] == 472
     assert view["queue_wait_steps"] == 0 + 8
     assert snapshot(0, view).queue_wait_steps == 8.0
+    # A third prompt that never fits the whole pool: no wait to give, and the view stays
+    # strict JSON (/kunserve/status shows the views a decision saw); the controller reads inf.
+    replica.scheduler.waiting_queue = replica.scheduler.waiting_queue + [long_one]
+    view = local_view(replica)
+    assert view["queue_wait_steps"] is None
+    assert snapshot(0, json.loads(json.dumps(view, allow_nan=False))).queue_wait_steps == math.inf
 
 
 def test_local_view_sees_the_refusal_sglang_s_next_attempt_makes():

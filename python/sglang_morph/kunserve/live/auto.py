@@ -49,6 +49,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 from typing import Any
 
 from sglang_morph.elastic.contract import Outcome, Transition
@@ -90,7 +91,7 @@ def local_view(replica: Any, finishing_steps: int = 0) -> dict[str, int]:
     left; ``queued_prompt_tokens`` and ``queue_wait_steps``: the queue's prompt tokens, and
     its requests' waits for admission here, in decode steps, summed (``controller.
     queue_wait_steps`` on the running requests' prompt + ``max_new_tokens`` and outputs to
-    go). Also the count of the link's transitions (``epoch``), which dates the view, and the
+    go; None where one never fits: the view is JSON, and /kunserve/status shows it). Also the count of the link's transitions (``epoch``), which dates the view, and the
     replicas it serves with now (``group``)."""
     s = replica.scheduler
     running = replica.live_requests()
@@ -119,7 +120,7 @@ def local_view(replica: Any, finishing_steps: int = 0) -> dict[str, int]:
             # at what the running requests hold and add (the snapshot's invariant).
             "kv_finishing_tokens": min(int(finishing), max(0, used) + int(growth)),
             "queued_prompt_tokens": sum(len(r.origin_input_ids) for r in s.waiting_queue),
-            "queue_wait_steps": wait}
+            "queue_wait_steps": None if math.isinf(wait) else wait}
 
 
 def _max_new(req: Any) -> int:
@@ -183,7 +184,8 @@ def snapshot(replica: int, view: dict[str, int]) -> ReplicaSnapshot:
         kv_finishing_tokens=int(view.get("kv_finishing_tokens", 0)),
         running_requests=int(view.get("running_reqs", 0)),
         queued_prompt_tokens=int(view.get("queued_prompt_tokens", 0)),
-        queue_wait_steps=float(view.get("queue_wait_steps", 0.0)),
+        queue_wait_steps=(math.inf if view.get("queue_wait_steps", 0.0) is None
+                          else float(view.get("queue_wait_steps", 0.0))),
         live=(LiveRequest(f"replica{replica}", used, owner=replica),) if used else ())
 
 
