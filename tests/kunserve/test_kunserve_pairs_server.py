@@ -34,11 +34,13 @@ N_NEW = 16
 WHOLE_TOKENS = 256
 PROMPT_TOKENS = 104  # + N_NEW: two fit a whole replica's pool, three do not
 PER_REPLICA = 3
-STREAM_NEW = 40  # long enough that the streams still run when the drop lands
+# Long enough that the streams still run when the drop lands (40 had ended by then once, under
+# the parallel suite); 104 + 120 tokens fit a whole replica's pool.
+STREAM_NEW = 120
 
-# Every running request counts toward the demand: with the default (8 steps), a burst whose
-# third request reached a replica late (its client thread delayed under the parallel suite)
-# found the first two within 8 steps of their end and rightly did not drop.
+# Every running request counts toward the demand: with finishing_steps 8 (16 is the default),
+# a burst whose third request reached a replica late (its client thread delayed under the
+# parallel suite) found the first two within 8 steps of their end and rightly did not drop.
 AUTO = {**AUTO_DEFAULTS, "finishing_steps": 0}
 
 REPLICAS = range(4)
