@@ -32,7 +32,7 @@ from typing import Any
 
 from benchmark.harness import load_average, run_meta, write_results
 from benchmark.kunserve.rounds import ARMS, merged_windows
-from benchmark.replay.forwards import read_log
+from benchmark.replay.forwards import in_windows, read_log
 
 TAIL_REQUESTS = 3  # of 45 requests: those at and above the P95 (P99 is the top two)
 # A token interval this long is a stall, not a decode step: the longest merged decode step
@@ -56,7 +56,7 @@ def decode_forwards(forwards: Sequence[dict[str, Any]], begin_s: float, end_s: f
     """Over the forwards started in [begin_s, end_s]: median requests a decode forward and
     median seconds, and the seconds of the prefill forwards (both replicas': a merged pair's
     prefill holds both stages, a whole replica's only its own)."""
-    inside = [f for f in forwards if f["new"] and begin_s <= f["t"] <= end_s]
+    inside = [f for f in forwards if f["new"] and in_windows(f, [(begin_s, end_s)])]
     decodes = [f for f in inside if f["mode"] == "decode"]
     return {"forwards": len(decodes),
             "batch_median": (statistics.median(len(f["new"]) for f in decodes)

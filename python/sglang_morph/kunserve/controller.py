@@ -122,6 +122,8 @@ def queue_wait_steps(room_tokens: int, running: Sequence[tuple[int, int]],
     holds) less the running requests' reservations (``running``: (prompt + output tokens,
     decode steps to their end)); a running request's reservation comes back at its end.
     ``inf`` when a queued request would not fit even once every running request ended."""
+    if not queued:  # the views are built every step; most have no queue
+        return 0.0
     ends = sorted(running, key=lambda r: r[1])
     room = room_tokens - sum(tokens for tokens, _ in ends)
     total, need, k = 0.0, 0, 0

@@ -91,26 +91,26 @@ def local_view(replica: Any, finishing_steps: int = 0) -> dict[str, int]:
     left; ``queued_prompt_tokens`` and ``queue_wait_steps``: the queue's prompt tokens, and
     its requests' waits for admission here, in decode steps, summed (``controller.
     queue_wait_steps`` on the running requests' prompt + ``max_new_tokens`` and outputs to
-    go; None where one never fits: the view is JSON, and /kunserve/status shows it). Also the count of the link's transitions (``epoch``), which dates the view, and the
-    replicas it serves with now (``group``)."""
+    go; None where one never fits: the view is JSON, and /kunserve/status shows it). Also the
+    count of the link's transitions (``epoch``), which dates the view, and the replicas it
+    serves with now (``group``)."""
     s = replica.scheduler
     running = replica.live_requests()
     left = [max(0, _max_new(r) - len(r.output_ids)) for r in running]
+    held = [len(r.origin_input_ids) + len(r.output_ids) for r in running]
     growth = sum(left)
-    finishing = sum(len(r.origin_input_ids) + len(r.output_ids) + n
-                    for r, n in zip(running, left) if n <= finishing_steps)
-    waiting = sum(len(r.origin_input_ids) + _max_new(r) for r in s.waiting_queue)
+    finishing = sum(h + n for h, n in zip(held, left) if n <= finishing_steps)
+    queued = [len(r.origin_input_ids) + _max_new(r) for r in s.waiting_queue]
+    waiting = sum(queued)
     capacity = int(replica.pool.size)
     free = int(replica.allocator.available_size()) + int(s.tree_cache.evictable_size())
     used = capacity - free
     cap = merged_cap(replica)
     refused = queue_refused(s, len(running), cap) or (
         _admits_more(s, len(running), cap) and admission_refuses(s, running, free))
-    held = sum(len(r.origin_input_ids) + len(r.output_ids) for r in running)
     wait = queue_wait_steps(
-        capacity - max(0, used - held),
-        [(len(r.origin_input_ids) + _max_new(r), n) for r, n in zip(running, left)],
-        [len(r.origin_input_ids) + _max_new(r) for r in s.waiting_queue])
+        capacity - max(0, used - sum(held)),
+        [(len(r.origin_input_ids) + _max_new(r), n) for r, n in zip(running, left)], queued)
     return {"epoch": replica.epoch, "group": list(replica.subgroup),
             "kv_capacity_tokens": capacity,
             "kv_used_tokens": max(0, used), "kv_growth_tokens": int(growth),
@@ -177,6 +177,7 @@ def snapshot(replica: int, view: dict[str, int]) -> ReplicaSnapshot:
     live entry owned by it: a request never leaves its scheduler, so a restore homes the
     replica's KV on itself (``plan_restore`` then checks exactly that it fits)."""
     used = view["kv_used_tokens"]
+    wait = view.get("queue_wait_steps", 0.0)  # None: a queued request never fits
     return ReplicaSnapshot(
         replica=replica, kv_capacity_tokens=view["kv_capacity_tokens"], kv_used_tokens=used,
         kv_growth_tokens=view["kv_growth_tokens"], waiting_tokens=view["waiting_tokens"],
@@ -184,8 +185,7 @@ def snapshot(replica: int, view: dict[str, int]) -> ReplicaSnapshot:
         kv_finishing_tokens=int(view.get("kv_finishing_tokens", 0)),
         running_requests=int(view.get("running_reqs", 0)),
         queued_prompt_tokens=int(view.get("queued_prompt_tokens", 0)),
-        queue_wait_steps=(math.inf if view.get("queue_wait_steps", 0.0) is None
-                          else float(view.get("queue_wait_steps", 0.0))),
+        queue_wait_steps=math.inf if wait is None else float(wait),
         live=(LiveRequest(f"replica{replica}", used, owner=replica),) if used else ())
 
 
