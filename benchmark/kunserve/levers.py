@@ -6,7 +6,8 @@ at a time. Every number this writes is SIMULATED.
 
 Levers: admission control while merged (a merged pair runs at most N requests; the rest
 wait), how far from its end a running request counts as about to free its KV (the drop's
-``finishing_steps``), a drop only where it pays (``pays_prefill_tokens_per_step``), the
+``finishing_steps``), a drop only where it pays (``pays_prefill_tokens_per_step``, with the
+requests arriving meanwhile or the queue now only), the
 controller's restore thresholds, and the costs themselves set to
 what a better implementation would pay (transitions free; a merged decode step as cheap as a
 whole replica's; both; a merged prefill as a whole replica's or pipelined). Each row gives,
@@ -50,8 +51,12 @@ LEVERS = (
     # A drop for a queue only where the queue's waits on whole replicas outweigh the stall its
     # merged prefills put on the running requests (35: the replay CPU's prompt tokens a
     # replica prefills in the time of a decode step).
+    # With the requests expected to arrive while the queue drains, or the queue now only.
     *(Lever(f"drop only when it pays ({n} prompt tokens a decode step)",
             controller={"pays_prefill_tokens_per_step": n}) for n in (35, 70)),
+    *(Lever(f"drop only when the queue now pays ({n} prompt tokens a decode step)",
+            controller={"pays_prefill_tokens_per_step": n, "pays_counts_arrivals": False})
+      for n in (35, 70)),
     Lever("restore at once (usage 0.95, 1 view, no dwell)",
           controller={"restore_usage": 0.95, "restore_headroom": 1.0, "restore_persist": 1,
                       "min_dwell_s": 0.0}),

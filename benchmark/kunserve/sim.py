@@ -54,13 +54,14 @@ import simpy
 from benchmark.harness import spread
 from benchmark.replay.trace import TraceWindow, load_window
 from sglang_morph.kunserve.controller import (
+    ArrivalMeter,
     ClusterView,
     ControllerConfig,
     Drop,
     KunServeController,
     ReplicaSnapshot,
     Restore,
-    queue_wait_steps,
+    queue_waits,
 )
 from sglang_morph.kunserve.cost import Chunk, ForwardTiming, PhaseCosts
 from sglang_morph.kunserve.lookahead import (
@@ -320,6 +321,8 @@ class Unit:
                                    f"{self.capacity_tokens}")
             back, next_at = self._forward(items)
             self.iteration += 1
+            for replica in self.replicas:
+                self.sim.forwards[replica] += 1
             self.running += admitted
             for r in self.unsent:  # the previous batch's tokens go out once this one has run
                 r.token_times_s[-1] = max(r.token_times_s[-1], next_at)
@@ -370,6 +373,9 @@ class ClusterSim:
         self.transitions: list[dict] = []
         self.timeline: list[dict] = []
         self.controller = KunServeController(planner, controller_cfg) if kunserve else None
+        # Each replica's forward steps, and its arrival rates as the live view measures them
+        self.forwards = [0] * replicas
+        self.meters = [ArrivalMeter() for _ in range(replicas)]
         self.finishing_steps = controller_cfg.finishing_steps
         self.monitor_s = monitor_s
         self.env.process(self.arrivals())
@@ -424,11 +430,15 @@ class ClusterSim:
                        else (u.group.members[u.member],))
             # The queue's waits on this unit as it is (the controller asks it of whole
             # replicas): its pool holds nothing but the running requests here.
-            wait = queue_wait_steps(
+            waits = queue_waits(
                 u.capacity_tokens,
                 [(r.reserved_tokens, r.output_tokens - r.generated) for r in u.running],
                 [r.reserved_tokens for r in u.waiting])
+            held = {r.rid: r.prompt_tokens for r in u.waiting + u.running}
             for k, m in enumerate(members):
+                # A pair's one queue is its first member's, as its waiting tokens are
+                arrivals, arrival_tokens = self.meters[m.replica].update(
+                    self.env.now, self.forwards[m.replica], held if k == 0 else {})
                 snapshots.append(ReplicaSnapshot(
                     m.replica, u.capacity_tokens, used, growth, waiting if k == 0 else 0, live,
                     queue_refused=refused and k == 0,
@@ -436,7 +446,9 @@ class ClusterSim:
                     running_requests=len(u.running) if k == 0 else 0,
                     queued_prompt_tokens=(sum(r.prompt_tokens for r in u.waiting)
                                           if k == 0 else 0),
-                    queue_wait_steps=wait if k == 0 else 0.0))
+                    queue_wait_steps=float(sum(waits)) if k == 0 else 0.0,
+                    queue_drain_steps=waits[-1] if waits and k == 0 else 0.0,
+                    arrivals_per_step=arrivals, arrival_prompt_tokens_per_step=arrival_tokens))
         groups = tuple(dict.fromkeys(u.group for u in self.units if u.group.size > 1))
         return ClusterView(self.env.now, tuple(sorted(snapshots, key=lambda s: s.replica)),
                            groups)

@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 
 from sglang_morph.kunserve.controller import (
+    ArrivalMeter,
     ClusterView,
     ControllerConfig,
     Drop,
@@ -20,6 +21,7 @@ from sglang_morph.kunserve.controller import (
     ReplicaSnapshot,
     Restore,
     queue_wait_steps,
+    queue_waits,
 )
 from sglang_morph.kunserve.cost import (
     KUNSERVE_TERMS,
@@ -775,6 +777,26 @@ def test_queue_wait_steps_by_hand():
     assert queue_wait_steps(100, running, [10]) == 0  # fits now
     assert queue_wait_steps(100, running, [25, 30, 40, 6]) == math.inf  # over the pool
     assert queue_wait_steps(100, [], []) == 0
+    # Each request's wait, in queue order; the last is when the queue would be in.
+    assert queue_waits(100, running, [25, 30, 40]) == [3, 5, 12]
+    assert queue_waits(100, running, [25, 30, 40, 6, 1]) == [3, 5, 12, math.inf, math.inf]
+
+
+def test_arrival_meter_counts_each_request_once_per_forward_step():
+    """A request is an arrival the first view it is seen in (queued or running); the rate is
+    over the replica's forward steps since the window's start, and older arrivals leave it."""
+    meter = ArrivalMeter(window_s=5.0)
+    assert meter.update(0.0, 0, {}) == (0.0, 0.0)
+    assert meter.update(1.0, 10, {"a": 100, "b": 300}) == (2 / 10, 400 / 10)
+    # "a" admitted and still held, "b" finished, "c" new: one more arrival over 20 steps.
+    assert meter.update(2.0, 20, {"a": 100, "c": 60}) == (3 / 20, 460 / 20)
+    # At 6.5 s the window starts at 1.5 s: "a" and "b" (seen at 1.0 s) have left it; the
+    # steps count from the view at 1.0 s, the newest at or before its start.
+    assert meter.update(6.5, 50, {"c": 60}) == (1 / 40, 60 / 40)
+    # No forward since the last view: the steps are still the window's 40.
+    assert meter.update(6.6, 50, {"c": 60, "d": 10})[0] == 2 / 40
+    with pytest.raises(ValueError, match="window_s must be positive"):
+        ArrivalMeter(window_s=0)
 
 
 def test_controller_drops_for_a_queue_only_when_it_pays(planner):
@@ -817,6 +839,41 @@ def test_controller_drops_for_a_queue_only_when_it_pays(planner):
             ControllerConfig(pays_prefill_tokens_per_step=bad)
     with pytest.raises(ValueError, match="negative"):
         ReplicaSnapshot(0, full, 0, queue_wait_steps=-1)
+
+
+def test_the_pay_rule_counts_the_requests_arriving_while_the_queue_drains(planner):
+    """One queued 350-token prompt waits 40 steps whole (drained in 40); 5 requests run in
+    the pair, 35 prompt tokens a step: 50 steps of stall, so the queue alone does not pay.
+    Arriving at 0.2 requests a step, 8 more come in those 40 steps and wait 0.2 x 40^2 / 2 =
+    160 steps in all: with short prompts (20 tokens a step, 800 tokens: 114 steps of stall)
+    the drop pays (200 > 164); with the queue's 350-token prompts (70 a step: 400 steps of
+    stall) it does not (200 < 450). ``pays_counts_arrivals`` off: the queue alone."""
+    full = planner.full_replica().kv_capacity_tokens
+
+    def view(arrival_prompt_tokens_per_step: float, drain: float = 40):
+        snaps = (ReplicaSnapshot(0, full, full // 2, full, 350 + 64, queue_refused=True,
+                                 running_requests=3, queued_prompt_tokens=350,
+                                 queue_wait_steps=40 if drain < math.inf else drain,
+                                 queue_drain_steps=drain,
+                                 arrivals_per_step=0.2,
+                                 arrival_prompt_tokens_per_step=arrival_prompt_tokens_per_step),
+                 ReplicaSnapshot(1, full, 0, running_requests=2))
+        return ClusterView(0, snaps)
+
+    def ctl(**kw):
+        return KunServeController(planner, ControllerConfig(
+            drop_persist=1, min_dwell_s=0, pays_prefill_tokens_per_step=35, **kw))
+
+    action = ctl().decide(view(20))
+    assert isinstance(action, Drop) and (
+        "wait 200 decode steps whole (with 800 prompt tokens arriving meanwhile), its merged "
+        "prefills stall the running requests 164") in action.reason
+    assert ctl().decide(view(70)) is None
+    assert ctl(pays_counts_arrivals=False).decide(view(20)) is None
+    # A queued request that never fits whole: the drop pays whatever arrives.
+    assert isinstance(ctl().decide(view(70, drain=math.inf)), Drop)
+    with pytest.raises(ValueError, match="pays_counts_arrivals must be true or false"):
+        ControllerConfig(pays_counts_arrivals=1)
 
 
 def test_controller_drops_when_one_replica_cannot_admit_its_queue(planner):

@@ -88,12 +88,18 @@ def test_local_view_predicts_the_queues_wait_from_the_running_requests_ends():
     assert view["queued_prompt_tokens"] == 472
     assert view["queue_wait_steps"] == 0 + 8
     assert snapshot(0, view).queue_wait_steps == 8.0
+    assert view["queue_drain_steps"] == 8 and snapshot(0, view).queue_drain_steps == 8.0
+    # The arrival rates are the caller's (AutoControl's meter), passed through.
+    view = local_view(replica, arrivals=(0.25, 30.0))
+    assert (snapshot(0, view).arrivals_per_step,
+            snapshot(0, view).arrival_prompt_tokens_per_step) == (0.25, 30.0)
     # A third prompt that never fits the whole pool: no wait to give, and the view stays
     # strict JSON (/kunserve/status shows the views a decision saw); the controller reads inf.
     replica.scheduler.waiting_queue = replica.scheduler.waiting_queue + [long_one]
     view = local_view(replica)
-    assert view["queue_wait_steps"] is None
-    assert snapshot(0, json.loads(json.dumps(view, allow_nan=False))).queue_wait_steps == math.inf
+    assert view["queue_wait_steps"] is None and view["queue_drain_steps"] is None
+    parsed = snapshot(0, json.loads(json.dumps(view, allow_nan=False)))
+    assert parsed.queue_wait_steps == parsed.queue_drain_steps == math.inf
 
 
 def test_local_view_sees_the_refusal_sglang_s_next_attempt_makes():
@@ -193,7 +199,8 @@ class _Group:
             rank=rank, link=types.SimpleNamespace(mailbox=mailbox, replicas=tuple(range(size))),
             planner=planner,
             scheduler=types.SimpleNamespace(server_args=None, waiting_queue=[],
-                                            running_batch=None), merged=False,
+                                            running_batch=None, forward_ct=0),
+            live_requests=lambda: [], merged=False,
             group=types.SimpleNamespace(replicas=tuple(range(size))), last_transition=None,
             view=None, elastic_state=lambda: {}, check_integrity=lambda: None)
             for rank in range(size)]
@@ -221,6 +228,13 @@ class _Group:
         self.now_s += advance_s
         for a in reversed(self.autos):  # the followers publish, then the leader decides
             a.on_step()
+
+
+def _queued(rid: str, prompt_tokens: int = 100):
+    """A queued request as the arrival meter reads it (its id and prompt)."""
+    import types
+
+    return types.SimpleNamespace(rid=rid, origin_input_ids=[1] * prompt_tokens)
 
 
 def _views(planner, growth: int) -> dict[str, int]:
@@ -290,6 +304,34 @@ def test_the_leader_decides_on_the_elastic_loop_and_the_follower_enters_its_prop
     assert leader.stale_views == before + 1
 
 
+def test_the_published_view_carries_the_replicas_arrivals_per_forward_step(planner,
+                                                                          monkeypatch):
+    """Each replica measures its arrivals at its observations: the requests it holds that it
+    had not seen, over the forward steps its scheduler ran meanwhile (``ArrivalMeter``)."""
+    from sglang_morph.kunserve.live import auto
+
+    pair, _ = _calm_group(planner, monkeypatch, interval_ms=100)
+    monkeypatch.setattr(auto, "local_view", lambda replica, steps, arrivals=(0, 0): dict(
+        replica.view, arrivals_per_step=arrivals[0],
+        arrival_prompt_tokens_per_step=arrivals[1]))
+    leader, follower = pair.autos
+    pair.step(0.0)
+    sched = pair.replicas[1].scheduler
+    sched.waiting_queue = [_queued("a", 100), _queued("b", 300)]
+    sched.forward_ct = 8
+    pair.step(0.1)
+    published = json.loads(pair.replicas[1].link.mailbox.get("view1"))
+    assert published["arrivals_per_step"] == 2 / 8
+    assert published["arrival_prompt_tokens_per_step"] == 400 / 8
+    # Admitted (running now), the same requests are not counted again; a new one is.
+    sched.waiting_queue = [_queued("c", 50)]
+    pair.replicas[1].live_requests = lambda: [_queued("a", 100), _queued("b", 300)]
+    sched.forward_ct = 10
+    pair.step(0.1)
+    assert follower.arrivals == (3 / 10, 450 / 10)
+    assert leader.arrivals == (0.0, 0.0) and leader.errors == follower.errors == 0
+
+
 def test_a_queue_sglang_refuses_drops_without_waiting_for_the_interval(planner, monkeypatch):
     """The follower's scheduler refuses its queue for lack of KV between two observations: it
     publishes its view at its next step and the leader decides at its own next step, not an
@@ -305,7 +347,7 @@ def test_a_queue_sglang_refuses_drops_without_waiting_for_the_interval(planner, 
     full = planner.full_replica().kv_capacity_tokens
     refused = pair.replicas[1]
     refused.view = dict(refused.view, waiting_tokens=full, waiting_reqs=1, queue_refused=1)
-    refused.scheduler.waiting_queue = ["a prompt"]
+    refused.scheduler.waiting_queue = [_queued("a prompt")]
     refused.scheduler.running_batch = types.SimpleNamespace(batch_is_full=True, reqs=["r"])
     pair.step(0.02)  # 40 ms after the last observation, 210 ms before the next one
     assert (follower.views, leader.views, leader.proposals) == (2, 2, 1)
@@ -330,7 +372,7 @@ def test_a_queue_that_cannot_fit_drops_before_sglang_tries_it(planner, monkeypat
     pair.step(0.02)
     full = planner.full_replica().kv_capacity_tokens
     waiting = pair.replicas[1]
-    waiting.scheduler.waiting_queue = ["a prompt"]
+    waiting.scheduler.waiting_queue = [_queued("a prompt")]
     waiting.scheduler.running_batch = types.SimpleNamespace(batch_is_full=False, reqs=["r"])
     waiting.view = dict(waiting.view, waiting_tokens=full // 4, waiting_reqs=1)  # it fits
     pair.step(0.02)
@@ -380,7 +422,7 @@ def _refuse(planner, replica, waiting_tokens: int) -> None:
 
     replica.view = dict(replica.view, waiting_tokens=waiting_tokens, waiting_reqs=1,
                         queue_refused=1)
-    replica.scheduler.waiting_queue = ["a prompt"]
+    replica.scheduler.waiting_queue = [_queued("a prompt")]
     replica.scheduler.running_batch = types.SimpleNamespace(batch_is_full=True, reqs=["r"])
 
 

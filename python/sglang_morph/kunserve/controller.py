@@ -29,14 +29,17 @@ live monitor, the tests and the cluster simulator drive the same object:
   queues happens only when the queued requests' predicted waits on whole replicas (decode
   steps until the running requests' ends make room, ``queue_wait_steps``), summed, exceed
   that stall: the pair's running requests times the queued prompts' tokens over the tokens
-  a replica prefills in the time of a decode step.
+  a replica prefills in the time of a decode step. The requests expected to arrive while the
+  queue drains (at the replica's recent arrival rate) count on both sides: a burst still
+  arriving makes the queue worth serving before it is long.
 """
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import math
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 from sglang_morph.kunserve.planner import (
     DropPlan,
@@ -69,7 +72,9 @@ class ReplicaSnapshot:
     ``running_requests``, ``queued_prompt_tokens``: how many requests run, and the prompt
     tokens of the queue; ``queue_wait_steps``: the queued requests' waits for admission on
     this replica unmerged, in decode steps, summed (``queue_wait_steps``; ``inf`` when one
-    never fits).
+    never fits); ``queue_drain_steps``: the last one's (when the queue would be in).
+    ``arrivals_per_step``, ``arrival_prompt_tokens_per_step``: the requests, and their prompt
+    tokens, that reached this replica per forward step over the last ``ARRIVAL_WINDOW_S``.
     """
 
     replica: int
@@ -83,11 +88,15 @@ class ReplicaSnapshot:
     running_requests: int = 0
     queued_prompt_tokens: int = 0
     queue_wait_steps: float = 0.0
+    queue_drain_steps: float = 0.0
+    arrivals_per_step: float = 0.0
+    arrival_prompt_tokens_per_step: float = 0.0
 
     def __post_init__(self) -> None:
         if min(self.kv_capacity_tokens, self.kv_used_tokens, self.kv_growth_tokens,
                self.waiting_tokens, self.kv_finishing_tokens, self.running_requests,
-               self.queued_prompt_tokens, self.queue_wait_steps) < 0:
+               self.queued_prompt_tokens, self.queue_wait_steps, self.queue_drain_steps,
+               self.arrivals_per_step, self.arrival_prompt_tokens_per_step) < 0:
             raise ValueError(f"replica {self.replica}: negative token count in {self}")
         if self.kv_finishing_tokens > self.kv_used_tokens + self.kv_growth_tokens:
             raise ValueError(f"replica {self.replica}: finishing requests hold more than the "
@@ -114,28 +123,81 @@ class ReplicaSnapshot:
         return self.demand_tokens - self.kv_finishing_tokens
 
 
-def queue_wait_steps(room_tokens: int, running: Sequence[tuple[int, int]],
-                     queued: Sequence[int]) -> float:
-    """The decode steps each queued request waits for admission on one unmerged replica,
-    summed: the replica admits in queue order while the queue's reservations (prompt + output
-    tokens each, ``queued``) fit ``room_tokens`` (its pool less what no running request
+# The arrival rates a view reports (``ReplicaSnapshot.arrivals_per_step``) are over this much
+# of the past: a burst's arrivals on the replay's traces come over a few seconds, and a longer
+# window would still count a burst that is over.
+ARRIVAL_WINDOW_S = 5.0
+
+
+class ArrivalMeter:
+    """The requests that reached one replica, and their prompt tokens, per forward step over
+    the last ``window_s``, from what the replica holds at each view (``update``): a request
+    is counted the first view it is seen in, queued or running. A request that came and went
+    between two views is missed (a view every 250 ms; a request here lasts seconds).
+
+    Per forward step, not per second: the controller weighs a queue's waits in decode steps.
+    Invariant: the steps counted are the replica's forwards since the oldest view kept.
+    """
+
+    def __init__(self, window_s: float = ARRIVAL_WINDOW_S):
+        if not window_s > 0:
+            raise ValueError(f"window_s must be positive, got {window_s!r}")
+        self.window_s = window_s
+        self._seen: set[str] = set()
+        self._arrivals: collections.deque[tuple[float, int]] = collections.deque()
+        self._views: collections.deque[tuple[float, int]] = collections.deque()
+
+    def update(self, now_s: float, forwards: int,
+               prompt_tokens: Mapping[str, int]) -> tuple[float, float]:
+        """``forwards``: the replica's forward steps so far; ``prompt_tokens``: its queued and
+        running requests' prompt tokens by request id. Returns (requests, prompt tokens)
+        arrived per forward step over the window."""
+        for rid, tokens in prompt_tokens.items():
+            if rid not in self._seen:
+                self._arrivals.append((now_s, tokens))
+        self._seen = set(prompt_tokens)
+        self._views.append((now_s, forwards))
+        since = now_s - self.window_s
+        while self._arrivals and self._arrivals[0][0] < since:
+            self._arrivals.popleft()
+        # Keep the newest view at or before the window's start: the steps since then
+        while len(self._views) > 1 and self._views[1][0] <= since:
+            self._views.popleft()
+        steps = max(1, forwards - self._views[0][1])
+        return (len(self._arrivals) / steps,
+                sum(tokens for _, tokens in self._arrivals) / steps)
+
+
+def queue_waits(room_tokens: int, running: Sequence[tuple[int, int]],
+                queued: Sequence[int]) -> list[float]:
+    """The decode steps each queued request waits for admission on one unmerged replica, in
+    queue order: the replica admits in queue order while the queue's reservations (prompt +
+    output tokens each, ``queued``) fit ``room_tokens`` (its pool less what no running request
     holds) less the running requests' reservations (``running``: (prompt + output tokens,
     decode steps to their end)); a running request's reservation comes back at its end.
-    ``inf`` when a queued request would not fit even once every running request ended."""
+    ``inf`` from the first queued request that would not fit even once every running request
+    ended."""
     if not queued:  # the views are built every step; most have no queue
-        return 0.0
+        return []
     ends = sorted(running, key=lambda r: r[1])
     room = room_tokens - sum(tokens for tokens, _ in ends)
-    total, need, k = 0.0, 0, 0
+    waits: list[float] = []
+    need, k = 0, 0
     for tokens in queued:
         need += tokens
         while room < need and k < len(ends):
             room += ends[k][0]
             k += 1
         if room < need:
-            return math.inf
-        total += ends[k - 1][1] if k else 0
-    return total
+            return waits + [math.inf] * (len(queued) - len(waits))
+        waits.append(ends[k - 1][1] if k else 0)
+    return waits
+
+
+def queue_wait_steps(room_tokens: int, running: Sequence[tuple[int, int]],
+                     queued: Sequence[int]) -> float:
+    """``queue_waits`` summed (``inf`` when a queued request never fits)."""
+    return float(sum(queue_waits(room_tokens, running, queued)))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -186,6 +248,11 @@ class ControllerConfig:
     # replica prefills in the time of one of its decode steps: about 35 on the replay's CPU
     # (a 384-token prefill 1.1 s, a decode step of 2-3 requests 0.09-0.11 s).
     pays_prefill_tokens_per_step: float | None = None
+    # ... counting, on both sides, the requests expected to arrive while the queue drains on
+    # whole replicas (``queue_drain_steps`` at the recent ``arrivals_per_step``): each waits
+    # behind the queue, and each is prefilled by the merged pair. False: the queue now only,
+    # which a burst still arriving outgrows (it drops later, when the queue is long).
+    pays_counts_arrivals: bool = True
 
     def __post_init__(self) -> None:
         # Types first: the values also come from operators' JSON (--kunserve-auto-config).
@@ -203,8 +270,9 @@ class ControllerConfig:
                 rate, bool) and math.isfinite(rate) and rate > 0):
             raise ValueError(f"pays_prefill_tokens_per_step must be a positive number or "
                              f"null, got {rate!r}")
-        if not isinstance(self.partial_drop, bool):
-            raise ValueError(f"partial_drop must be true or false, got {self.partial_drop!r}")
+        for name in ("partial_drop", "pays_counts_arrivals"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name} must be true or false, got {getattr(self, name)!r}")
         if self.min_dwell_s < 0:
             raise ValueError(f"bad controller config {self}")
         if not 0 < self.restore_usage <= 1 or not 0 < self.restore_headroom <= 1:
@@ -317,18 +385,32 @@ class KunServeController:
         """With ``pays_prefill_tokens_per_step``: False when the drop's queues would wait less
         on whole replicas than the merged prefills of them would stall the running requests,
         else why it pays; True without the option, or for an overload with no queue (the
-        running requests' own growth: SGLang would retract some)."""
+        running requests' own growth: SGLang would retract some).
+
+        With ``pays_counts_arrivals`` the requests arriving while a queue drains (over its
+        ``queue_drain_steps``, H) count too: arriving at a steady rate, they wait behind the
+        queue at least H / 2 each on average (``arrivals_per_step`` x H^2 / 2 in all), and the
+        merged pair would prefill their prompts (``arrival_prompt_tokens_per_step`` x H)."""
         rate = self.cfg.pays_prefill_tokens_per_step
         queues = [r for r in over if r.waiting_tokens]
         if rate is None or not queues:
             return True
         wait = sum(r.queue_wait_steps for r in queues)
-        stall = (sum(r.running_requests for r in free)
-                 * sum(r.queued_prompt_tokens for r in queues) / rate)
+        prompts = sum(r.queued_prompt_tokens for r in queues)
+        arriving = ""
+        horizons = [r.queue_drain_steps for r in queues]
+        if not all(map(math.isfinite, (wait, *horizons))):
+            wait = math.inf  # a queued request never fits whole: only a drop serves it
+        elif self.cfg.pays_counts_arrivals:
+            wait += sum(r.arrivals_per_step * h * h / 2 for r, h in zip(queues, horizons))
+            coming = sum(r.arrival_prompt_tokens_per_step * h for r, h in zip(queues, horizons))
+            prompts += coming
+            arriving = f" (with {coming:.0f} prompt tokens arriving meanwhile)"
+        stall = sum(r.running_requests for r in free) * prompts / rate
         if wait <= stall:
             return False
-        return (f"it pays: the queue would wait {wait:g} decode steps whole, its merged "
-                f"prefills stall the running requests {stall:.0f}")
+        return (f"it pays: the queue would wait {wait:g} decode steps whole{arriving}, its "
+                f"merged prefills stall the running requests {stall:.0f}")
 
     # ---- restore ----------------------------------------------------------------------------
 

@@ -54,12 +54,13 @@ from typing import Any
 
 from sglang_morph.elastic.contract import Outcome, Transition
 from sglang_morph.kunserve.controller import (
+    ArrivalMeter,
     ClusterView,
     Drop,
     KunServeController,
     KvCentric,
     ReplicaSnapshot,
-    queue_wait_steps,
+    queue_waits,
 )
 from sglang_morph.kunserve.live.config import AutoControlConfig
 from sglang_morph.kunserve.planner import LiveRequest, make_group
@@ -76,7 +77,8 @@ def _view_key(rank: int) -> str:
     return f"view{rank}"
 
 
-def local_view(replica: Any, finishing_steps: int = 0) -> dict[str, int]:
+def local_view(replica: Any, finishing_steps: int = 0,
+               arrivals: tuple[float, float] = (0.0, 0.0)) -> dict[str, Any]:
     """This replica's part of the cluster view, between two batches (scheduler thread).
 
     ``kv_used_tokens``: KV held by requests and locked cache (not free, not evictable);
@@ -91,9 +93,11 @@ def local_view(replica: Any, finishing_steps: int = 0) -> dict[str, int]:
     left; ``queued_prompt_tokens`` and ``queue_wait_steps``: the queue's prompt tokens, and
     its requests' waits for admission here, in decode steps, summed (``controller.
     queue_wait_steps`` on the running requests' prompt + ``max_new_tokens`` and outputs to
-    go; None where one never fits: the view is JSON, and /kunserve/status shows it). Also the
-    count of the link's transitions (``epoch``), which dates the view, and the replicas it
-    serves with now (``group``)."""
+    go; None where one never fits: the view is JSON, and /kunserve/status shows it), and the
+    last one's (``queue_drain_steps``); ``arrivals_per_step`` and
+    ``arrival_prompt_tokens_per_step``: ``arrivals`` (``AutoControl``'s ``ArrivalMeter``;
+    zero without one). Also the count of the link's transitions (``epoch``), which dates the
+    view, and the replicas it serves with now (``group``)."""
     s = replica.scheduler
     running = replica.live_requests()
     left = [max(0, _max_new(r) - len(r.output_ids)) for r in running]
@@ -108,9 +112,10 @@ def local_view(replica: Any, finishing_steps: int = 0) -> dict[str, int]:
     cap = merged_cap(replica)
     refused = queue_refused(s, len(running), cap) or (
         _admits_more(s, len(running), cap) and admission_refuses(s, running, free))
-    wait = queue_wait_steps(
+    waits = queue_waits(
         capacity - max(0, used - sum(held)),
         [(len(r.origin_input_ids) + _max_new(r), n) for r, n in zip(running, left)], queued)
+    wait, drain = float(sum(waits)), waits[-1] if waits else 0.0
     return {"epoch": replica.epoch, "group": list(replica.subgroup),
             "kv_capacity_tokens": capacity,
             "kv_used_tokens": max(0, used), "kv_growth_tokens": int(growth),
@@ -120,7 +125,9 @@ def local_view(replica: Any, finishing_steps: int = 0) -> dict[str, int]:
             # at what the running requests hold and add (the snapshot's invariant).
             "kv_finishing_tokens": min(int(finishing), max(0, used) + int(growth)),
             "queued_prompt_tokens": sum(len(r.origin_input_ids) for r in s.waiting_queue),
-            "queue_wait_steps": None if math.isinf(wait) else wait}
+            "queue_wait_steps": None if math.isinf(wait) else wait,
+            "queue_drain_steps": None if math.isinf(drain) else drain,
+            "arrivals_per_step": arrivals[0], "arrival_prompt_tokens_per_step": arrivals[1]}
 
 
 def _max_new(req: Any) -> int:
@@ -177,7 +184,8 @@ def snapshot(replica: int, view: dict[str, int]) -> ReplicaSnapshot:
     live entry owned by it: a request never leaves its scheduler, so a restore homes the
     replica's KV on itself (``plan_restore`` then checks exactly that it fits)."""
     used = view["kv_used_tokens"]
-    wait = view.get("queue_wait_steps", 0.0)  # None: a queued request never fits
+    # None: a queued request never fits
+    wait, drain = view.get("queue_wait_steps", 0.0), view.get("queue_drain_steps", 0.0)
     return ReplicaSnapshot(
         replica=replica, kv_capacity_tokens=view["kv_capacity_tokens"], kv_used_tokens=used,
         kv_growth_tokens=view["kv_growth_tokens"], waiting_tokens=view["waiting_tokens"],
@@ -186,6 +194,9 @@ def snapshot(replica: int, view: dict[str, int]) -> ReplicaSnapshot:
         running_requests=int(view.get("running_reqs", 0)),
         queued_prompt_tokens=int(view.get("queued_prompt_tokens", 0)),
         queue_wait_steps=math.inf if wait is None else float(wait),
+        queue_drain_steps=math.inf if drain is None else float(drain),
+        arrivals_per_step=float(view.get("arrivals_per_step", 0.0)),
+        arrival_prompt_tokens_per_step=float(view.get("arrival_prompt_tokens_per_step", 0.0)),
         live=(LiveRequest(f"replica{replica}", used, owner=replica),) if used else ())
 
 
@@ -219,6 +230,9 @@ class AutoControl:
         # this replica's, and, on the leader, a follower's through a counter each bumps when
         # its published view turns blocked.
         self._blocked = self._published_blocked = False
+        # This replica's recent arrivals per forward step, measured at each observation
+        self.meter = ArrivalMeter()
+        self.arrivals = (0.0, 0.0)
         self._followers_blocked = 0
         self.loop = ElasticLoop(_AsMechanism(self), _Decider(self), recorder(replica.scheduler),
                                 cfg.interval_ms / 1000)
@@ -281,7 +295,12 @@ class AutoControl:
         """A follower publishes its view (and decides nothing: None). The leader's view of
         the group, or None while a follower has published none or only one from before the
         last transition."""
-        own = local_view(self.replica, self.cfg.controller.finishing_steps)
+        s = self.replica.scheduler
+        self.arrivals = self.meter.update(
+            self.loop.clock(), int(s.forward_ct),
+            {r.rid: len(r.origin_input_ids)
+             for r in (*s.waiting_queue, *self.replica.live_requests())})
+        own = local_view(self.replica, self.cfg.controller.finishing_steps, self.arrivals)
         if not self.leader:
             self.mailbox.set(_view_key(self.replica.rank), json.dumps(own))
             blocked = snapshot(self.replica.rank, own).queue_blocked

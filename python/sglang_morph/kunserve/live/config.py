@@ -213,9 +213,11 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
         help="The controller's thresholds as a JSON object, e.g. '{\"interval_ms\": 250, "
         "\"drop_persist\": 2, \"restore_usage\": 0.5, \"restore_headroom\": 0.8, "
         "\"restore_persist\": 3, \"min_dwell_s\": 5, \"partial_drop\": true, "
-        "\"finishing_steps\": 16, \"pays_prefill_tokens_per_step\": null}' (the defaults; "
-        "pays_prefill_tokens_per_step 35 drops for a queue only when its waits on whole "
-        "replicas exceed the stall its merged prefills put on the running requests).")
+        "\"finishing_steps\": 16, \"pays_prefill_tokens_per_step\": null, "
+        "\"pays_counts_arrivals\": true}' (the defaults; pays_prefill_tokens_per_step 35 "
+        "drops for a queue only when its waits on whole replicas exceed the stall its merged "
+        "prefills put on the running requests, counting the requests arriving meanwhile "
+        "unless pays_counts_arrivals is false).")
     group.add_argument(
         "--kunserve-micro-batches", type=int, default=None, metavar="K",
         help="While merged, cut a replica's prefill of at least 128 tokens into up to K "

@@ -350,9 +350,10 @@ class KunServeReplica(GroupMember):
             "batches_mixed": self.batches_mixed,
             # What the automatic control sees of this replica (also without it): held KV,
             # the remaining outputs of its running requests, its queue.
-            "load": {k: v for k, v in local_view(self, self.auto.cfg.controller.finishing_steps
-                                                 if self.auto is not None else 0).items()
-                     if k not in ("epoch", "group")},
+            "load": {k: v for k, v in (
+                local_view(self, self.auto.cfg.controller.finishing_steps, self.auto.arrivals)
+                if self.auto is not None else local_view(self)).items()
+                if k not in ("epoch", "group")},
             "auto": self.auto.status() if self.auto is not None else {"enabled": False},
             "transitions": list(self.transitions),
         }
