@@ -54,6 +54,9 @@ LEVERS = (
     # With the requests expected to arrive while the queue drains, or the queue now only.
     *(Lever(f"drop only when it pays ({n} prompt tokens a decode step)",
             controller={"pays_prefill_tokens_per_step": n}) for n in (35, 70)),
+    *(Lever(f"drop only when it pays (35 prompt tokens a decode step, a merge {n} steps)",
+            controller={"pays_prefill_tokens_per_step": 35, "pays_merge_steps": n})
+      for n in (10, 20)),
     *(Lever(f"drop only when the queue now pays ({n} prompt tokens a decode step)",
             controller={"pays_prefill_tokens_per_step": n, "pays_counts_arrivals": False})
       for n in (35, 70)),

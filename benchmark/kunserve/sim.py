@@ -433,7 +433,7 @@ class ClusterSim:
             waits = queue_waits(
                 u.capacity_tokens,
                 [(r.reserved_tokens, r.output_tokens - r.generated) for r in u.running],
-                [r.reserved_tokens for r in u.waiting])
+                [(r.reserved_tokens, r.output_tokens) for r in u.waiting])
             held = {r.rid: r.prompt_tokens for r in u.waiting + u.running}
             for k, m in enumerate(members):
                 # A pair's one queue is its first member's, as its waiting tokens are

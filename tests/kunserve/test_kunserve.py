@@ -768,18 +768,23 @@ def test_controller_waits_for_requests_about_to_finish_instead_of_dropping(plann
 
 def test_queue_wait_steps_by_hand():
     """A 100-token room: running requests reserving 30 (ends in 5 steps), 40 (12) and 20 (3),
-    so 10 tokens are free now. Queued 25: admitted when the 20 ends (3 steps; 30 free); then
-    queued 30 needs 55: the 30 ends (5; 60 free); then 40 needs 95: the 40 ends (12; 100)."""
+    so 10 tokens are free now. Queued 25 (4 outputs): admitted when the 20 ends (3 steps; 30
+    free), it ends at 7; then queued 30 (6 outputs) needs 30 with 5 free: the 30 ends (5; 35
+    free), it ends at 11; then 40 (8 outputs) with 5 free: the queued 25 ends (7; 30), then
+    the queued 30 (11; 60), before the running 40 (12); then 6 fits the 20 left, but not
+    before the request ahead of it: 11 as well."""
     running = [(30, 5), (40, 12), (20, 3)]
-    assert queue_wait_steps(100, running, [25]) == 3
-    assert queue_wait_steps(100, running, [25, 30]) == 3 + 5
-    assert queue_wait_steps(100, running, [25, 30, 40]) == 3 + 5 + 12
-    assert queue_wait_steps(100, running, [10]) == 0  # fits now
-    assert queue_wait_steps(100, running, [25, 30, 40, 6]) == math.inf  # over the pool
+    queued = [(25, 4), (30, 6), (40, 8), (6, 2)]
+    assert queue_waits(100, running, queued) == [3, 5, 11, 11]
+    assert queue_wait_steps(100, running, queued[:1]) == 3
+    assert queue_wait_steps(100, running, queued) == 3 + 5 + 11 + 11
+    assert queue_wait_steps(100, running, [(10, 1)]) == 0  # fits now
+    # Over the whole room: it never fits a whole replica, nor does anything behind it.
+    assert queue_waits(100, running, [(25, 4), (101, 1), (6, 2)]) == [3, math.inf, math.inf]
+    assert queue_wait_steps(100, running, [(101, 1)]) == math.inf
     assert queue_wait_steps(100, [], []) == 0
-    # Each request's wait, in queue order; the last is when the queue would be in.
-    assert queue_waits(100, running, [25, 30, 40]) == [3, 5, 12]
-    assert queue_waits(100, running, [25, 30, 40, 6, 1]) == [3, 5, 12, math.inf, math.inf]
+    # A queue longer than the pool drains as its own requests end: finite waits.
+    assert queue_waits(100, [], [(60, 10)] * 3) == [0, 10, 20]
 
 
 def test_arrival_meter_counts_each_request_once_per_forward_step():
@@ -826,6 +831,13 @@ def test_controller_drops_for_a_queue_only_when_it_pays(planner):
     assert isinstance(ctl().decide(view(math.inf)), Drop)
     # A cheaper prefill (70 tokens a step) halves the stall: 40 steps of waiting pay.
     assert isinstance(ctl(70).decide(view(40)), Drop)
+    # A merge that costs each of the 5 running requests 3 steps of its own: 65 steps, more
+    # than the 60 the queue waits.
+    assert KunServeController(planner, ControllerConfig(
+        drop_persist=1, min_dwell_s=0, pays_prefill_tokens_per_step=35,
+        pays_merge_steps=3)).decide(view(60)) is None
+    with pytest.raises(ValueError, match="bad controller config"):
+        ControllerConfig(pays_merge_steps=-1)
     # Off (the default): the same short wait drops.
     assert isinstance(KunServeController(planner, ControllerConfig(
         drop_persist=1, min_dwell_s=0)).decide(view(40)), Drop)

@@ -93,9 +93,17 @@ def test_local_view_predicts_the_queues_wait_from_the_running_requests_ends():
     view = local_view(replica, arrivals=(0.25, 30.0))
     assert (snapshot(0, view).arrivals_per_step,
             snapshot(0, view).arrival_prompt_tokens_per_step) == (0.25, 30.0)
-    # A third prompt that never fits the whole pool: no wait to give, and the view stays
-    # strict JSON (/kunserve/status shows the views a decision saw); the controller reads inf.
+    # A third like it waits for the second's room: the running requests and the queue's head
+    # end at 8, the second at 16.
     replica.scheduler.waiting_queue = replica.scheduler.waiting_queue + [long_one]
+    assert local_view(replica)["queue_drain_steps"] == 16
+    # A prompt over the 520 tokens a whole replica has for requests never fits: no wait to
+    # give, and the view stays strict JSON (/kunserve/status shows the views a decision saw);
+    # the controller reads inf.
+    replica.scheduler.waiting_queue = replica.scheduler.waiting_queue + [
+        types.SimpleNamespace(origin_input_ids=[1] * 520, output_ids=[],
+                              sampling_params=types.SimpleNamespace(max_new_tokens=8,
+                                                                    ignore_eos=False))]
     view = local_view(replica)
     assert view["queue_wait_steps"] is None and view["queue_drain_steps"] is None
     parsed = snapshot(0, json.loads(json.dumps(view, allow_nan=False)))

@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import heapq
 import math
 from collections.abc import Mapping, Sequence
 
@@ -169,33 +170,35 @@ class ArrivalMeter:
 
 
 def queue_waits(room_tokens: int, running: Sequence[tuple[int, int]],
-                queued: Sequence[int]) -> list[float]:
+                queued: Sequence[tuple[int, int]]) -> list[float]:
     """The decode steps each queued request waits for admission on one unmerged replica, in
-    queue order: the replica admits in queue order while the queue's reservations (prompt +
-    output tokens each, ``queued``) fit ``room_tokens`` (its pool less what no running request
-    holds) less the running requests' reservations (``running``: (prompt + output tokens,
-    decode steps to their end)); a running request's reservation comes back at its end.
-    ``inf`` from the first queued request that would not fit even once every running request
-    ended."""
+    queue order. A request holds its reservation (prompt + output tokens) from its admission
+    to its end: the running ones' (``running``: (reserved tokens, decode steps to their
+    end)) come back at their ends, a queued one's (``queued``: (reserved tokens, decode steps
+    it runs)) once it has run. The replica admits in queue order (SGLang's first come, first
+    served) whenever the head's reservation fits ``room_tokens`` (its pool less what no
+    running request holds) less those held. ``inf`` from the first queued request whose
+    reservation exceeds ``room_tokens``: it never fits a whole replica."""
     if not queued:  # the views are built every step; most have no queue
         return []
-    ends = sorted(running, key=lambda r: r[1])
-    room = room_tokens - sum(tokens for tokens, _ in ends)
-    waits: list[float] = []
-    need, k = 0, 0
-    for tokens in queued:
-        need += tokens
-        while room < need and k < len(ends):
-            room += ends[k][0]
-            k += 1
-        if room < need:
+    ends = [(steps, tokens) for tokens, steps in running]
+    heapq.heapify(ends)
+    free = room_tokens - sum(tokens for tokens, _ in running)
+    now, waits = 0, []
+    for tokens, steps in queued:
+        if tokens > room_tokens:
             return waits + [math.inf] * (len(queued) - len(waits))
-        waits.append(ends[k - 1][1] if k else 0)
+        while free < tokens and ends:
+            end, back = heapq.heappop(ends)
+            now, free = max(now, end), free + back
+        free -= tokens
+        heapq.heappush(ends, (now + steps, tokens))
+        waits.append(float(now))
     return waits
 
 
 def queue_wait_steps(room_tokens: int, running: Sequence[tuple[int, int]],
-                     queued: Sequence[int]) -> float:
+                     queued: Sequence[tuple[int, int]]) -> float:
     """``queue_waits`` summed (``inf`` when a queued request never fits)."""
     return float(sum(queue_waits(room_tokens, running, queued)))
 
@@ -253,6 +256,12 @@ class ControllerConfig:
     # behind the queue, and each is prefilled by the merged pair. False: the queue now only,
     # which a burst still arriving outgrows (it drops later, when the queue is long).
     pays_counts_arrivals: bool = True
+    # ... and a merge's own cost to each running request of the pair, in decode steps, beyond
+    # the prefills: the transitions' pauses and its slower decode steps over the shortest
+    # merged window (here a drop and a restore pause 0.07 + 0.11 s, about 2 steps; merged
+    # decode steps take 1.2-1.4x a whole replica's, over min_dwell_s 5 s of 0.1 s steps,
+    # 10-20 steps).
+    pays_merge_steps: float = 0.0
 
     def __post_init__(self) -> None:
         # Types first: the values also come from operators' JSON (--kunserve-auto-config).
@@ -261,7 +270,7 @@ class ControllerConfig:
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < least:
                 raise ValueError(f"{name} must be an integer >= {least}, got {value!r}")
-        for name in ("restore_usage", "restore_headroom", "min_dwell_s"):
+        for name in ("restore_usage", "restore_headroom", "min_dwell_s", "pays_merge_steps"):
             value = getattr(self, name)
             if not isinstance(value, (int, float)) or isinstance(value, bool):
                 raise ValueError(f"{name} must be a number, got {value!r}")
@@ -273,7 +282,7 @@ class ControllerConfig:
         for name in ("partial_drop", "pays_counts_arrivals"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be true or false, got {getattr(self, name)!r}")
-        if self.min_dwell_s < 0:
+        if self.min_dwell_s < 0 or self.pays_merge_steps < 0:
             raise ValueError(f"bad controller config {self}")
         if not 0 < self.restore_usage <= 1 or not 0 < self.restore_headroom <= 1:
             raise ValueError("restore_usage and restore_headroom must be in (0, 1]")
@@ -406,7 +415,8 @@ class KunServeController:
             coming = sum(r.arrival_prompt_tokens_per_step * h for r, h in zip(queues, horizons))
             prompts += coming
             arriving = f" (with {coming:.0f} prompt tokens arriving meanwhile)"
-        stall = sum(r.running_requests for r in free) * prompts / rate
+        stall = sum(r.running_requests for r in free) * (
+            prompts / rate + self.cfg.pays_merge_steps)
         if wait <= stall:
             return False
         return (f"it pays: the queue would wait {wait:g} decode steps whole{arriving}, its "

@@ -92,8 +92,9 @@ def local_view(replica: Any, finishing_steps: int = 0,
     held and still to grow of the running requests with at most ``finishing_steps`` outputs
     left; ``queued_prompt_tokens`` and ``queue_wait_steps``: the queue's prompt tokens, and
     its requests' waits for admission here, in decode steps, summed (``controller.
-    queue_wait_steps`` on the running requests' prompt + ``max_new_tokens`` and outputs to
-    go; None where one never fits: the view is JSON, and /kunserve/status shows it), and the
+    queue_waits`` on every request's prompt + ``max_new_tokens``, the running requests'
+    outputs to go and the queued ones' ``max_new_tokens``; None where one never fits: the view
+    is JSON, and /kunserve/status shows it), and the
     last one's (``queue_drain_steps``); ``arrivals_per_step`` and
     ``arrival_prompt_tokens_per_step``: ``arrivals`` (``AutoControl``'s ``ArrivalMeter``;
     zero without one). Also the count of the link's transitions (``epoch``), which dates the
@@ -104,8 +105,8 @@ def local_view(replica: Any, finishing_steps: int = 0,
     held = [len(r.origin_input_ids) + len(r.output_ids) for r in running]
     growth = sum(left)
     finishing = sum(h + n for h, n in zip(held, left) if n <= finishing_steps)
-    queued = [len(r.origin_input_ids) + _max_new(r) for r in s.waiting_queue]
-    waiting = sum(queued)
+    queued = [(len(r.origin_input_ids) + _max_new(r), _max_new(r)) for r in s.waiting_queue]
+    waiting = sum(tokens for tokens, _ in queued)
     capacity = int(replica.pool.size)
     free = int(replica.allocator.available_size()) + int(s.tree_cache.evictable_size())
     used = capacity - free
