@@ -878,8 +878,8 @@ def test_the_pay_rule_counts_the_requests_arriving_while_the_queue_drains(planne
 
     action = ctl().decide(view(20))
     assert isinstance(action, Drop) and (
-        "wait 200 decode steps whole (with 800 prompt tokens arriving meanwhile), its merged "
-        "prefills stall the running requests 164") in action.reason
+        "wait 200 decode steps whole (with 800 prompt tokens arriving meanwhile), the merge "
+        "and its prefills stall the running requests 164") in action.reason
     assert ctl().decide(view(70)) is None
     assert ctl(pays_counts_arrivals=False).decide(view(20)) is None
     # A queued request that never fits whole: the drop pays whatever arrives.

@@ -27,11 +27,11 @@ live monitor, the tests and the cluster simulator drive the same object:
   queue serves it now, and a merged pair runs each of its prefills through every member's
   stage, so each stops every running request of the pair. With the option set, a drop for
   queues happens only when the queued requests' predicted waits on whole replicas (decode
-  steps until the running requests' ends make room, ``queue_wait_steps``), summed, exceed
-  that stall: the pair's running requests times the queued prompts' tokens over the tokens
-  a replica prefills in the time of a decode step. The requests expected to arrive while the
-  queue drains (at the replica's recent arrival rate) count on both sides: a burst still
-  arriving makes the queue worth serving before it is long.
+  steps until the ends of the requests before them make room, ``queue_waits``), summed,
+  exceed that stall: the pair's running requests times the queued prompts' tokens over the
+  tokens a replica prefills in the time of a decode step, plus the merge's own cost to each
+  (``pays_merge_steps``). The requests expected to arrive while the queue drains (at the
+  replica's recent arrival rate) count on both sides.
 """
 
 from __future__ import annotations
@@ -253,8 +253,10 @@ class ControllerConfig:
     pays_prefill_tokens_per_step: float | None = None
     # ... counting, on both sides, the requests expected to arrive while the queue drains on
     # whole replicas (``queue_drain_steps`` at the recent ``arrivals_per_step``): each waits
-    # behind the queue, and each is prefilled by the merged pair. False: the queue now only,
-    # which a burst still arriving outgrows (it drops later, when the queue is long).
+    # behind the queue, and each is prefilled by the merged pair. False: the queue now only.
+    # On the replay's CPU the arrivals weigh against a drop more often than for it (an
+    # arriving prompt stalls the pair's running requests for more steps than it waits), and
+    # a drop still happens where the queue's waits are long.
     pays_counts_arrivals: bool = True
     # ... and a merge's own cost to each running request of the pair, in decode steps, beyond
     # the prefills: the transitions' pauses and its slower decode steps over the shortest
@@ -419,8 +421,8 @@ class KunServeController:
             prompts / rate + self.cfg.pays_merge_steps)
         if wait <= stall:
             return False
-        return (f"it pays: the queue would wait {wait:g} decode steps whole{arriving}, its "
-                f"merged prefills stall the running requests {stall:.0f}")
+        return (f"it pays: the queue would wait {wait:g} decode steps whole{arriving}, the "
+                f"merge and its prefills stall the running requests {stall:.0f}")
 
     # ---- restore ----------------------------------------------------------------------------
 
