@@ -20,7 +20,6 @@ from sglang_morph.kunserve.controller import (
     KvCentric,
     ReplicaSnapshot,
     Restore,
-    queue_wait_steps,
     queue_waits,
 )
 from sglang_morph.kunserve.cost import (
@@ -766,7 +765,7 @@ def test_controller_waits_for_requests_about_to_finish_instead_of_dropping(plann
         ControllerConfig(finishing_steps=-1)
 
 
-def test_queue_wait_steps_by_hand():
+def test_queue_waits_by_hand():
     """A 100-token room: running requests reserving 30 (ends in 5 steps), 40 (12) and 20 (3),
     so 10 tokens are free now. Queued 25 (4 outputs): admitted when the 20 ends (3 steps; 30
     free), it ends at 7; then queued 30 (6 outputs) needs 30 with 5 free: the 30 ends (5; 35
@@ -776,13 +775,13 @@ def test_queue_wait_steps_by_hand():
     running = [(30, 5), (40, 12), (20, 3)]
     queued = [(25, 4), (30, 6), (40, 8), (6, 2)]
     assert queue_waits(100, running, queued) == [3, 5, 11, 11]
-    assert queue_wait_steps(100, running, queued[:1]) == 3
-    assert queue_wait_steps(100, running, queued) == 3 + 5 + 11 + 11
-    assert queue_wait_steps(100, running, [(10, 1)]) == 0  # fits now
+    assert sum(queue_waits(100, running, queued[:1])) == 3
+    assert sum(queue_waits(100, running, queued)) == 3 + 5 + 11 + 11
+    assert queue_waits(100, running, [(10, 1)]) == [0]  # fits now
     # Over the whole room: it never fits a whole replica, nor does anything behind it.
     assert queue_waits(100, running, [(25, 4), (101, 1), (6, 2)]) == [3, math.inf, math.inf]
-    assert queue_wait_steps(100, running, [(101, 1)]) == math.inf
-    assert queue_wait_steps(100, [], []) == 0
+    assert sum(queue_waits(100, running, [(101, 1)])) == math.inf
+    assert queue_waits(100, [], []) == []
     # A queue longer than the pool drains as its own requests end: finite waits.
     assert queue_waits(100, [], [(60, 10)] * 3) == [0, 10, 20]
 

@@ -72,7 +72,7 @@ class ReplicaSnapshot:
     that comes back sooner than a drop would make it.
     ``running_requests``, ``queued_prompt_tokens``: how many requests run, and the prompt
     tokens of the queue; ``queue_wait_steps``: the queued requests' waits for admission on
-    this replica unmerged, in decode steps, summed (``queue_wait_steps``; ``inf`` when one
+    this replica unmerged, in decode steps, summed (``queue_waits``; ``inf`` when one
     never fits); ``queue_drain_steps``: the last one's (when the queue would be in).
     ``arrivals_per_step``, ``arrival_prompt_tokens_per_step``: the requests, and their prompt
     tokens, that reached this replica per forward step over the last ``ARRIVAL_WINDOW_S``.
@@ -195,12 +195,6 @@ def queue_waits(room_tokens: int, running: Sequence[tuple[int, int]],
         heapq.heappush(ends, (now + steps, tokens))
         waits.append(float(now))
     return waits
-
-
-def queue_wait_steps(room_tokens: int, running: Sequence[tuple[int, int]],
-                     queued: Sequence[tuple[int, int]]) -> float:
-    """``queue_waits`` summed (``inf`` when a queued request never fits)."""
-    return float(sum(queue_waits(room_tokens, running, queued)))
 
 
 @dataclasses.dataclass(frozen=True)
