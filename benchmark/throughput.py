@@ -27,10 +27,12 @@ Method, for batch size B, P prompt tokens and D new tokens per sequence:
   keeps the number right either way. These are end-to-end numbers: HTTP, tokenizer manager,
   scheduler, detokenizer and streaming are all inside them, and SGLang's helper processes and
   this client share the cores with the model's threads.
-- transformers: prefill = one timed forward over the B x P batch (``use_cache=True`` and
-  ``logits_to_keep=1``, as ``generate``'s own first step runs it); then
-  ``generate(max_new_tokens=D, min_new_tokens=D, do_sample=False)`` is timed and decode tokens/s
-  = B*(D-1) / (generate - prefill), i.e. the same token count as SGLang's decode phase.
+- transformers: one ``generate(max_new_tokens=D, min_new_tokens=D, do_sample=False)`` call per
+  batch, with a streamer that timestamps each step's tokens as ``generate`` hands them over.
+  prefill tokens/s = B*P / (first new tokens - call start); decode tokens/s = B*(D-1) / (end -
+  first new tokens), the same split and token count as SGLang's. Both phases come from one call:
+  subtracting a separately timed prefill forward from a timed ``generate`` could read a negative
+  decode time when the two prefills' noise exceeded the short decode.
   In-process under ``torch.inference_mode()``, torch's default thread count (as the server).
 - Each (engine, B) first runs one untimed warm-up (P prompt tokens, a short decode) so
   per-shape kernel setup is not timed. Repetitions alternate the engines, so drifting
@@ -60,6 +62,7 @@ import httpx
 import torch
 from tqdm import tqdm
 from transformers import AutoModelForCausalLM, AutoTokenizer
+from transformers.generation.streamers import BaseStreamer
 
 from benchmark.harness import REPO_ROOT, git_state, machine_info, running_server
 from sglang_morph.models import default_model_path
@@ -321,16 +324,27 @@ def run_sglang(
     )
 
 
+class _StepClock(BaseStreamer):
+    """Times ``generate``: its first ``put`` is the prompt, the next ones each step's new tokens."""
+
+    def __init__(self) -> None:
+        self.put_times_s: list[float] = []
+
+    def put(self, value) -> None:
+        self.put_times_s.append(time.perf_counter())
+
+    def end(self) -> None:
+        pass
+
+
 def run_transformers(
     model, prompts: list[list[int]], decode_tokens: int, pad_token_id: int
 ) -> PhaseTiming:
     input_ids = torch.tensor(prompts)
     attention_mask = torch.ones_like(input_ids)  # equal lengths: no padding anywhere
     batch_size, prompt_tokens = input_ids.shape
+    clock = _StepClock()
     with torch.inference_mode():
-        start_s = time.perf_counter()
-        model(input_ids=input_ids, attention_mask=attention_mask, use_cache=True, logits_to_keep=1)
-        prefill_s = time.perf_counter() - start_s
         start_s = time.perf_counter()
         output_ids = model.generate(
             input_ids,
@@ -339,14 +353,21 @@ def run_transformers(
             min_new_tokens=decode_tokens,
             do_sample=False,
             pad_token_id=pad_token_id,
+            streamer=clock,
         )
-        generate_s = time.perf_counter() - start_s
+        end_s = time.perf_counter()
     if output_ids.shape != (batch_size, prompt_tokens + decode_tokens):
         raise RuntimeError(f"generate returned shape {tuple(output_ids.shape)}")
+    # One put for the prompt, then one per generated step.
+    if len(clock.put_times_s) != 1 + decode_tokens:
+        raise RuntimeError(
+            f"generate streamed {len(clock.put_times_s)} times, expected {1 + decode_tokens}"
+        )
+    first_token_s = clock.put_times_s[1]
     return PhaseTiming(
-        prefill_s=prefill_s,
+        prefill_s=first_token_s - start_s,
         prefill_tokens=batch_size * prompt_tokens,
-        decode_s=generate_s - prefill_s,
+        decode_s=end_s - first_token_s,
         decode_tokens=batch_size * (decode_tokens - 1),
     )
 
