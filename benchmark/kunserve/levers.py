@@ -57,6 +57,9 @@ LEVERS = (
     *(Lever(f"drop only when it pays (35 prompt tokens a decode step, a merge {n} steps)",
             controller={"pays_prefill_tokens_per_step": 35, "pays_merge_steps": n})
       for n in (10, 20)),
+    # ... with each replica's own rate, measured on its simulated whole forwards
+    Lever("drop only when it pays (the rate measured, a merge 10 steps)",
+          controller={"pays_prefill_tokens_per_step": "measured", "pays_merge_steps": 10}),
     *(Lever(f"drop only when the queue now pays ({n} prompt tokens a decode step)",
             controller={"pays_prefill_tokens_per_step": n, "pays_counts_arrivals": False})
       for n in (35, 70)),

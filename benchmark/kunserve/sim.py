@@ -61,6 +61,7 @@ from sglang_morph.kunserve.controller import (
     KunServeController,
     ReplicaSnapshot,
     Restore,
+    StepCostMeter,
     queue_waits,
 )
 from sglang_morph.kunserve.cost import Chunk, ForwardTiming, PhaseCosts
@@ -320,6 +321,9 @@ class Unit:
                                    f"({self.waiting[0].reserved_tokens} tokens) never fits "
                                    f"{self.capacity_tokens}")
             back, next_at = self._forward(items)
+            if self.group.size == 1:  # a whole replica's forward, as the live one measures
+                self.sim.step_costs[self.replicas[0]].record(
+                    not admitted, sum(i.new_tokens for i in items), next_at - env.now)
             self.iteration += 1
             for replica in self.replicas:
                 self.sim.forwards[replica] += 1
@@ -376,6 +380,7 @@ class ClusterSim:
         # Each replica's forward steps, and its arrival rates as the live view measures them
         self.forwards = [0] * replicas
         self.meters = [ArrivalMeter() for _ in range(replicas)]
+        self.step_costs = [StepCostMeter() for _ in range(replicas)]
         self.finishing_steps = controller_cfg.finishing_steps
         self.monitor_s = monitor_s
         self.env.process(self.arrivals())
@@ -448,7 +453,8 @@ class ClusterSim:
                                           if k == 0 else 0),
                     queue_wait_steps=float(sum(waits)) if k == 0 else 0.0,
                     queue_drain_steps=waits[-1] if waits and k == 0 else 0.0,
-                    arrivals_per_step=arrivals, arrival_prompt_tokens_per_step=arrival_tokens))
+                    arrivals_per_step=arrivals, arrival_prompt_tokens_per_step=arrival_tokens,
+                    prefill_tokens_per_step=self.step_costs[m.replica].prefill_tokens_per_step()))
         groups = tuple(dict.fromkeys(u.group for u in self.units if u.group.size > 1))
         return ClusterView(self.env.now, tuple(sorted(snapshots, key=lambda s: s.replica)),
                            groups)

@@ -13,6 +13,7 @@ import pytest
 
 from sglang_morph.kunserve.controller import (
     ArrivalMeter,
+    StepCostMeter,
     ClusterView,
     ControllerConfig,
     Drop,
@@ -803,6 +804,67 @@ def test_arrival_meter_counts_each_request_once_per_forward_step():
         ArrivalMeter(window_s=0)
 
 
+def test_step_cost_meter_gives_prefill_tokens_per_decode_step():
+    """The median of the latest decode steps' seconds times the latest prefills' tokens over
+    their seconds; None until both kinds were seen; older forwards leave the window."""
+    meter = StepCostMeter(window=3)
+    assert meter.prefill_tokens_per_step() is None
+    meter.record(False, 384, 1.1)
+    assert meter.prefill_tokens_per_step() is None  # no decode step yet
+    for seconds in (0.12, 0.08, 0.10):
+        meter.record(True, 3, seconds)
+    meter.record(False, 100, 0.3)
+    assert meter.prefill_tokens_per_step() == pytest.approx(0.10 * 484 / 1.4)
+    # Nothing recorded for a forward that took no time or prefilled nothing
+    meter.record(True, 3, 0.0)
+    meter.record(False, 0, 0.5)
+    assert meter.prefill_tokens_per_step() == pytest.approx(0.10 * 484 / 1.4)
+    # Three more decode steps and two more prefills push the first ones out
+    for seconds in (0.2, 0.2, 0.3):
+        meter.record(True, 4, seconds)
+    meter.record(False, 200, 0.5)
+    meter.record(False, 300, 0.7)
+    assert meter.prefill_tokens_per_step() == pytest.approx(0.2 * 600 / 1.5)
+    for bad in (0, 1.5, None):
+        with pytest.raises(ValueError, match="window must be an integer"):
+            StepCostMeter(window=bad)
+
+
+def test_the_pay_rule_can_weigh_with_the_replicas_measured_rate(planner):
+    """``pays_prefill_tokens_per_step: "measured"``: the replicas' own rates (their mean) in
+    place of the constant; while none is measured the drop goes ahead, as without the rule."""
+    full = planner.full_replica().kv_capacity_tokens
+
+    def view(wait: float, rates: tuple):
+        snaps = (ReplicaSnapshot(0, full, full // 2, full, 350 + 64, queue_refused=True,
+                                 running_requests=3, queued_prompt_tokens=350,
+                                 queue_wait_steps=wait, prefill_tokens_per_step=rates[0]),
+                 ReplicaSnapshot(1, full, 0, running_requests=2,
+                                 prefill_tokens_per_step=rates[1]))
+        return ClusterView(0, snaps)
+
+    def ctl():
+        return KunServeController(planner, ControllerConfig(
+            drop_persist=1, min_dwell_s=0, pays_prefill_tokens_per_step="measured",
+            pays_counts_arrivals=False))
+
+    # Measured at 35 on both: as the constant 35 (5 x 350 / 35 = 50 steps of stall)
+    assert ctl().decide(view(40, (35.0, 35.0))) is None
+    action = ctl().decide(view(60, (35.0, 35.0)))
+    assert isinstance(action, Drop) and action.reason.endswith(
+        "stall the running requests 50 at 35.0 prompt tokens a decode step, measured")
+    # The mean of 35 and 70 (52.5): 33 steps of stall, so a 40-step wait pays
+    assert isinstance(ctl().decide(view(40, (35.0, 70.0))), Drop)
+    # Only one measured: its own rate
+    assert ctl().decide(view(40, (None, 35.0))) is None
+    # None measured yet: the drop goes ahead
+    assert isinstance(ctl().decide(view(40, (None, None))), Drop)
+    assert ControllerConfig(pays_prefill_tokens_per_step="measured")
+    for bad in (0.0, -1.0, math.inf, math.nan):
+        with pytest.raises(ValueError, match="prefill_tokens_per_step must be positive"):
+            ReplicaSnapshot(0, full, 0, prefill_tokens_per_step=bad)
+
+
 def test_controller_drops_for_a_queue_only_when_it_pays(planner):
     """With pays_prefill_tokens_per_step, a refused queue drops only when its waits on whole
     replicas (decode steps, summed) exceed its merged prefills' stall on every running
@@ -845,7 +907,7 @@ def test_controller_drops_for_a_queue_only_when_it_pays(planner):
                              ReplicaSnapshot(1, full, 0)))
     assert isinstance(KunServeController(planner, ControllerConfig(
         drop_persist=1, min_dwell_s=0, pays_prefill_tokens_per_step=35)).decide(growth), Drop)
-    for bad in (0, -1.0, True, "35", math.inf):
+    for bad in (0, -1.0, True, "35", "Measured", math.inf):
         with pytest.raises(ValueError, match="pays_prefill_tokens_per_step must be a positive"):
             ControllerConfig(pays_prefill_tokens_per_step=bad)
     with pytest.raises(ValueError, match="negative"):

@@ -38,10 +38,12 @@ def _replica(waiting: int, running: int, batch_is_full: bool, max_running: int =
         running_batch=types.SimpleNamespace(batch_is_full=batch_is_full),
         tree_cache=types.SimpleNamespace(evictable_size=lambda: 0),
         new_token_ratio_tracker=types.SimpleNamespace(current=0.7))
+    from sglang_morph.kunserve.controller import StepCostMeter
+
     return types.SimpleNamespace(
         scheduler=sched, epoch=0, subgroup=[0], live_requests=lambda: [req(10)] * running,
         pool=types.SimpleNamespace(size=910),
-        allocator=types.SimpleNamespace(available_size=lambda: 500))
+        allocator=types.SimpleNamespace(available_size=lambda: 500), step_costs=StepCostMeter())
 
 
 @pytest.mark.parametrize("waiting, running, full, max_running, refused", [
@@ -93,6 +95,15 @@ def test_local_view_predicts_the_queues_wait_from_the_running_requests_ends():
     view = local_view(replica, arrivals=(0.25, 30.0))
     assert (snapshot(0, view).arrivals_per_step,
             snapshot(0, view).arrival_prompt_tokens_per_step) == (0.25, 30.0)
+    # The replica's measured prefill tokens per decode step: none before its forwards, then
+    # what its meter gives, passed to the controller's snapshot
+    assert view["prefill_tokens_per_step"] is None
+    assert snapshot(0, view).prefill_tokens_per_step is None
+    replica.step_costs.record(True, 2, 0.1)
+    replica.step_costs.record(False, 350, 1.0)
+    view = local_view(replica)
+    assert view["prefill_tokens_per_step"] == pytest.approx(35.0)
+    assert snapshot(0, json.loads(json.dumps(view))).prefill_tokens_per_step == pytest.approx(35.0)
     # A third like it waits for the second's room: the running requests and the queue's head
     # end at 8, the second at 16.
     replica.scheduler.waiting_queue = replica.scheduler.waiting_queue + [long_one]
@@ -123,6 +134,52 @@ def test_local_view_sees_the_refusal_sglang_s_next_attempt_makes():
     assert local_view(_replica(1, 8, False, prompt=490))["queue_refused"] == 0  # the count
     idle = _replica(0, 2, False)
     assert admission_refuses(idle.scheduler, idle.live_requests(), 0) is False  # no queue
+
+
+@pytest.mark.parametrize("merged", [False, True])
+def test_the_runner_hook_times_a_whole_replicas_forwards_only(merged):
+    """``around_runner_forward`` hands a whole replica's forward and its time to
+    ``record_whole_forward``, whose decode steps and prefills ``step_costs`` weighs; a merged
+    replica's forwards (its share of the layers) are not a whole replica's and are left out,
+    as is a batch that mixes prefill and decode."""
+    import threading
+    import time
+    import types
+
+    from sglang_morph.kunserve.controller import StepCostMeter
+    from sglang_morph.kunserve.live.hooks import around_runner_forward
+    from sglang_morph.kunserve.live.replica import KunServeReplica
+
+    def batch(mode: str, new: list[int]):
+        return types.SimpleNamespace(
+            forward_mode=types.SimpleNamespace(is_decode=lambda: mode == "decode",
+                                               is_extend=lambda: mode != "decode",
+                                               name=mode.upper()),
+            seq_lens_cpu=types.SimpleNamespace(tolist=lambda: [10] * len(new)),
+            extend_prefix_lens_cpu=[0] * len(new), extend_seq_lens_cpu=new)
+
+    replica = types.SimpleNamespace(
+        merged=merged, compute_lock=threading.Lock(), step_costs=StepCostMeter(),
+        hold_for_peer_prefill=lambda: None, send_ahead=lambda fb: None,
+        settle_ahead=lambda: None)
+    replica.record_whole_forward = lambda fb, s: KunServeReplica.record_whole_forward(
+        replica, fb, s)
+    runner = types.SimpleNamespace(kunserve=replica)
+
+    def forward(runner, fb, seconds):
+        time.sleep(seconds)
+        return fb
+
+    for fb, seconds in ((batch("decode", [1, 1]), 0.05), (batch("extend", [300, 100]), 0.2),
+                        (batch("mixed", [200, 1]), 0.5)):
+        assert around_runner_forward(forward, runner, fb, seconds) is fb
+    rate = replica.step_costs.prefill_tokens_per_step()
+    if merged:
+        assert rate is None
+    else:
+        # 0.05 s a decode step, 400 tokens in 0.2 s: 100 tokens a step (a sleep overshoots by
+        # a few milliseconds; the mixed batch's 0.5 s would read 40)
+        assert 70 < rate < 130
 
 
 def test_a_queue_the_merged_cap_holds_is_not_a_kv_refusal():

@@ -131,6 +131,10 @@ def test_whole_replicas_run_requests_together(capped, prompts, undropped,
     outputs, most_running, _ = together_on_replica_0(capped, prompts)
     assert outputs == undropped
     assert most_running >= 2
+    # Each replica has prefilled and decoded whole: the pay rule's measured rate is there
+    for rep in status(capped)["replicas"]:
+        rate = rep["load"]["prefill_tokens_per_step"]
+        assert isinstance(rate, float) and rate > 1, rep["load"]
 
 
 def test_merged_replicas_run_at_most_the_cap_and_serve_undropped_outputs(

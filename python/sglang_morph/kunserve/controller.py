@@ -31,7 +31,9 @@ live monitor, the tests and the cluster simulator drive the same object:
   exceed that stall: the pair's running requests times the queued prompts' tokens over the
   tokens a replica prefills in the time of a decode step, plus the merge's own cost to each
   (``pays_merge_steps``). The requests expected to arrive while the queue drains (at the
-  replica's recent arrival rate) count on both sides.
+  replica's recent arrival rate) count on both sides. The rate may be ``"measured"``: each
+  replica's own, from its latest whole forwards (``StepCostMeter``), so the rule carries over
+  to a device where prefill and decode cost other than on the CPU it was tuned on.
 """
 
 from __future__ import annotations
@@ -40,6 +42,7 @@ import collections
 import dataclasses
 import heapq
 import math
+import statistics
 from collections.abc import Mapping, Sequence
 
 from sglang_morph.kunserve.planner import (
@@ -76,6 +79,9 @@ class ReplicaSnapshot:
     never fits); ``queue_drain_steps``: the last one's (when the queue would be in).
     ``arrivals_per_step``, ``arrival_prompt_tokens_per_step``: the requests, and their prompt
     tokens, that reached this replica per forward step over the last ``ARRIVAL_WINDOW_S``.
+    ``prefill_tokens_per_step``: the prompt tokens this replica prefills in the time of one
+    of its decode steps, measured on its latest whole forwards (``StepCostMeter``); None
+    before it has run both kinds.
     """
 
     replica: int
@@ -92,6 +98,7 @@ class ReplicaSnapshot:
     queue_drain_steps: float = 0.0
     arrivals_per_step: float = 0.0
     arrival_prompt_tokens_per_step: float = 0.0
+    prefill_tokens_per_step: float | None = None
 
     def __post_init__(self) -> None:
         if min(self.kv_capacity_tokens, self.kv_used_tokens, self.kv_growth_tokens,
@@ -99,6 +106,10 @@ class ReplicaSnapshot:
                self.queued_prompt_tokens, self.queue_wait_steps, self.queue_drain_steps,
                self.arrivals_per_step, self.arrival_prompt_tokens_per_step) < 0:
             raise ValueError(f"replica {self.replica}: negative token count in {self}")
+        rate = self.prefill_tokens_per_step
+        if rate is not None and not (math.isfinite(rate) and rate > 0):
+            raise ValueError(f"replica {self.replica}: prefill_tokens_per_step must be "
+                             f"positive, got {rate!r}")
         if self.kv_finishing_tokens > self.kv_used_tokens + self.kv_growth_tokens:
             raise ValueError(f"replica {self.replica}: finishing requests hold more than the "
                              f"running ones in {self}")
@@ -128,6 +139,48 @@ class ReplicaSnapshot:
 # of the past: a burst's arrivals on the replay's traces come over a few seconds, and a longer
 # window would still count a burst that is over.
 ARRIVAL_WINDOW_S = 5.0
+
+# The step costs a view reports (``ReplicaSnapshot.prefill_tokens_per_step``) are over this
+# many of the replica's latest whole forwards of each kind: a few seconds of decode here, and
+# the last bursts' prefills.
+STEP_COST_WINDOW = 32
+# ``ControllerConfig.pays_prefill_tokens_per_step``'s value for "each replica's own, measured"
+MEASURED = "measured"
+
+
+class StepCostMeter:
+    """The prompt tokens one replica prefills in the time of one of its decode steps, from its
+    own whole (unmerged) forwards: the median of its latest decode steps' seconds times its
+    latest prefills' tokens over their seconds. Summed over the prefills, so a prefill's fixed
+    cost weighs as it does in the stall it puts on running requests. Decode steps are timed
+    at the batch sizes the replica actually runs, which is what the stall is counted in.
+
+    Invariant: at most ``window`` forwards of each kind are kept; the rate is None until
+    there is one of each.
+    """
+
+    def __init__(self, window: int = STEP_COST_WINDOW):
+        if not isinstance(window, int) or window < 1:
+            raise ValueError(f"window must be an integer >= 1, got {window!r}")
+        self._decode_s: collections.deque[float] = collections.deque(maxlen=window)
+        self._prefills: collections.deque[tuple[int, float]] = collections.deque(maxlen=window)
+
+    def record(self, decode: bool, new_tokens: int, seconds: float) -> None:
+        """One whole forward: a decode step, or a prefill of ``new_tokens`` prompt tokens
+        (without the cached ones). A forward that took no time is not a measurement."""
+        if not seconds > 0 or (not decode and new_tokens < 1):
+            return
+        if decode:
+            self._decode_s.append(seconds)
+        else:
+            self._prefills.append((new_tokens, seconds))
+
+    def prefill_tokens_per_step(self) -> float | None:
+        if not self._decode_s or not self._prefills:
+            return None
+        tokens = sum(n for n, _ in self._prefills)
+        seconds = sum(s for _, s in self._prefills)
+        return statistics.median(self._decode_s) * tokens / seconds
 
 
 class ArrivalMeter:
@@ -243,8 +296,10 @@ class ControllerConfig:
     # merged pair's prefill of them puts on its running requests, each prompt costing
     # (its tokens / this) decode steps to every one of them. The value is the prompt tokens a
     # replica prefills in the time of one of its decode steps: about 35 on the replay's CPU
-    # (a 384-token prefill 1.1 s, a decode step of 2-3 requests 0.09-0.11 s).
-    pays_prefill_tokens_per_step: float | None = None
+    # (a 384-token prefill 1.1 s, a decode step of 2-3 requests 0.09-0.11 s). ``"measured"``:
+    # each replica's own (``ReplicaSnapshot.prefill_tokens_per_step``, the pair's mean); a
+    # drop pays while none is measured yet, as without the rule.
+    pays_prefill_tokens_per_step: float | str | None = None
     # ... counting, on both sides, the requests expected to arrive while the queue drains on
     # whole replicas (``queue_drain_steps`` at the recent ``arrivals_per_step``): each waits
     # behind the queue, and each is prefilled by the merged pair. False: the queue now only.
@@ -271,10 +326,11 @@ class ControllerConfig:
             if not isinstance(value, (int, float)) or isinstance(value, bool):
                 raise ValueError(f"{name} must be a number, got {value!r}")
         rate = self.pays_prefill_tokens_per_step
-        if rate is not None and not (isinstance(rate, (int, float)) and not isinstance(
-                rate, bool) and math.isfinite(rate) and rate > 0):
-            raise ValueError(f"pays_prefill_tokens_per_step must be a positive number or "
-                             f"null, got {rate!r}")
+        if rate is not None and rate != MEASURED and not (isinstance(rate, (int, float))
+                                                          and not isinstance(rate, bool)
+                                                          and math.isfinite(rate) and rate > 0):
+            raise ValueError(f"pays_prefill_tokens_per_step must be a positive number, "
+                             f"\"{MEASURED}\" or null, got {rate!r}")
         for name in ("partial_drop", "pays_counts_arrivals"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be true or false, got {getattr(self, name)!r}")
@@ -400,6 +456,14 @@ class KunServeController:
         queues = [r for r in over if r.waiting_tokens]
         if rate is None or not queues:
             return True
+        measured = ""
+        if rate == MEASURED:
+            rates = [r.prefill_tokens_per_step for r in free
+                     if r.prefill_tokens_per_step is not None]
+            if not rates:
+                return True  # nothing to weigh the drop with yet: as without the rule
+            rate = statistics.fmean(rates)
+            measured = f" at {rate:.1f} prompt tokens a decode step, measured"
         wait = sum(r.queue_wait_steps for r in queues)
         prompts = sum(r.queued_prompt_tokens for r in queues)
         arriving = ""
@@ -416,7 +480,7 @@ class KunServeController:
         if wait <= stall:
             return False
         return (f"it pays: the queue would wait {wait:g} decode steps whole{arriving}, the "
-                f"merge and its prefills stall the running requests {stall:.0f}")
+                f"merge and its prefills stall the running requests {stall:.0f}{measured}")
 
     # ---- restore ----------------------------------------------------------------------------
 

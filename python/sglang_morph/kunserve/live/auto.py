@@ -97,7 +97,8 @@ def local_view(replica: Any, finishing_steps: int = 0,
     is JSON, and /kunserve/status shows it), and the
     last one's (``queue_drain_steps``); ``arrivals_per_step`` and
     ``arrival_prompt_tokens_per_step``: ``arrivals`` (``AutoControl``'s ``ArrivalMeter``;
-    zero without one). Also the count of the link's transitions (``epoch``), which dates the
+    zero without one); ``prefill_tokens_per_step``: the replica's ``step_costs`` (None until
+    measured). Also the count of the link's transitions (``epoch``), which dates the
     view, and the replicas it serves with now (``group``)."""
     s = replica.scheduler
     running = replica.live_requests()
@@ -128,7 +129,8 @@ def local_view(replica: Any, finishing_steps: int = 0,
             "queued_prompt_tokens": sum(len(r.origin_input_ids) for r in s.waiting_queue),
             "queue_wait_steps": None if math.isinf(wait) else wait,
             "queue_drain_steps": None if math.isinf(drain) else drain,
-            "arrivals_per_step": arrivals[0], "arrival_prompt_tokens_per_step": arrivals[1]}
+            "arrivals_per_step": arrivals[0], "arrival_prompt_tokens_per_step": arrivals[1],
+            "prefill_tokens_per_step": replica.step_costs.prefill_tokens_per_step()}
 
 
 def _max_new(req: Any) -> int:
@@ -198,6 +200,7 @@ def snapshot(replica: int, view: dict[str, int]) -> ReplicaSnapshot:
         queue_drain_steps=math.inf if drain is None else float(drain),
         arrivals_per_step=float(view.get("arrivals_per_step", 0.0)),
         arrival_prompt_tokens_per_step=float(view.get("arrival_prompt_tokens_per_step", 0.0)),
+        prefill_tokens_per_step=view.get("prefill_tokens_per_step"),
         live=(LiveRequest(f"replica{replica}", used, owner=replica),) if used else ())
 
 

@@ -215,10 +215,12 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
         "\"restore_persist\": 3, \"min_dwell_s\": 5, \"partial_drop\": true, "
         "\"finishing_steps\": 16, \"pays_prefill_tokens_per_step\": null, "
         "\"pays_counts_arrivals\": true, \"pays_merge_steps\": 0}' (the defaults; "
-        "pays_prefill_tokens_per_step 35 drops for a queue only when its waits on whole "
-        "replicas exceed the stall its merged prefills put on the running requests, counting "
-        "the requests arriving meanwhile unless pays_counts_arrivals is false, and "
-        "pays_merge_steps decode steps of each running request for the merge itself).")
+        "pays_prefill_tokens_per_step 35, the prompt tokens a replica prefills in the time "
+        "of a decode step, or \"measured\", each replica's own from its whole forwards, "
+        "drops for a queue only when its waits on whole replicas exceed the stall its merged "
+        "prefills put on the running requests, counting the requests arriving meanwhile "
+        "unless pays_counts_arrivals is false, and pays_merge_steps decode steps of each "
+        "running request for the merge itself).")
     group.add_argument(
         "--kunserve-micro-batches", type=int, default=None, metavar="K",
         help="While merged, cut a replica's prefill of at least 128 tokens into up to K "

@@ -3,6 +3,7 @@ dict lookup and a call to the original on a replica without ``--enable-kunserve`
 
 from __future__ import annotations
 
+import time
 from typing import Any, Callable
 
 from sglang_morph.surface import HOOK_LLAMA_FORWARD, HOOK_RUNNER_FORWARD, IN_SCHEDULER, Hook
@@ -17,11 +18,18 @@ def around_runner_forward(original: Callable[..., Any], runner: Any, *args: Any,
     # The layers run under the replica's compute lock (replica.py, "Concurrency"); a merged
     # replica lets another member's cut prefill finish first, and a merged back member sends
     # its batch to the front's layers before it waits for the lock.
+    forward_batch = args[0] if args else kwargs["forward_batch"]
     replica.hold_for_peer_prefill()
-    replica.send_ahead(args[0] if args else kwargs["forward_batch"])
+    replica.send_ahead(forward_batch)
     try:
         with replica.compute_lock:
-            return original(runner, *args, **kwargs)
+            if replica.merged:
+                return original(runner, *args, **kwargs)
+            # Whole: its forwards are what the controller's measured pay rule weighs with
+            start_s = time.perf_counter()
+            out = original(runner, *args, **kwargs)
+            replica.record_whole_forward(forward_batch, time.perf_counter() - start_s)
+            return out
     finally:
         replica.settle_ahead()
 

@@ -82,7 +82,9 @@ from sglang_morph.elastic.kv_resizer import (
 )
 from sglang_morph.kunserve.live.attention import new_rows_backend
 from sglang_morph.kunserve.live.config import groups as groups_of_launch
+from sglang_morph.kunserve.live.forward_timings import batch_chunks
 from sglang_morph.kunserve.live.link import PeerLink
+from sglang_morph.kunserve.controller import StepCostMeter
 from sglang_morph.kunserve.cost import Chunk, OnlineChunkCost, balanced_bounds
 from sglang_morph.kunserve.planner import (
     DropPlannerConfig,
@@ -196,6 +198,9 @@ class KunServeReplica(GroupMember):
         # --kunserve-micro-batch-cuts cost: this replica's own micro-batches, timed stage by
         # stage, fit the chunk cost model its later prefills are cut by.
         self.cut_costs = OnlineChunkCost() if cfg.micro_batch_cuts == "cost" else None
+        # Its whole forwards' prefill tokens per decode step, for the controller's pay rule
+        # when it is set to "measured" (a perf_counter pair per forward otherwise unused).
+        self.step_costs = StepCostMeter()
         # --kunserve-merged-max-running: admission control while merged (None: SGLang's own
         # cap only). Whole, the replica admits up to SGLang's per-batch request cap as launched.
         self.merged_max_running = cfg.merged_max_running
@@ -925,6 +930,15 @@ class KunServeReplica(GroupMember):
                 self.batches_held += 1
                 self._peer_prefill_done.wait_for(lambda: not self._prefilling_peers,
                                                  timeout=self.HOLD_FOR_PREFILL_S)
+
+    def record_whole_forward(self, forward_batch: Any, seconds: float) -> None:
+        """A forward of this replica whole, for ``step_costs``: a decode step or a prefill (a
+        batch that mixes the two, or of another mode, is neither)."""
+        mode, _, new = batch_chunks(forward_batch)
+        if mode == "decode":
+            self.step_costs.record(True, len(new), seconds)
+        elif mode == "extend":
+            self.step_costs.record(False, sum(new), seconds)
 
     def _take_ahead(self, fb, positions, input_ids) -> list | None:
         """The micro-batches of the batch ``send_ahead`` sent (``[]``: sent uncut), or None when
