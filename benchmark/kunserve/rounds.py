@@ -103,6 +103,20 @@ def loop_stalls(arm: dict[str, Any]) -> dict[str, Any]:
             "stall_runqueue_s": sum(x.get("runqueue_s", 0.0) for x in stalls)}
 
 
+FORWARD_KEYS = ("decode_s_p50", "prefill_s_p50", "step_gap_s_p50")
+
+
+def own_forwards(arm: dict[str, Any]) -> dict[str, float | None]:
+    """The arm's own forwards during the replay, as its servers timed them (KunServe's outside
+    its merged windows): the median decode and prefill forward, and the median step gap (a
+    scheduler's own work between two forwards). None each where the replay has no timings."""
+    f = arm.get("forwards") or {}
+    phases = f.get("phases", {})
+    return {"decode_s_p50": phases.get("decode", {}).get("median_seconds"),
+            "prefill_s_p50": phases.get("prefill", {}).get("median_seconds"),
+            "step_gap_s_p50": f.get("step_gap_s", {}).get("median")}
+
+
 def one_round(report: dict[str, Any]) -> dict[str, Any]:
     arms = report["dp2"]["configs"]
     missing = [a for a in ARMS if "records" not in arms.get(a, {})]
@@ -118,7 +132,8 @@ def one_round(report: dict[str, Any]) -> dict[str, Any]:
                              for begin, end in windows],
         "arms": {a: {"all": distribution(arms[a]), "merged": distribution(arms[a], touched)}
                  for a in ARMS},
-        "client": {a: client_lateness(arms[a]) for a in ARMS}}
+        "client": {a: client_lateness(arms[a]) for a in ARMS},
+        "forwards": {a: own_forwards(arms[a]) for a in ARMS}}
     sent = [out["client"][a]["ttft_s_p99_from_send"] for a in ARMS]
     out["vs_dp2"] = {
         **against_dp2(out["arms"]["dp2"]["all"], out["arms"]["kunserve"]["all"]),
@@ -146,6 +161,8 @@ def aggregate(rounds: Sequence[dict[str, Any]]) -> dict[str, Any]:
         "arms": {a: {part: {k: spread([r["arms"][a][part][k] for r in rounds]) for k in
                             ("requests", *keys)} for part in ("all", "merged")} for a in ARMS},
         "vs_dp2": {k: spread([r["vs_dp2"][k] for r in rounds]) for k in rounds[0]["vs_dp2"]},
+        "forwards": {a: {k: spread([r.get("forwards", {}).get(a, {}).get(k) for r in rounds])
+                         for k in FORWARD_KEYS} for a in ARMS},
         "goals": GOALS}
 
 
@@ -210,6 +227,15 @@ def markdown(report: dict[str, Any]) -> str:
              + " requests, at most "
              + f"{max(r['client'][a]['max_s'] for r in report['per_round'] for a in ARMS):.2f} s."
              + _stall_sentence(report["per_round"]),
+             "",
+             "",
+             "Each arm's own forwards, as its servers timed them (KunServe's outside its merged "
+             "windows; the step gap is a scheduler's own work between two forwards), median "
+             "over the rounds (min to max), seconds:", "",
+             "| arm | decode forward p50 | prefill forward p50 | step gap p50 |",
+             "|---|---|---|---|",
+             *(f"| {a} | " + " | ".join(_cell(agg["forwards"][a][k], 4) for k in FORWARD_KEYS)
+               + " |" for a in ARMS),
              "",
              "CDFs, every round's requests pooled: [rounds_cdf.png](rounds_cdf.png)", "",
              "Per round:", ""]

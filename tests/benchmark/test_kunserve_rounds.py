@@ -112,7 +112,15 @@ def test_the_spread_over_rounds_and_the_files(tmp_path):
     for k, scale in enumerate((1.1, 1.5, 1.3)):
         d = tmp_path / f"r{k}"
         d.mkdir()
-        (d / "replay_dp2.json").write_text(json.dumps(report(scale)))
+        r = report(scale)
+        # Each arm's own forwards as the replay summarized them; the first round has none
+        if k:
+            for arm, decode_s in (("dp2", 0.05 * k), ("kunserve", 0.06 * k)):
+                r["dp2"]["configs"][arm]["forwards"] = {
+                    "phases": {"decode": {"median_seconds": decode_s},
+                               "prefill": {"median_seconds": 0.6}},
+                    "step_gap_s": {"median": 0.002}}
+        (d / "replay_dp2.json").write_text(json.dumps(r))
         dirs.append(str(d))
     assert KR.main([*dirs, "--out", str(tmp_path / "out"), "--point", "test point"]) == 0
     out = json.loads((tmp_path / "out" / "rounds.json").read_text())
@@ -124,6 +132,10 @@ def test_the_spread_over_rounds_and_the_files(tmp_path):
     assert "P50 TPOT change: +0.300 (+0.100 to +0.500)" in md
     assert "per round, DP 2 / KunServe: 0 / 0, 0 / 0, 0 / 0 requests, at most 0.00 s" in md
     assert (tmp_path / "out" / "rounds_cdf.png").stat().st_size > 0
+    # The forwards' spread over the rounds that have them
+    assert "| dp2 | 0.0750 (0.0500 to 0.1000) | 0.6000 (0.6000 to 0.6000) | 0.0020 (0.0020 " \
+           "to 0.0020) |" in md
+    assert out["aggregate"]["forwards"]["kunserve"]["decode_s_p50"]["n"] == 2
     # The plot pools the rounds: 3 x 10 requests; a merged window touches requests 7-9 at
     # scale 1.1 and 6-9 at 1.5 and 1.3 (request 6 then lives past 9.8 s).
     reports = [json.loads((tmp_path / f"r{k}" / "replay_dp2.json").read_text()) for k in range(3)]
