@@ -20,7 +20,10 @@ before the drop (an undropped server) and are checked on both replicas.
   changes nothing; the request (longer than a whole replica's pool) finishes;
 - a restore while a request streams on each replica gives both replicas every layer and their
   exact startup capacity back; the streams and later requests equal the undropped outputs;
-  the transitions log and the Prometheus series say what happened.
+  the transitions log and the Prometheus series say what happened. Replica 1's pool shrink
+  fails there (an injected fault): the restore stands on both replicas (one layout, one
+  epoch), replica 1's pool keeps its merged size, says so, refuses a drop meanwhile and
+  gives the tokens back at a retry between batches, while its request streams on.
 """
 
 from __future__ import annotations
@@ -29,6 +32,7 @@ import argparse
 import concurrent.futures
 import json
 import re
+import time
 import types
 
 import pytest
@@ -172,16 +176,30 @@ def test_without_the_flag_nothing_changes():
     assert not kunserve_config.get(server_args).enabled
 
 
+def test_a_drop_waits_for_a_deferred_shrink():
+    """A replica whose last restore's pool shrink is still pending votes against a drop,
+    naming what it has not given back; without one its vote is the usual."""
+    from sglang_morph.kunserve.live.replica import KunServeReplica
+
+    replica = types.SimpleNamespace(replica=1, merged=False, shrink_pending_tokens=1024,
+                                    subgroup=[1])
+    assert KunServeReplica._refusal(replica, True, (0, 1)) == (
+        "replica 1 has not given back 1024 KV tokens of its last restore yet (its pool shrink "
+        "is retried between batches)")
+    replica.shrink_pending_tokens, replica.merged = 0, True
+    assert "already merged" in KunServeReplica._refusal(replica, True, (0, 1))
+
+
 # ---- the live server ----
 
 @pytest.fixture(scope="module")
 def dp2(server_factory):
     # Replica 1's first KV grow fails (a test-only fault point): the first drop fails there
-    # after replica 0 completed its part.
+    # after replica 0 completed its part. Its first shrink fails too: the first restore's.
     return server_factory(
         "--dtype", "float32", "--dp-size", "2", "--enable-kunserve", "--max-total-tokens",
         str(WHOLE_TOKENS), "--enable-metrics", "--api-key", "test-api-key", "--admin-api-key",
-        "test-admin-key", env={"SGLANG_MORPH_FAULT": "grow", FAULT_REPLICA_ENV: "1"})
+        "test-admin-key", env={"SGLANG_MORPH_FAULT": "grow,shrink", FAULT_REPLICA_ENV: "1"})
 
 
 def status(server) -> dict:
@@ -403,13 +421,30 @@ def test_restore_with_requests_in_flight_gives_whole_replicas_back(dp2, prompts,
                                                                    default_model_path):
     s = transition_while_streaming(dp2, "restore", prompts, streamed_undropped, (0, 2))
     assert s["groups"] == [[0], [1]]
+    # Replica 1's shrink failed: the restore stands on both, its pool at the merged size
+    first, second = s["replicas"]
+    merged = second["kv_capacity_tokens_merged"]
+    assert first["kv_shrink_pending_tokens"] == 0
+    assert second["kv_capacity_tokens"] == merged
+    assert second["kv_shrink_pending_tokens"] == merged - WHOLE_TOKENS
+    assert second["transitions"][1]["kv_capacity_tokens"] == [merged, merged]
+    assert second["transitions"][1]["kv_shrink_pending_tokens"] == merged - WHOLE_TOKENS
+    # ... and gives them back at a retry between batches, a second later (the streams above
+    # ran on meanwhile and finished with their undropped outputs)
+    deadline = time.monotonic() + 60
+    while status(dp2)["replicas"][1]["kv_shrink_pending_tokens"] and time.monotonic() < deadline:
+        time.sleep(0.2)
+    s = status(dp2)
+    assert s["replicas"][1]["kv_shrink_pending_tokens"] == 0
+    assert s["replicas"][1]["kv_shrink_retries"] >= 1
     layer_token = kv_bytes_per_layer_token(default_model_path)
     for rep in s["replicas"]:
         assert rep["layers"] == [0, 30] and rep["dropped_weight_bytes"] == 0
         assert rep["kv_capacity_tokens"] == WHOLE_TOKENS and rep["peer_kv_capacity_tokens"] == 0
         assert [t["action"] for t in rep["transitions"]] == ["drop", "restore"]
         assert rep["transitions"][1]["kv_capacity_tokens"] == [
-            rep["kv_capacity_tokens_merged"], WHOLE_TOKENS]
+            rep["kv_capacity_tokens_merged"],
+            WHOLE_TOKENS if rep["replica"] == 0 else rep["kv_capacity_tokens_merged"]]
         assert rep["transitions"][1]["requests_in_flight"] == 1
         # Only allocated rows came back: far less than the mirrors' whole rows (both ways).
         whole_mirrors = 2 * (rep["kv_capacity_tokens_merged"] + 1) * 15 * layer_token

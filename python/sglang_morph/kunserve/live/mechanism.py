@@ -40,8 +40,7 @@ def attach(scheduler: Any):
         raise PluginError(f"sglang-morph: error: --enable-kunserve does not support this "
                           f"configuration: {e}") from e
     replica = scheduler.kunserve
-    step = replica.auto.on_step if replica.auto is not None else None
-    return step, replica.elastic_state
+    return replica.on_step, replica.elastic_state
 
 
 def hooks() -> tuple[Hook, ...]:

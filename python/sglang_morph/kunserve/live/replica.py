@@ -182,6 +182,11 @@ class KunServeReplica(GroupMember):
         # Merged: every other member's KV of our kept layers, at that member's slot numbers
         # (member rank -> _Mirror); whole: none.
         self.mirrors: dict[int, _Mirror] = {}
+        # Whole, the tokens the pool still has to give back after a restore whose shrink
+        # failed (retried between batches, ``on_step``); 0 otherwise.
+        self.shrink_pending_tokens = 0
+        self.shrink_retries = 0
+        self._shrink_retry_at_s = 0.0
         self._host_weights: dict[int, torch.Tensor] = {}  # id(param) -> data while dropped
         self.dropped_weight_bytes = 0
         self.transitions: list[dict[str, Any]] = []
@@ -324,6 +329,9 @@ class KunServeReplica(GroupMember):
             "peer_kv_capacity_tokens": peer,
             "kv_capacity_tokens_whole": int(self.kv_capacity_tokens_whole),
             "kv_capacity_tokens_merged": int(self.kv_capacity_tokens_merged),
+            # A restore's pool shrink still to do (it failed and is retried between batches)
+            "kv_shrink_pending_tokens": self.shrink_pending_tokens,
+            "kv_shrink_retries": self.shrink_retries,
             # The budget's KV (tokens x bytes, as the planner and MemoryBudget count it) and the
             # pools' bytes, which also hold SGLang's padding page per layer.
             "kv_bytes": (own + peer) * kv_bytes_per_token,
@@ -379,8 +387,10 @@ class KunServeReplica(GroupMember):
         assert (self.pool.start_layer, self.pool.layer_num) == (layers.start, len(layers)), (
             f"pool layers from {self.pool.start_layer}, {self.pool.layer_num} of them; "
             f"expected {layers}")
-        want = self.kv_capacity_tokens_merged if self.merged else self.kv_capacity_tokens_whole
+        want = (self.kv_capacity_tokens_merged if self.merged
+                else self.kv_capacity_tokens_whole + self.shrink_pending_tokens)
         assert self.pool.size == want, f"pool {self.pool.size} tokens, expected {want}"
+        assert not (self.merged and self.shrink_pending_tokens), "a shrink pending while merged"
         want_mirrors = set(self.active) - {self.rank} if self.merged else set()
         assert set(self.mirrors) == want_mirrors, (
             f"mirrors for members {sorted(self.mirrors)}, expected {sorted(want_mirrors)}")
@@ -469,7 +479,8 @@ class KunServeReplica(GroupMember):
             last = None
         else:
             phases = (Phase("the KV move back", self._split_move_kv, self._unsplit),)
-            # Checked by _refusal: nothing the peer could need to undo.
+            # Checked by _refusal: nothing the peer could need to undo. A shrink that fails
+            # anyway is deferred (_split_local), so the step itself does not fail.
             last = LastStep(self._split_local,
                             "every layer is back but the pool kept its merged size")
         self._in_flight = len(self.live_requests())
@@ -519,6 +530,7 @@ class KunServeReplica(GroupMember):
             "layers": [self.member.layers.start, self.member.layers.stop] if merge
             else [0, self.num_layers],
             "kv_capacity_tokens": [before, int(self.pool.size)],
+            "kv_shrink_pending_tokens": self.shrink_pending_tokens,
             "kv_moved_bytes": self._moved_bytes,
             "requests_in_flight": self._in_flight,
             "dropped_weight_bytes": self.dropped_weight_bytes,
@@ -540,6 +552,10 @@ class KunServeReplica(GroupMember):
 
     def _refusal(self, merge: bool, ranks: tuple[int, ...]) -> str | None:
         """This member's vote on a drop or restore of the link's members ``ranks``."""
+        if merge and self.shrink_pending_tokens:
+            return (f"replica {self.replica} has not given back {self.shrink_pending_tokens} "
+                    f"KV tokens of its last restore yet (its pool shrink is retried between "
+                    f"batches)")
         if merge == self.merged:
             others = [r for r in self.subgroup if r != self.replica]
             return (f"replica {self.replica} is already merged with "
@@ -754,9 +770,54 @@ class KunServeReplica(GroupMember):
                 (self.merged_chunked_prefill, True) if self.merged else self._whole_chunking)
 
     def _split_local(self) -> None:
-        KVResizer(self.scheduler, self.faults).shrink(
-            self.pool.size - self.kv_capacity_tokens_whole)
+        """The restore's last step, once every member has every layer back: this pool gives
+        the merged size's extra tokens back. A shrink that fails (the vote checked it can
+        succeed, so only a fault gets here) changes nothing in the pool and is retried between
+        batches (``on_step``): the restore stands on every member, so their layouts and the
+        epoch that dates their views stay alike, and the pool is larger than a whole
+        replica's until the retry succeeds."""
         self._merged_mirror = None
+        excess = self.pool.size - self.kv_capacity_tokens_whole
+        try:
+            KVResizer(self.scheduler, self.faults).shrink(excess)
+        except Exception:
+            logger.exception("sglang-morph: KunServe restore on replica %d: the pool shrink of "
+                             "%d tokens failed; retried between batches", self.replica, excess)
+            self.shrink_pending_tokens = excess
+            self._shrink_retry_at_s = time.monotonic() + self.SHRINK_RETRY_S
+
+    # A restore's failed pool shrink is tried again this long after the last attempt.
+    SHRINK_RETRY_S = 1.0
+
+    def on_step(self) -> None:
+        """Before every ``get_next_batch_to_run`` (scheduler thread, between batches): a
+        restore's deferred pool shrink when it is due, then the automatic control."""
+        if self.shrink_pending_tokens and time.monotonic() >= self._shrink_retry_at_s:
+            try:
+                self._retry_shrink()
+            except Exception:  # serving goes on; the status shows the shrink still pending
+                logger.exception("sglang-morph: KunServe replica %d: the deferred pool shrink",
+                                 self.replica)
+        if self.auto is not None:
+            self.auto.on_step()
+
+    def _retry_shrink(self) -> None:
+        self.shrink_retries += 1
+        try:
+            with self.compute_lock:
+                KVResizer(self.scheduler, self.faults).shrink(self.shrink_pending_tokens)
+        except Exception as e:  # the pool is unchanged; the next attempt comes later
+            self._shrink_retry_at_s = time.monotonic() + self.SHRINK_RETRY_S
+            logger.warning("sglang-morph: KunServe replica %d: the pool shrink of %d tokens "
+                           "failed again (attempt %d): %s", self.replica,
+                           self.shrink_pending_tokens, self.shrink_retries, e)
+            return
+        logger.info("sglang-morph: KunServe replica %d gave back the %d KV tokens of its last "
+                    "restore (attempt %d)", self.replica, self.shrink_pending_tokens,
+                    self.shrink_retries)
+        self.shrink_pending_tokens = 0
+        self.check_integrity()
+        self._publish_metrics()
 
     # Both directions skip what is already where they put it, so that an undo after a move
     # that stopped partway completes it.
