@@ -29,6 +29,7 @@ from benchmark.replay import metrics as M
 from benchmark.replay import report as R
 from benchmark.replay.client import replay
 from benchmark.replay.trace import TRACES, TraceWindow, load_window, prompt_token_ids
+from sglang_morph.kunserve.live.config import MERGED_PRIORITIES
 from sglang_morph.repo_data import WIKITEXT2_TRAIN_HEAD
 
 RESULTS = Path(__file__).resolve().parents[1] / "results"
@@ -384,6 +385,9 @@ def parse_args(argv: Sequence[str] | None) -> tuple[argparse.Namespace, Profile]
     p.add_argument("--kunserve-merged-chunked-prefill", type=int, default=None,
                    metavar="TOKENS", help="--dp2: the kunserve arm's "
                    "--kunserve-merged-chunked-prefill (default: none)")
+    p.add_argument("--kunserve-merged-priority", default=None, choices=MERGED_PRIORITIES,
+                   help="--dp2: the kunserve arm's --kunserve-merged-priority (default: the "
+                   "server's)")
     a = p.parse_args(argv)
     window = dict(QUICK_WINDOW if a.quick else DEFAULT_WINDOW)
     if a.trace:
@@ -416,7 +420,8 @@ def parse_args(argv: Sequence[str] | None) -> tuple[argparse.Namespace, Profile]
         ("--replica-budget", a.replica_budget),
         ("--kunserve-auto-config", a.kunserve_auto_config),
         ("--kunserve-merged-max-running", a.kunserve_merged_max_running),
-        ("--kunserve-merged-chunked-prefill", a.kunserve_merged_chunked_prefill))
+        ("--kunserve-merged-chunked-prefill", a.kunserve_merged_chunked_prefill),
+        ("--kunserve-merged-priority", a.kunserve_merged_priority))
         if value is not None]
     if not a.dp2 and dp2_only:
         p.error(f"{', '.join(dp2_only)} {'goes' if len(dp2_only) == 1 else 'go'} with --dp2")
@@ -447,7 +452,8 @@ def main(argv: Sequence[str] | None = None) -> int:
 
         run_dp2_arms(profile, a.replica_budget, KunServeArm(
             a.kunserve_auto_config, a.kunserve_merged_max_running,
-            a.kunserve_merged_chunked_prefill), dp_size=a.dp_size or 2)
+            a.kunserve_merged_chunked_prefill, a.kunserve_merged_priority),
+            dp_size=a.dp_size or 2)
         return 0
     report = run_driver(profile)
     write_report(report, profile.out_dir, profile.configs)

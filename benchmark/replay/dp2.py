@@ -71,6 +71,7 @@ class KunServeArm:
     auto_config: str | None = None  # --kunserve-auto-config JSON
     merged_max_running: int | None = None  # --kunserve-merged-max-running N
     merged_chunked_prefill: int | None = None  # --kunserve-merged-chunked-prefill TOKENS
+    merged_priority: str | None = None  # --kunserve-merged-priority prefill|decode
 
     def flags(self) -> tuple[str, ...]:
         return tuple(arg for field in dataclasses.fields(self)

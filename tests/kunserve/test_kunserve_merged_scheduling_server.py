@@ -13,6 +13,9 @@ outputs are the whole replicas' own, before the drop.
 - after the restore the launch cap and chunking are back and requests run together again;
 - merged, a replica fits the chunk cost model on its own micro-batches and cuts its later
   prefills by it, with the undropped outputs;
+- decode first (``--kunserve-merged-priority decode``): while one replica's cut prefill runs
+  through the other's layers, the other's decode steps go between its micro-batches (none
+  held back), with the undropped outputs;
 - the flags need ``--enable-kunserve`` and default to SGLang's scheduling (bad values:
   ``test_kunserve_live.py``).
 """
@@ -55,11 +58,27 @@ def test_the_flags_need_kunserve_and_default_to_none(field, flag, value):
                                                **{field: value})), name) == value
 
 
+def test_the_priority_needs_kunserve_and_defaults_to_prefill():
+    with pytest.raises(PluginError, match="--kunserve-merged-priority needs --enable-kunserve"):
+        configure_kunserve(launch_args(), argparse.Namespace(kunserve_merged_priority="decode"),
+                           False)
+    from_cli = kunserve_config.KunServeLiveConfig.from_cli_namespace
+    on = dict(enable_kunserve=True, kunserve_link_port=1)
+    assert from_cli(argparse.Namespace(**on)).merged_priority == "prefill"
+    assert from_cli(argparse.Namespace(**on, kunserve_merged_priority="decode")
+                    ).merged_priority == "decode"
+    with pytest.raises(kunserve_config.KunServeConfigError,
+                       match="--kunserve-merged-priority must be one of prefill, decode, got "
+                             "'first'"):
+        kunserve_config.KunServeLiveConfig(merged_priority="first")
+
+
 @pytest.fixture(scope="module")
 def capped(server_factory):
     return server_factory("--dtype", "float32", "--dp-size", "2", "--enable-kunserve",
                           "--max-total-tokens", "1024", "--kunserve-merged-max-running", str(CAP),
                           "--kunserve-merged-chunked-prefill", str(CHUNK_TOKENS),
+                          "--kunserve-merged-priority", "decode",
                           "--api-key", "test-api-key", "--admin-api-key", "test-admin-key")
 
 
@@ -185,9 +204,13 @@ def test_merged_replicas_run_at_most_the_cap_and_serve_undropped_outputs(
 def test_merged_prefills_are_cut_by_the_cost_model_fitted_on_their_micro_batches(
         capped, corpus_ids):  # noqa: F811
     prompts = [prompt_ids(corpus_ids, seed=60 + i, n_tokens=CUT_PROMPT_TOKENS)
-               for i in range(CUT_PROMPTS)]
-    # On replica 1: replica 0's radix cache must not hold them.
+               for i in range(CUT_PROMPTS + 1)]
+    # On replica 1: replica 0's radix cache must not hold them (the last is for decode first)
     reference = [generate_on(capped, ids, 1, N_NEW) for ids in prompts]
+    # A stream for replica 1, on replica 0 for the same reason
+    stream_ids = prompt_ids(corpus_ids, seed=70, n_tokens=STREAM_PROMPT_TOKENS)
+    stream_reference = generate_on(capped, stream_ids, 0, STREAM_NEW)
+    prompts, last_prompt = prompts[:CUT_PROMPTS], prompts[CUT_PROMPTS]
     r = post(capped, "drop")
     assert r.status_code == 200, r.text
     before = r.json()["replicas"][0]
@@ -196,12 +219,22 @@ def test_merged_prefills_are_cut_by_the_cost_model_fitted_on_their_micro_batches
     for ids in prompts:
         outputs.append(generate_on(capped, ids, 0, N_NEW))
         models.append(status(capped)["replicas"][0]["micro_batch_cost"])
-    assert outputs == reference
+    assert outputs == reference[:CUT_PROMPTS]
     # Three micro-batches a prompt, each stage timed; twelve timings fit the model, so at
     # least the last prompt was cut by it.
     after = status(capped)["replicas"][0]
     assert after["micro_batch_timings"] - timings == 3 * CUT_PROMPTS
     assert models[-1] is not None and set(models[-1]) >= {"alpha_s", "beta_s", "gamma_s"}
     assert all(v >= 0 for v in models[-1].values())
+    # Decode first: while replica 0's cut prefill runs through replica 1's layers, replica
+    # 1's stream keeps its steps going (none held back), and both outputs stay exact
+    held = status(capped)["replicas"][1]["batches_held"]
+    assert status(capped)["replicas"][1]["merged_priority"] == "decode"
+    stream = Stream(capped, stream_ids, STREAM_NEW, routed_dp_rank=1)
+    stream.wait_for(3)
+    assert generate_on(capped, last_prompt, 0, N_NEW) == reference[CUT_PROMPTS]
+    assert len(stream.ids) < STREAM_NEW, "the stream ended before the prefill"
+    assert stream.join() == stream_reference
+    assert status(capped)["replicas"][1]["batches_held"] == held
     r = post(capped, "restore")
     assert r.status_code == 200, r.text

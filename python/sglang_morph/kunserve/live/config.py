@@ -75,6 +75,7 @@ class AutoControlConfig:
 MAX_MICRO_BATCHES = 16
 MAX_GROUP_SIZE = 8  # stages of one pipeline; each a member's link to every other member
 MICRO_BATCH_CUTS = ("cost", "tokens")
+MERGED_PRIORITIES = ("prefill", "decode")
 # A chunk shorter than this spends more of its step on the fixed per-step work (sampling,
 # the link's two messages a stage) than on the prompt.
 MIN_CHUNK_TOKENS = 16
@@ -110,6 +111,11 @@ class KunServeLiveConfig:
     # While merged, each replica prefills at most this many tokens a step and runs its
     # decodes in the same step (SGLang's mixed chunked prefill; None: as launched).
     merged_chunked_prefill: int | None = None
+    # While merged, whose forward goes first when another member's cut prefill is running
+    # through this replica's layers: "prefill", it finishes before this replica's next
+    # forward (the queue a drop is for is served soonest); "decode", this replica's forwards
+    # go between its micro-batches (its running requests keep decoding).
+    merged_priority: str = "prefill"
 
     def __post_init__(self) -> None:
         _check_group_size(self.group_size)
@@ -121,6 +127,10 @@ class KunServeLiveConfig:
             raise KunServeConfigError(f"--kunserve-micro-batch-cuts must be one of "
                                       f"{', '.join(MICRO_BATCH_CUTS)}, got "
                                       f"{self.micro_batch_cuts!r}")
+        if self.merged_priority not in MERGED_PRIORITIES:
+            raise KunServeConfigError(f"--kunserve-merged-priority must be one of "
+                                      f"{', '.join(MERGED_PRIORITIES)}, got "
+                                      f"{self.merged_priority!r}")
         for flag, value, least in (
                 ("--kunserve-merged-max-running", self.merged_max_running, 1),
                 ("--kunserve-merged-chunked-prefill", self.merged_chunked_prefill,
@@ -146,6 +156,7 @@ class KunServeLiveConfig:
         cuts = getattr(args, "kunserve_micro_batch_cuts", None)
         cap = getattr(args, "kunserve_merged_max_running", None)
         chunk = getattr(args, "kunserve_merged_chunked_prefill", None)
+        priority = getattr(args, "kunserve_merged_priority", None)
         if not getattr(args, "enable_kunserve", False):
             given = [flag for flag, on in (("--kunserve-auto", auto),
                                            ("--kunserve-auto-config", auto_json is not None),
@@ -154,6 +165,8 @@ class KunServeLiveConfig:
                                            ("--kunserve-merged-max-running", cap is not None),
                                            ("--kunserve-merged-chunked-prefill",
                                             chunk is not None),
+                                           ("--kunserve-merged-priority",
+                                            priority is not None),
                                            ("--kunserve-group-size", group_size is not None))
                      if on]
             if given:
@@ -182,7 +195,8 @@ class KunServeLiveConfig:
                    auto=AutoControlConfig.from_json(auto_json) if auto else None,
                    **({} if micro is None else {"micro_batches": micro}),
                    **({} if cuts is None else {"micro_batch_cuts": cuts}),
-                   merged_max_running=cap, merged_chunked_prefill=chunk)
+                   merged_max_running=cap, merged_chunked_prefill=chunk,
+                   **({} if priority is None else {"merged_priority": priority}))
 
 
 def add_cli_args(parser: argparse.ArgumentParser) -> None:
@@ -242,6 +256,13 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
         "decodes in the same step (SGLang's mixed chunked prefill, set at a drop and put back "
         f"at the restore), so a merged prefill does not stall decodes (at least "
         f"{MIN_CHUNK_TOKENS}). Default: the launch's chunked prefill, not mixed.")
+    group.add_argument(
+        "--kunserve-merged-priority", default=None, choices=MERGED_PRIORITIES,
+        help="While merged, when another member's cut prefill runs through a replica's layers: "
+        "'prefill' (default), the replica's next forward waits for its last micro-batch (the "
+        "queue a drop is for gets its first tokens soonest); 'decode', the replica's forwards "
+        "go between its micro-batches (its running requests keep decoding, the prefill takes "
+        "longer).")
 
 
 def check_launch(server_args: Any, morph_enabled: bool) -> None:

@@ -200,6 +200,7 @@ class KunServeReplica(GroupMember):
         self.batches_sent_ahead = 0
         self.batches_held = 0  # own forwards held back for another member's cut prefill
         self.micro_batches = cfg.micro_batches  # --kunserve-micro-batches
+        self.merged_priority = cfg.merged_priority  # --kunserve-merged-priority
         # --kunserve-micro-batch-cuts cost: this replica's own micro-batches, timed stage by
         # stage, fit the chunk cost model its later prefills are cut by.
         self.cut_costs = OnlineChunkCost() if cfg.micro_batch_cuts == "cost" else None
@@ -360,6 +361,7 @@ class KunServeReplica(GroupMember):
             "chunked_prefill_size": self.scheduler.chunked_prefill_size,
             "mixed_chunk": bool(self.scheduler.is_mixed_chunk),
             "merged_chunked_prefill_tokens": self.merged_chunked_prefill,
+            "merged_priority": self.merged_priority,
             "batches_mixed": self.batches_mixed,
             # What the automatic control sees of this replica (also without it): held KV,
             # the remaining outputs of its running requests, its queue.
@@ -983,8 +985,9 @@ class KunServeReplica(GroupMember):
         micro-batch has come. Merged, a prefill's micro-batches use both cores; a decode step
         of this replica started between them needs both cores too, and stretched the prefill
         of a blocked prompt (the one a drop is for) by about a quarter in the replay. So a
-        merged prefill goes first; this replica's requests wait for it instead."""
-        if not self.merged:
+        merged prefill goes first; this replica's requests wait for it instead. With
+        ``--kunserve-merged-priority decode`` they do not wait."""
+        if not self.merged or self.merged_priority == "decode":
             return
         with self._peer_prefill_done:
             if self._prefilling_peers:
