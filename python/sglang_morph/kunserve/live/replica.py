@@ -204,8 +204,8 @@ class KunServeReplica(GroupMember):
         # --kunserve-micro-batch-cuts cost: this replica's own micro-batches, timed stage by
         # stage, fit the chunk cost model its later prefills are cut by.
         self.cut_costs = OnlineChunkCost() if cfg.micro_batch_cuts == "cost" else None
-        # Its whole forwards' prefill tokens per decode step, for the controller's pay rule
-        # when it is set to "measured" (a perf_counter pair per forward otherwise unused).
+        # Its whole forwards' prefill tokens per decode step: what the controller's pay rule
+        # weighs with when set to "measured", shown in /kunserve/status's load either way.
         self.step_costs = StepCostMeter()
         # --kunserve-merged-max-running: admission control while merged (None: SGLang's own
         # cap only). Whole, the replica admits up to SGLang's per-batch request cap as launched.
@@ -779,17 +779,27 @@ class KunServeReplica(GroupMember):
         epoch that dates their views stay alike, and the pool is larger than a whole
         replica's until the retry succeeds."""
         self._merged_mirror = None
-        excess = self.pool.size - self.kv_capacity_tokens_whole
-        try:
-            KVResizer(self.scheduler, self.faults).shrink(excess)
-        except Exception:
-            logger.exception("sglang-morph: KunServe restore on replica %d: the pool shrink of "
-                             "%d tokens failed; retried between batches", self.replica, excess)
-            self.shrink_pending_tokens = excess
-            self._shrink_retry_at_s = time.monotonic() + self.SHRINK_RETRY_S
+        self.shrink_pending_tokens = self.pool.size - self.kv_capacity_tokens_whole
+        self._give_back()
 
     # A restore's failed pool shrink is tried again this long after the last attempt.
     SHRINK_RETRY_S = 1.0
+
+    def _give_back(self) -> bool:
+        """Shrink the pool by ``shrink_pending_tokens`` (in a transition, or holding the compute
+        lock). False when it failed: the pool is unchanged and the next attempt is due
+        ``SHRINK_RETRY_S`` later."""
+        try:
+            KVResizer(self.scheduler, self.faults).shrink(self.shrink_pending_tokens)
+        except Exception:
+            logger.warning("sglang-morph: KunServe replica %d: the pool shrink of %d tokens "
+                           "after a restore failed (%d retries so far); retried between "
+                           "batches", self.replica, self.shrink_pending_tokens,
+                           self.shrink_retries, exc_info=True)
+            self._shrink_retry_at_s = time.monotonic() + self.SHRINK_RETRY_S
+            return False
+        self.shrink_pending_tokens = 0
+        return True
 
     def on_step(self) -> None:
         """Before every ``get_next_batch_to_run`` (scheduler thread, between batches): a
@@ -805,19 +815,12 @@ class KunServeReplica(GroupMember):
 
     def _retry_shrink(self) -> None:
         self.shrink_retries += 1
-        try:
-            with self.compute_lock:
-                KVResizer(self.scheduler, self.faults).shrink(self.shrink_pending_tokens)
-        except Exception as e:  # the pool is unchanged; the next attempt comes later
-            self._shrink_retry_at_s = time.monotonic() + self.SHRINK_RETRY_S
-            logger.warning("sglang-morph: KunServe replica %d: the pool shrink of %d tokens "
-                           "failed again (attempt %d): %s", self.replica,
-                           self.shrink_pending_tokens, self.shrink_retries, e)
-            return
+        with self.compute_lock:
+            tokens = self.shrink_pending_tokens
+            if not self._give_back():
+                return
         logger.info("sglang-morph: KunServe replica %d gave back the %d KV tokens of its last "
-                    "restore (attempt %d)", self.replica, self.shrink_pending_tokens,
-                    self.shrink_retries)
-        self.shrink_pending_tokens = 0
+                    "restore (retry %d)", self.replica, tokens, self.shrink_retries)
         self.check_integrity()
         self._publish_metrics()
 
