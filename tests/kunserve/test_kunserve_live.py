@@ -268,15 +268,33 @@ def all_outputs(server, prompts) -> tuple[list, list]:
 def transition_while_streaming(server, route: str, prompts, streamed, on_replicas) -> dict:
     """``route`` while prompt ``on_replicas[r]`` streams ``STREAM_NEW`` tokens on replica
     ``r``; the streams finish with their undropped outputs (``streamed``). The transition's
-    answer."""
-    streams = [Stream(server, prompts[i], STREAM_NEW, routed_dp_rank=r)
-               for r, i in enumerate(on_replicas)]
-    for stream in streams:
-        stream.wait_for(4)
-    r = post(server, route)
-    assert r.status_code == 200, r.text
-    assert [stream.join() for stream in streams] == [streamed[i] for i in on_replicas]
-    return r.json()
+    answer.
+
+    The streams are paused in place (SGLang's ``/pause_generation``: the requests stay in the
+    running batch, the scheduler still takes control requests) once they have tokens, so that
+    the transition lands while each is in flight however loaded the machine is; a status read
+    behind the pause on the same channel says whether each still is. A stream that finished
+    before the pause reached its scheduler (a loaded suite's lag) is run again."""
+    for _ in range(3):
+        streams = [Stream(server, prompts[i], STREAM_NEW, routed_dp_rank=r)
+                   for r, i in enumerate(on_replicas)]
+        for stream in streams:
+            stream.wait_for(4)
+        pause = requests.post(f"{server.url}/pause_generation", headers=ADMIN, timeout=60,
+                              json={"mode": "in_place"})
+        assert pause.status_code == 200, pause.text
+        try:
+            running = [rep["load"]["running_reqs"] for rep in status(server)["replicas"]]
+            r = post(server, route) if running == [1] * len(streams) else None
+        finally:
+            resume = requests.post(f"{server.url}/continue_generation", headers=ADMIN,
+                                   timeout=60, json={})
+            assert resume.status_code == 200, resume.text
+        assert [stream.join() for stream in streams] == [streamed[i] for i in on_replicas]
+        if r is not None:
+            assert r.status_code == 200, r.text
+            return r.json()
+    pytest.fail(f"the streams finished before every pause; running at the last: {running}")
 
 
 def dropped_layer_bytes(model_dir, layers: range, with_final_norm: bool) -> int:
