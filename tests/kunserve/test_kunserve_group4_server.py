@@ -43,7 +43,7 @@ import requests
 from test_morph_runtime_server import (  # noqa: F401
     ADMIN, Stream, corpus_ids, prompt_ids, tokenizer)
 from test_kunserve_auto import AUTO as AUTO_DEFAULTS
-from test_kunserve_live import generate_on, post, status
+from test_kunserve_live import generate_on, post, status, while_in_flight
 
 N_NEW = 24
 WHOLE_TOKENS = 256
@@ -112,10 +112,9 @@ def test_a_group_of_four_drops_to_four_stages_and_restores(dp4, prompts, undropp
     assert after["groups"] == ALONE
     assert [rep["transitions"] for rep in after["replicas"]] == [[]] * 4
 
-    streams = [Stream(dp4, prompts[r][0], N_NEW, routed_dp_rank=r) for r in STREAMED]
-    for stream in streams:
-        stream.wait_for(3)
-    r = post(dp4, "drop", json={"group": GROUP})
+    r, streamed = while_in_flight(
+        dp4, lambda: [Stream(dp4, prompts[r][0], N_NEW, routed_dp_rank=r) for r in STREAMED],
+        STREAMED, lambda: post(dp4, "drop", json={"group": GROUP}))
     assert r.status_code == 200, r.text
     s = r.json()
     assert s["groups"] == [GROUP]
@@ -131,8 +130,9 @@ def test_a_group_of_four_drops_to_four_stages_and_restores(dp4, prompts, undropp
         drop = rep["transitions"][-1]
         assert (drop["action"], drop["layers"]) == ("drop", rep["layers"])
         assert drop["kv_capacity_tokens"] == [WHOLE_TOKENS, merged]
-    assert sum(rep["transitions"][-1]["requests_in_flight"] for rep in s["replicas"]) >= 1
-    assert [stream.join() for stream in streams] == [undropped[r][0] for r in STREAMED]
+    assert [s["replicas"][r]["transitions"][-1]["requests_in_flight"] for r in STREAMED] == [
+        1] * len(STREAMED)
+    assert streamed == [undropped[r][0] for r in STREAMED]
 
     assert on_every_replica(dp4, prompts, 1) == [undropped[r][1] for r in GROUP]
     # The radix cache holds the long prompts from their undropped run: flushed, so that

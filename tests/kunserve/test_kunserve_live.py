@@ -265,36 +265,46 @@ def all_outputs(server, prompts) -> tuple[list, list]:
     return one_by_one, [together[:len(prompts)], together[len(prompts):]]
 
 
-def transition_while_streaming(server, route: str, prompts, streamed, on_replicas) -> dict:
-    """``route`` while prompt ``on_replicas[r]`` streams ``STREAM_NEW`` tokens on replica
-    ``r``; the streams finish with their undropped outputs (``streamed``). The transition's
-    answer.
+def while_in_flight(server, start, on_replicas, transition) -> tuple[requests.Response, list]:
+    """``transition()`` (a POST) while the streams ``start()`` begins are in flight on replicas
+    ``on_replicas`` (a stream each); the transition's response and the streams' outputs.
 
     The streams are paused in place (SGLang's ``/pause_generation``: the requests stay in the
     running batch, the scheduler still takes control requests) once they have tokens, so that
-    the transition lands while each is in flight however loaded the machine is; a status read
-    behind the pause on the same channel says whether each still is. A stream that finished
-    before the pause reached its scheduler (a loaded suite's lag) is run again."""
+    the transition finds them in flight however loaded the machine is; a status read behind
+    the pause, on the same channel, says whether each still is. Streams that finished before
+    the pause reached their schedulers (a loaded suite's lag) run again."""
     for _ in range(3):
-        streams = [Stream(server, prompts[i], STREAM_NEW, routed_dp_rank=r)
-                   for r, i in enumerate(on_replicas)]
+        streams = start()
         for stream in streams:
-            stream.wait_for(4)
+            stream.wait_for(3)
         pause = requests.post(f"{server.url}/pause_generation", headers=ADMIN, timeout=60,
                               json={"mode": "in_place"})
         assert pause.status_code == 200, pause.text
         try:
             running = [rep["load"]["running_reqs"] for rep in status(server)["replicas"]]
-            r = post(server, route) if running == [1] * len(streams) else None
+            r = transition() if all(running[i] for i in on_replicas) else None
         finally:
             resume = requests.post(f"{server.url}/continue_generation", headers=ADMIN,
                                    timeout=60, json={})
             assert resume.status_code == 200, resume.text
-        assert [stream.join() for stream in streams] == [streamed[i] for i in on_replicas]
+        outs = [stream.join() for stream in streams]
         if r is not None:
-            assert r.status_code == 200, r.text
-            return r.json()
+            return r, outs
     pytest.fail(f"the streams finished before every pause; running at the last: {running}")
+
+
+def transition_while_streaming(server, route: str, prompts, streamed, on_replicas) -> dict:
+    """``route`` while prompt ``on_replicas[r]`` streams ``STREAM_NEW`` tokens on replica
+    ``r`` (``while_in_flight``); the streams finish with their undropped outputs
+    (``streamed``). The transition's answer."""
+    r, outs = while_in_flight(
+        server, lambda: [Stream(server, prompts[i], STREAM_NEW, routed_dp_rank=r)
+                         for r, i in enumerate(on_replicas)],
+        range(len(on_replicas)), lambda: post(server, route))
+    assert outs == [streamed[i] for i in on_replicas]
+    assert r.status_code == 200, r.text
+    return r.json()
 
 
 def dropped_layer_bytes(model_dir, layers: range, with_final_norm: bool) -> int:

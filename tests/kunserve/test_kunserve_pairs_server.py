@@ -28,7 +28,7 @@ import requests
 # (corpus_ids and tokenizer are that module's fixtures)
 from test_morph_runtime_server import ADMIN, Stream, corpus_ids, prompt_ids, tokenizer  # noqa: F401
 from test_kunserve_auto import AUTO as AUTO_DEFAULTS
-from test_kunserve_live import generate_on as generate_long, status
+from test_kunserve_live import generate_on as generate_long, status, while_in_flight
 
 N_NEW = 16
 WHOLE_TOKENS = 256
@@ -173,15 +173,15 @@ def test_the_operator_names_a_pair_and_bad_groups_change_nothing(dp4, prompts, u
     # A drop of pair [0, 1] while a prompt streams on each of its replicas.
     whole = [generate_long(dp4, prompts[r][2], r, n_new=STREAM_NEW) for r in (0, 1)]
     assert [out[:N_NEW] for out in whole] == [undropped[0][2], undropped[1][2]]
-    streams = [Stream(dp4, prompts[r][2], STREAM_NEW, routed_dp_rank=r) for r in (0, 1)]
-    for stream in streams:
-        stream.wait_for(4)
-    r = post(dp4, "drop", json={"group": [0, 1]})
+    r, streamed = while_in_flight(
+        dp4, lambda: [Stream(dp4, prompts[r][2], STREAM_NEW, routed_dp_rank=r)
+                      for r in (0, 1)],
+        (0, 1), lambda: post(dp4, "drop", json={"group": [0, 1]}))
     assert r.status_code == 200, r.text
     assert r.json()["groups"] == [[0, 1], [2], [3]]
-    assert [stream.join() for stream in streams] == whole
-    assert sum(rep["transitions"][-1]["requests_in_flight"]
-               for rep in r.json()["replicas"][:2]) >= 1
+    assert streamed == whole
+    assert [rep["transitions"][-1]["requests_in_flight"]
+            for rep in r.json()["replicas"][:2]] == [1, 1]
     # Its controller restores it once idle; pair [2, 3] saw nothing.
     s = wait_for(dp4, lambda s: s["groups"] == ALONE, timeout_s=30)
     assert s["groups"] == ALONE, json.dumps(s)
