@@ -388,6 +388,9 @@ def parse_args(argv: Sequence[str] | None) -> tuple[argparse.Namespace, Profile]
     p.add_argument("--kunserve-merged-priority", default=None, choices=MERGED_PRIORITIES,
                    help="--dp2: the kunserve arm's --kunserve-merged-priority (default: the "
                    "server's)")
+    p.add_argument("--kunserve-merged-prefill-gap-steps", type=int, default=None, metavar="N",
+                   help="--dp2: the kunserve arm's --kunserve-merged-prefill-gap-steps "
+                   "(default: none)")
     a = p.parse_args(argv)
     window = dict(QUICK_WINDOW if a.quick else DEFAULT_WINDOW)
     if a.trace:
@@ -421,7 +424,8 @@ def parse_args(argv: Sequence[str] | None) -> tuple[argparse.Namespace, Profile]
         ("--kunserve-auto-config", a.kunserve_auto_config),
         ("--kunserve-merged-max-running", a.kunserve_merged_max_running),
         ("--kunserve-merged-chunked-prefill", a.kunserve_merged_chunked_prefill),
-        ("--kunserve-merged-priority", a.kunserve_merged_priority))
+        ("--kunserve-merged-priority", a.kunserve_merged_priority),
+        ("--kunserve-merged-prefill-gap-steps", a.kunserve_merged_prefill_gap_steps))
         if value is not None]
     if not a.dp2 and dp2_only:
         p.error(f"{', '.join(dp2_only)} {'goes' if len(dp2_only) == 1 else 'go'} with --dp2")
@@ -452,7 +456,8 @@ def main(argv: Sequence[str] | None = None) -> int:
 
         run_dp2_arms(profile, a.replica_budget, KunServeArm(
             a.kunserve_auto_config, a.kunserve_merged_max_running,
-            a.kunserve_merged_chunked_prefill, a.kunserve_merged_priority),
+            a.kunserve_merged_chunked_prefill, a.kunserve_merged_priority,
+            a.kunserve_merged_prefill_gap_steps),
             dp_size=a.dp_size or 2)
         return 0
     report = run_driver(profile)

@@ -72,6 +72,7 @@ class KunServeArm:
     merged_max_running: int | None = None  # --kunserve-merged-max-running N
     merged_chunked_prefill: int | None = None  # --kunserve-merged-chunked-prefill TOKENS
     merged_priority: str | None = None  # --kunserve-merged-priority prefill|decode
+    merged_prefill_gap_steps: int | None = None  # --kunserve-merged-prefill-gap-steps N
 
     def flags(self) -> tuple[str, ...]:
         return tuple(arg for field in dataclasses.fields(self)

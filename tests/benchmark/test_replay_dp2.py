@@ -45,7 +45,8 @@ def test_the_kunserve_arms_flags_are_the_servers_own():
     assert arm.settings() == {"kunserve_auto_config": '{"min_dwell_s": 2}',
                               "kunserve_merged_max_running": None,
                               "kunserve_merged_chunked_prefill": 128,
-                              "kunserve_merged_priority": None}
+                              "kunserve_merged_priority": None,
+                              "kunserve_merged_prefill_gap_steps": None}
     # every flag the arm passes is one the server parses
     import argparse
 
@@ -53,11 +54,11 @@ def test_the_kunserve_arms_flags_are_the_servers_own():
 
     parser = argparse.ArgumentParser()
     add_cli_args(parser)
-    full = dp2.KunServeArm("{}", 2, 64, "decode")
+    full = dp2.KunServeArm("{}", 2, 64, "decode", 8)
     cfg = KunServeLiveConfig.from_cli_namespace(parser.parse_args(
         ["--enable-kunserve", "--kunserve-auto", "--kunserve-link-port", "1", *full.flags()]))
-    assert (cfg.merged_max_running, cfg.merged_chunked_prefill, cfg.merged_priority) == (
-        2, 64, "decode")
+    assert (cfg.merged_max_running, cfg.merged_chunked_prefill, cfg.merged_priority,
+            cfg.merged_prefill_gap_steps) == (2, 64, "decode", 8)
 
 
 def test_kunserve_sample_and_targets():

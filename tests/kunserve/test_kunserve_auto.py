@@ -193,6 +193,14 @@ def test_a_queue_the_merged_cap_holds_is_not_a_kv_refusal():
     assert local_view(capped)["queue_refused"] == 1
     capped.merged, capped.merged_max_running = True, 3  # under the cap: KV again
     assert local_view(capped)["queue_refused"] == 1
+    # Admission pacing holds the cap at the two running: not KV either, with or without
+    # the merged cap, and not once it is put back
+    capped.paced_cap = 2
+    assert local_view(capped)["queue_refused"] == 0
+    capped.merged_max_running = None
+    assert local_view(capped)["queue_refused"] == 0
+    capped.paced_cap = None
+    assert local_view(capped)["queue_refused"] == 1
 
 @pytest.mark.parametrize("flags, message", [
     (dict(kunserve_auto=True), "--kunserve-auto needs --enable-kunserve"),

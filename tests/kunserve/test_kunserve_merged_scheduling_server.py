@@ -1,7 +1,7 @@
 """Scheduling while merged: admission control (``--kunserve-merged-max-running N``) and mixed
 chunked prefill (``--kunserve-merged-chunked-prefill TOKENS``).
 
-One DP 2 server (float32, greedy, CPU) with N = 2 and chunks of 256 tokens. The reference
+One DP 2 server (float32, greedy, CPU) with N = 2, chunks of 256 tokens and G = 16. The reference
 outputs are the whole replicas' own, before the drop.
 
 - whole, a replica runs several requests at once (the cap is SGLang's as launched) and
@@ -13,6 +13,11 @@ outputs are the whole replicas' own, before the drop.
 - after the restore the launch cap and chunking are back and requests run together again;
 - merged, a replica fits the chunk cost model on its own micro-batches and cuts its later
   prefills by it, with the undropped outputs;
+- admission pacing (``--kunserve-merged-prefill-gap-steps G``): the pacing rule on a stand-in
+  replica (the cap held at the running count until G decode steps since the last prefill,
+  then put back; none without a queue or running requests; the first prefill after a drop
+  free); live, merged, a long prompt that arrives while a stream decodes waits for the stream's
+  steps (counted in ``prefills_paced``) and both finish with the undropped outputs;
 - decode first (``--kunserve-merged-priority decode``): while one replica's cut prefill runs
   through the other's layers, the other's decode steps go between its micro-batches (none
   held back), with the undropped outputs;
@@ -25,10 +30,12 @@ from __future__ import annotations
 import argparse
 import threading
 import time
+import types
 
 import pytest
 
 from sglang_morph.kunserve.live import config as kunserve_config
+from sglang_morph.kunserve.live.replica import KunServeReplica
 from sglang_morph.surface import PluginError
 # (corpus_ids and tokenizer are that module's fixtures)
 from test_kunserve_live import configure_kunserve, generate_on, launch_args, post, status
@@ -41,11 +48,13 @@ CHUNK_TOKENS = 256
 LONG_PROMPT_TOKENS, LONG_NEW = 600, 8  # three chunks, each cut into micro-batches
 CUT_PROMPT_TOKENS, CUT_PROMPTS = 200, 5  # not chunked; cut into three micro-batches each
 STREAM_PROMPT_TOKENS, STREAM_NEW = 24, 64
+GAP_STEPS = 16  # admission pacing: within a stream's STREAM_NEW, after its wait_for(4)
 
 
 @pytest.mark.parametrize("field, flag, value", [
     ("kunserve_merged_max_running", "--kunserve-merged-max-running", 3),
     ("kunserve_merged_chunked_prefill", "--kunserve-merged-chunked-prefill", 64),
+    ("kunserve_merged_prefill_gap_steps", "--kunserve-merged-prefill-gap-steps", 8),
 ])
 def test_the_flags_need_kunserve_and_default_to_none(field, flag, value):
     with pytest.raises(PluginError, match=f"{flag} needs --enable-kunserve"):
@@ -73,12 +82,101 @@ def test_the_priority_needs_kunserve_and_defaults_to_prefill():
         kunserve_config.KunServeLiveConfig(merged_priority="first")
 
 
+def test_the_gap_must_be_a_positive_integer():
+    for bad in (0, -1, 2.5, "8"):
+        with pytest.raises(kunserve_config.KunServeConfigError,
+                           match="--kunserve-merged-prefill-gap-steps must be an integer >= 1"):
+            kunserve_config.KunServeLiveConfig(merged_prefill_gap_steps=bad)
+
+
+class _Req:
+    def __init__(self, finished: bool = False):
+        self._finished = finished
+
+    def finished(self) -> bool:
+        return self._finished
+
+
+def paced_replica(gap: int | None, merged: bool = True, running: int = 2, queued: int = 1,
+                  merged_cap: int | None = None) -> types.SimpleNamespace:
+    """A stand-in for ``KunServeReplica`` with what its pacing reads; ``caps`` lists every
+    running-request cap set on SGLang."""
+    r = types.SimpleNamespace(
+        merged_prefill_gap_steps=gap, merged=merged, merged_max_running=merged_cap,
+        _whole_max_running=48, decodes_since_prefill=0, paced_cap=None, prefills_paced=0,
+        merged_chunked_prefill=None, caps=[],
+        scheduler=types.SimpleNamespace(waiting_queue=[_Req()] * queued,
+                                        running_batch=types.SimpleNamespace(batch_is_full=True)))
+    reqs = [_Req() for _ in range(running)]
+    r.live_requests = lambda: reqs
+    r._base_running_cap = lambda: KunServeReplica._base_running_cap(r)
+    r._set_running_cap = r.caps.append
+    return r
+
+
+def forward(mode: str) -> types.SimpleNamespace:
+    return types.SimpleNamespace(forward_mode=types.SimpleNamespace(
+        is_decode=lambda: mode == "decode", is_extend=lambda: mode == "extend"))
+
+
+def test_pacing_holds_the_cap_at_the_running_count_until_the_gap_is_decoded():
+    r = paced_replica(gap=3)
+    KunServeReplica._pace(r)
+    assert r.caps == [2] and r.prefills_paced == 1  # nothing admitted beside the two running
+    for expected in (1, 2):
+        KunServeReplica.count_merged_forward(r, forward("decode"))
+        assert r.decodes_since_prefill == expected
+        KunServeReplica._pace(r)
+        assert r.caps == [2]  # held, not set again
+    assert r.prefills_paced == 3
+    KunServeReplica.count_merged_forward(r, forward("decode"))
+    KunServeReplica._pace(r)
+    # The gap is decoded: SGLang's cap is back, and its refused admission's flag cleared
+    assert r.caps == [2, 48] and r.prefills_paced == 3
+    assert r.scheduler.running_batch.batch_is_full is False
+    KunServeReplica.count_merged_forward(r, forward("extend"))  # the queue's prefill ran
+    assert r.decodes_since_prefill == 0
+    KunServeReplica._pace(r)
+    assert r.caps == [2, 48, 2]
+
+
+def test_pacing_holds_nothing_without_a_queue_running_requests_a_merge_or_the_flag():
+    for r in (paced_replica(gap=3, queued=0), paced_replica(gap=3, running=0),
+              paced_replica(gap=3, merged=False), paced_replica(gap=None)):
+        KunServeReplica._pace(r)
+        assert r.caps == [] and r.prefills_paced == 0
+
+
+def test_pacing_holds_under_the_merged_cap_and_puts_it_back():
+    r = paced_replica(gap=2, running=5, merged_cap=3)
+    KunServeReplica._pace(r)
+    assert r.caps == [3]  # never above the cap admission control sets while merged
+    r.decodes_since_prefill = 2
+    KunServeReplica._pace(r)
+    assert r.caps == [3, 3]
+
+
+def test_the_first_prefill_after_a_drop_is_not_paced_and_a_restore_puts_the_cap_back():
+    r = paced_replica(gap=5)
+    KunServeReplica._admit(r)  # the drop
+    assert r.decodes_since_prefill == 5 and r.caps == []
+    KunServeReplica._pace(r)
+    assert r.caps == [] and r.prefills_paced == 0
+    r.decodes_since_prefill = 0
+    KunServeReplica._pace(r)
+    assert r.caps == [2]
+    r.merged = False
+    KunServeReplica._admit(r)  # the restore while held: the launch's cap
+    assert r.caps == [2, 48] and r.paced_cap is None
+
+
 @pytest.fixture(scope="module")
 def capped(server_factory):
     return server_factory("--dtype", "float32", "--dp-size", "2", "--enable-kunserve",
                           "--max-total-tokens", "1024", "--kunserve-merged-max-running", str(CAP),
                           "--kunserve-merged-chunked-prefill", str(CHUNK_TOKENS),
                           "--kunserve-merged-priority", "decode",
+                          "--kunserve-merged-prefill-gap-steps", str(GAP_STEPS),
                           "--api-key", "test-api-key", "--admin-api-key", "test-admin-key")
 
 
@@ -143,6 +241,7 @@ def test_whole_replicas_run_requests_together(capped, prompts, undropped,
     s = status(capped)
     for rep in s["replicas"]:
         assert rep["merged_max_running_requests"] == CAP
+        assert (rep["merged_prefill_gap_steps"], rep["prefills_paced"]) == (GAP_STEPS, 0)
         assert rep["max_running_requests"] > len(prompts)
         assert rep["merged_chunked_prefill_tokens"] == CHUNK_TOKENS
         assert rep["chunked_prefill_size"] > LONG_PROMPT_TOKENS and not rep["mixed_chunk"]
@@ -177,16 +276,19 @@ def test_merged_replicas_run_at_most_the_cap_and_serve_undropped_outputs(
     # chunks, and every chunk's step carries the stream's decode (mixed batches), so the
     # stream keeps producing tokens through the prefill. On the front member, and on the back
     # member, whose batches go to the front's layers before its forward.
+    # The long prompt arrives within GAP_STEPS of the stream's prefill: it waits for them.
     for replica, (long_ids, stream_ids) in enumerate(long_and_stream):
         mixed_before = status(capped)["replicas"][replica]["batches_mixed"]
+        paced_before = status(capped)["replicas"][replica]["prefills_paced"]
         stream = Stream(capped, stream_ids, STREAM_NEW, routed_dp_rank=replica)
         stream.wait_for(4)
         long_out = generate_on(capped, long_ids, replica, LONG_NEW)
         assert len(stream.ids) < STREAM_NEW, "the stream ended before the long prompt"
         assert (long_out, stream.join()) == long_and_stream_undropped[replica]
         chunks = -(-LONG_PROMPT_TOKENS // CHUNK_TOKENS)
-        assert (status(capped)["replicas"][replica]["batches_mixed"] - mixed_before
-                >= chunks - 1)
+        after = status(capped)["replicas"][replica]
+        assert after["batches_mixed"] - mixed_before >= chunks - 1
+        assert after["prefills_paced"] > paced_before
 
     r = post(capped, "restore")
     assert r.status_code == 200, r.text

@@ -176,9 +176,13 @@ def admission_refuses(scheduler: Any, running: list, free_tokens: int) -> bool:
 
 
 def merged_cap(replica: Any) -> int | None:
-    """The running-request cap admission control sets while the replica is merged (None:
-    whole, or no cap)."""
+    """The running-request cap admission control sets while the replica is merged, or the
+    lower one its pacing holds now (None: whole, or no cap): a queue held by either is not
+    held for KV."""
     cap = getattr(replica, "merged_max_running", None)
+    paced = getattr(replica, "paced_cap", None)
+    if paced is not None:
+        cap = paced if cap is None else min(cap, paced)
     return cap if getattr(replica, "merged", False) else None
 
 

@@ -116,6 +116,11 @@ class KunServeLiveConfig:
     # forward (the queue a drop is for is served soonest); "decode", this replica's forwards
     # go between its micro-batches (its running requests keep decoding).
     merged_priority: str = "prefill"
+    # While merged, a replica with running requests starts a prefill only after at least this
+    # many decode steps since its last one (None: whenever SGLang admits a request): its
+    # queue waits longer, its running requests decode between the prefills. The first
+    # prefill after a drop (the one the drop is for) does not wait.
+    merged_prefill_gap_steps: int | None = None
 
     def __post_init__(self) -> None:
         _check_group_size(self.group_size)
@@ -134,7 +139,8 @@ class KunServeLiveConfig:
         for flag, value, least in (
                 ("--kunserve-merged-max-running", self.merged_max_running, 1),
                 ("--kunserve-merged-chunked-prefill", self.merged_chunked_prefill,
-                 MIN_CHUNK_TOKENS)):
+                 MIN_CHUNK_TOKENS),
+                ("--kunserve-merged-prefill-gap-steps", self.merged_prefill_gap_steps, 1)):
             if value is not None and not (is_int(value) and value >= least):
                 raise KunServeConfigError(f"{flag} must be an integer >= {least}, "
                                           f"got {value!r}")
@@ -157,6 +163,7 @@ class KunServeLiveConfig:
         cap = getattr(args, "kunserve_merged_max_running", None)
         chunk = getattr(args, "kunserve_merged_chunked_prefill", None)
         priority = getattr(args, "kunserve_merged_priority", None)
+        gap = getattr(args, "kunserve_merged_prefill_gap_steps", None)
         if not getattr(args, "enable_kunserve", False):
             given = [flag for flag, on in (("--kunserve-auto", auto),
                                            ("--kunserve-auto-config", auto_json is not None),
@@ -167,6 +174,8 @@ class KunServeLiveConfig:
                                             chunk is not None),
                                            ("--kunserve-merged-priority",
                                             priority is not None),
+                                           ("--kunserve-merged-prefill-gap-steps",
+                                            gap is not None),
                                            ("--kunserve-group-size", group_size is not None))
                      if on]
             if given:
@@ -196,6 +205,7 @@ class KunServeLiveConfig:
                    **({} if micro is None else {"micro_batches": micro}),
                    **({} if cuts is None else {"micro_batch_cuts": cuts}),
                    merged_max_running=cap, merged_chunked_prefill=chunk,
+                   merged_prefill_gap_steps=gap,
                    **({} if priority is None else {"merged_priority": priority}))
 
 
@@ -263,6 +273,13 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
         "queue a drop is for gets its first tokens soonest); 'decode', the replica's forwards "
         "go between its micro-batches (its running requests keep decoding, the prefill takes "
         "longer).")
+    group.add_argument(
+        "--kunserve-merged-prefill-gap-steps", type=int, default=None, metavar="N",
+        help="Admission pacing while merged: a replica with running requests starts a prefill "
+        "only after at least N decode steps since its last one (SGLang's running-request cap, "
+        "held at the running count meanwhile); the first prefill after a drop does not wait. "
+        "Its queue waits longer, its running requests decode between the prefills. Default: "
+        "no pacing.")
 
 
 def check_launch(server_args: Any, morph_enabled: bool) -> None:

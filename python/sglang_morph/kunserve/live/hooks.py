@@ -24,6 +24,7 @@ def around_runner_forward(original: Callable[..., Any], runner: Any, *args: Any,
     try:
         with replica.compute_lock:
             if replica.merged:
+                replica.count_merged_forward(forward_batch)
                 return original(runner, *args, **kwargs)
             # Whole: its forwards are what the controller's measured pay rule weighs with
             start_s = time.perf_counter()

@@ -220,6 +220,13 @@ class KunServeReplica(GroupMember):
         # --kunserve-merged-chunked-prefill: SGLang's mixed chunked prefill while merged (None:
         # the scheduler's chunking as launched, in both states).
         self.merged_chunked_prefill = cfg.merged_chunked_prefill
+        # --kunserve-merged-prefill-gap-steps: admission pacing while merged (None: off). The
+        # own decode steps since this replica's last prefill (merged forwards only), the cap
+        # pacing holds now (None: not holding) and the steps it held a prefill back.
+        self.merged_prefill_gap_steps = cfg.merged_prefill_gap_steps
+        self.decodes_since_prefill = 0
+        self.paced_cap: int | None = None
+        self.prefills_paced = 0
         self._whole_chunking = (scheduler.chunked_prefill_size, scheduler.is_mixed_chunk)
         self.batches_mixed = 0  # own merged batches that carried a prefill and decodes
         self.batches_micro = 0  # own extend batches run as a pipeline of micro-batches
@@ -356,6 +363,10 @@ class KunServeReplica(GroupMember):
             # Requests SGLang lets this replica run at once now, and the cap while merged.
             "max_running_requests": _running_cap(),
             "merged_max_running_requests": self.merged_max_running,
+            # Admission pacing while merged: the decode steps between two prefills, and the
+            # steps a prefill waited for them.
+            "merged_prefill_gap_steps": self.merged_prefill_gap_steps,
+            "prefills_paced": self.prefills_paced,
             # The prefill chunk in tokens now (None: unchunked) and whether decodes ride in
             # its steps; the chunk set while merged; merged batches that mixed the two.
             "chunked_prefill_size": self.scheduler.chunked_prefill_size,
@@ -758,18 +769,62 @@ class KunServeReplica(GroupMember):
           either replica occupies both cores, so an unchunked one stalls both replicas'
           decodes for its whole length. A request half-way through its chunks goes on with
           the size now set."""
-        if self.merged_max_running is not None:
-            from sglang.srt.managers.io_struct import SetInternalStateReq
-
-            cap = self.merged_max_running if self.merged else self._whole_max_running
-            out = self.scheduler.set_internal_state(
-                SetInternalStateReq(server_args={"pp_max_micro_batch_size": cap}))
-            if not out.updated:  # checked against the same range at launch
-                raise RuntimeError(f"SGLang refused the running-request cap {cap}")
+        # The first prefill after a drop is the one the drop is for: it does not wait.
+        self.decodes_since_prefill = self.merged_prefill_gap_steps or 0
+        if self.merged_max_running is not None or self.paced_cap is not None:
+            self.paced_cap = None
+            self._set_running_cap(self._base_running_cap())
         if self.merged_chunked_prefill is not None:
             s = self.scheduler
             s.chunked_prefill_size, s.is_mixed_chunk = (
                 (self.merged_chunked_prefill, True) if self.merged else self._whole_chunking)
+
+    def _base_running_cap(self) -> int:
+        """SGLang's running-request cap in the current state, without pacing."""
+        if self.merged and self.merged_max_running is not None:
+            return self.merged_max_running
+        return self._whole_max_running
+
+    def _set_running_cap(self, cap: int) -> None:
+        """SGLang's per-batch request cap, through the scheduler's internal-state update (the
+        handler of its ``/set_internal_state``)."""
+        from sglang.srt.managers.io_struct import SetInternalStateReq
+
+        out = self.scheduler.set_internal_state(
+            SetInternalStateReq(server_args={"pp_max_micro_batch_size": cap}))
+        if not out.updated:  # within [1, the launch's cap]: checked at launch and by _pace
+            raise RuntimeError(f"SGLang refused the running-request cap {cap}")
+
+    def count_merged_forward(self, forward_batch: Any) -> None:
+        """An own forward while merged (runner hook): what admission pacing counts."""
+        mode = forward_batch.forward_mode
+        if mode.is_decode():
+            self.decodes_since_prefill += 1
+        elif mode.is_extend():
+            self.decodes_since_prefill = 0
+
+    def _pace(self) -> None:
+        """Admission pacing while merged (``on_step``, before SGLang picks the next batch):
+        while this replica's running requests have decoded fewer than
+        ``merged_prefill_gap_steps`` steps since its last prefill, SGLang's running-request
+        cap is held at their count, so it admits nothing and decodes them; then the cap goes
+        back and the queue's next prefill may start. Merged, every prefill of a replica stops
+        its running requests for the length of the prefill through both members' stages."""
+        if self.merged_prefill_gap_steps is None or not self.merged:
+            return
+        running = len(self.live_requests())
+        hold = (bool(self.scheduler.waiting_queue) and running > 0
+                and self.decodes_since_prefill < self.merged_prefill_gap_steps)
+        cap = min(running, self._base_running_cap()) if hold else None
+        if hold:
+            self.prefills_paced += 1
+        if cap == self.paced_cap:
+            return
+        self._set_running_cap(cap if cap is not None else self._base_running_cap())
+        if cap is None:
+            # SGLang keeps a refused admission's flag until a request ends or memory frees.
+            self.scheduler.running_batch.batch_is_full = False
+        self.paced_cap = cap
 
     def _split_local(self) -> None:
         """The restore's last step, once every member has every layer back: this pool gives
@@ -803,13 +858,15 @@ class KunServeReplica(GroupMember):
 
     def on_step(self) -> None:
         """Before every ``get_next_batch_to_run`` (scheduler thread, between batches): a
-        restore's deferred pool shrink when it is due, then the automatic control."""
+        restore's deferred pool shrink when it is due, admission pacing while merged, then
+        the automatic control."""
         if self.shrink_pending_tokens and time.monotonic() >= self._shrink_retry_at_s:
             try:
                 self._retry_shrink()
             except Exception:  # serving goes on; the status shows the shrink still pending
                 logger.exception("sglang-morph: KunServe replica %d: the deferred pool shrink",
                                  self.replica)
+        self._pace()
         if self.auto is not None:
             self.auto.on_step()
 
