@@ -164,22 +164,29 @@ def test_the_runner_hook_times_a_whole_replicas_forwards_only(merged):
         settle_ahead=lambda: None)
     replica.record_whole_forward = lambda fb, s: KunServeReplica.record_whole_forward(
         replica, fb, s)
+    # Merged, the hook counts the decode steps since the last prefill (admission pacing)
+    replica.decodes_since_prefill = 5
+    replica.count_merged_forward = lambda fb: KunServeReplica.count_merged_forward(replica, fb)
     runner = types.SimpleNamespace(kunserve=replica)
 
     def forward(runner, fb, seconds):
         time.sleep(seconds)
         return fb
 
+    counted = []
     for fb, seconds in ((batch("decode", [1, 1]), 0.05), (batch("extend", [300, 100]), 0.2),
-                        (batch("mixed", [200, 1]), 0.5)):
+                        (batch("decode", [1, 1]), 0.05), (batch("mixed", [200, 1]), 0.5)):
         assert around_runner_forward(forward, runner, fb, seconds) is fb
+        counted.append(replica.decodes_since_prefill)
     rate = replica.step_costs.prefill_tokens_per_step()
     if merged:
         assert rate is None
+        assert counted == [6, 0, 1, 0]
     else:
         # 0.05 s a decode step, 400 tokens in 0.2 s: 100 tokens a step (a sleep overshoots by
         # a few milliseconds; the mixed batch's 0.5 s would read 40)
         assert 70 < rate < 130
+        assert counted == [5] * 4  # whole: nothing paces
 
 
 def test_a_queue_the_merged_cap_holds_is_not_a_kv_refusal():
