@@ -170,6 +170,18 @@ def test_the_first_prefill_after_a_drop_is_not_paced_and_a_restore_puts_the_cap_
     assert r.caps == [2, 48] and r.paced_cap is None
 
 
+def test_a_pacing_error_is_logged_and_the_step_goes_on(caplog):
+    def fail() -> None:
+        raise RuntimeError("SGLang refused the running-request cap 0")
+
+    ran = []
+    r = types.SimpleNamespace(shrink_pending_tokens=0, replica=1, _pace=fail,
+                              auto=types.SimpleNamespace(on_step=lambda: ran.append("auto")))
+    KunServeReplica.on_step(r)  # raises nothing: the scheduler's step must go on
+    assert ran == ["auto"]
+    assert "admission pacing" in caplog.text and "cap 0" in caplog.text
+
+
 @pytest.fixture(scope="module")
 def capped(server_factory):
     return server_factory("--dtype", "float32", "--dp-size", "2", "--enable-kunserve",

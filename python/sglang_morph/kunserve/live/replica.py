@@ -866,7 +866,11 @@ class KunServeReplica(GroupMember):
             except Exception:  # serving goes on; the status shows the shrink still pending
                 logger.exception("sglang-morph: KunServe replica %d: the deferred pool shrink",
                                  self.replica)
-        self._pace()
+        try:
+            self._pace()
+        except Exception:  # serving goes on, unpaced until the next step's attempt
+            logger.exception("sglang-morph: KunServe replica %d: admission pacing",
+                             self.replica)
         if self.auto is not None:
             self.auto.on_step()
 
