@@ -49,6 +49,7 @@ from test_morph_runtime_server import (  # noqa: F401
     USER,
     Stream,
     corpus_ids,
+    paused,
     prompt_ids,
     tokenizer,
 )
@@ -269,8 +270,8 @@ def while_in_flight(server, start, on_replicas, transition) -> tuple[requests.Re
     """``transition()`` (a POST) while the streams ``start()`` begins are in flight on replicas
     ``on_replicas`` (a stream each); the transition's response and the streams' outputs.
 
-    The streams are paused in place (SGLang's ``/pause_generation``: the requests stay in the
-    running batch, the scheduler still takes control requests) once they have tokens, so that
+    The streams are paused in place (``paused``: the requests stay in the running batch, the
+    scheduler still takes control requests) once they have tokens, so that
     the transition finds them in flight however loaded the machine is; a status read behind
     the pause, on the same channel, says whether each still is. Streams that finished before
     the pause reached their schedulers (a loaded suite's lag) run again."""
@@ -278,16 +279,9 @@ def while_in_flight(server, start, on_replicas, transition) -> tuple[requests.Re
         streams = start()
         for stream in streams:
             stream.wait_for(3)
-        pause = requests.post(f"{server.url}/pause_generation", headers=ADMIN, timeout=60,
-                              json={"mode": "in_place"})
-        assert pause.status_code == 200, pause.text
-        try:
+        with paused(server):
             running = [rep["load"]["running_reqs"] for rep in status(server)["replicas"]]
             r = transition() if all(running[i] for i in on_replicas) else None
-        finally:
-            resume = requests.post(f"{server.url}/continue_generation", headers=ADMIN,
-                                   timeout=60, json={})
-            assert resume.status_code == 200, resume.text
         outs = [stream.join() for stream in streams]
         if r is not None:
             return r, outs

@@ -8,6 +8,7 @@ has its own server at the end.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import threading
 import time
@@ -62,6 +63,22 @@ def generate_ids(server, ids, n_new) -> list[int]:
                                               "ignore_eos": True}})
     assert r.status_code == 200, r.text
     return r.json()["output_ids"]
+
+
+@contextlib.contextmanager
+def paused(server):
+    """SGLang's in-place pause (``/pause_generation``) for the block: running requests stay in
+    the running batch and produce nothing, the scheduler still takes control requests; they
+    go on at the end of the block (``/continue_generation``)."""
+    r = requests.post(f"{server.url}/pause_generation", json={"mode": "in_place"},
+                      headers=ADMIN, timeout=60)
+    assert r.status_code == 200, r.text
+    try:
+        yield
+    finally:
+        r = requests.post(f"{server.url}/continue_generation", json={}, headers=ADMIN,
+                          timeout=60)
+        assert r.status_code == 200, r.text
 
 
 class Stream:
@@ -357,13 +374,10 @@ def test_restore_moves_live_kv_without_corrupting_it(server, corpus_ids, engines
     n_new = 40
     stream = Stream(server, ids, n_new)
     stream.wait_for(8)
-    pause = requests.post(f"{server.url}/pause_generation", json={"mode": "in_place"},
-                          headers=ADMIN, timeout=60)
-    assert pause.status_code == 200, pause.text
-    time.sleep(2.0)  # the tokens of the last step reach the client
-    k = len(stream.ids)
-    r = swap(server, SWAPPED, 16)
-    requests.post(f"{server.url}/continue_generation", json={}, headers=ADMIN, timeout=60)
+    with paused(server):
+        time.sleep(2.0)  # the tokens of the last step reach the client
+        k = len(stream.ids)
+        r = swap(server, SWAPPED, 16)
     assert r.status_code == 200, r.text
     t = r.json()["transitions"][-1]
     assert t["action"] == "restore" and t["kv_moved_tokens"] > 0 and t["kv_evicted_tokens"] > 0
@@ -383,9 +397,7 @@ def test_restore_refused_while_live_kv_exceeds_the_smaller_pool(server, corpus_i
     streams = [Stream(server, prompt_ids(corpus_ids, 300 + i, n_prompt), 30) for i in range(2)]
     for s in streams:
         s.wait_for(2)
-    requests.post(f"{server.url}/pause_generation", json={"mode": "in_place"}, headers=ADMIN,
-                  timeout=60)
-    try:
+    with paused(server):
         r = swap(server, SWAPPED, 16)
         assert r.status_code == 409, r.text
         after = status(server)
@@ -395,8 +407,6 @@ def test_restore_refused_while_live_kv_exceeds_the_smaller_pool(server, corpus_i
         assert refused["kv_capacity_tokens_after"] == grown
         assert [x["bits"] for x in after["layers"]] == [4 if i in SWAPPED else 16
                                                         for i in range(30)]
-    finally:
-        requests.post(f"{server.url}/continue_generation", json={}, headers=ADMIN, timeout=60)
     for s in streams:
         assert len(s.join()) == 30
     r = swap(server, SWAPPED, 16)

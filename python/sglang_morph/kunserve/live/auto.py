@@ -179,10 +179,9 @@ def merged_cap(replica: Any) -> int | None:
     """The running-request cap admission control sets while the replica is merged, or the
     lower one its pacing holds now (None: whole, or no cap): a queue held by either is not
     held for KV."""
-    cap = getattr(replica, "merged_max_running", None)
+    # Pacing holds its cap at or under the merged one (``KunServeReplica._pace``).
     paced = getattr(replica, "paced_cap", None)
-    if paced is not None:
-        cap = paced if cap is None else min(cap, paced)
+    cap = paced if paced is not None else getattr(replica, "merged_max_running", None)
     return cap if getattr(replica, "merged", False) else None
 
 
